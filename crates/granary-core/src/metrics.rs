@@ -1,0 +1,107 @@
+//! The catalog of metric names every component exports.
+//!
+//! Rules, checked by the tests below:
+//! - names are `granary_<component>_<what>` in snake case;
+//! - counters end in `_total`, durations are `_seconds`, sizes are `_bytes`;
+//! - a label never takes a user-controlled value unless it passes through a
+//!   bounded set first (tiers, policies, outcomes; tenants only through a
+//!   capped table), so a client cannot blow up cardinality.
+//!
+//! Components register their metrics with these constants so names are
+//! written once.
+
+/// Label values for the warehouse's tiers.
+pub const TIERS: [&str; 3] = ["memory", "disk", "remote"];
+
+pub mod warehouse {
+    /// Bytes held per tier (gauge; label `tier`).
+    pub const TIER_BYTES: &str = "granary_warehouse_tier_bytes";
+    /// Entries held per tier (gauge; label `tier`).
+    pub const TIER_ENTRIES: &str = "granary_warehouse_tier_entries";
+    /// Byte budget per tier (gauge; label `tier`; 0 = unbounded).
+    pub const TIER_CAPACITY_BYTES: &str = "granary_warehouse_tier_capacity_bytes";
+    /// Read hits per tier (counter; label `tier`).
+    pub const HITS: &str = "granary_warehouse_hits_total";
+    /// Read misses per tier (counter; label `tier`).
+    pub const MISSES: &str = "granary_warehouse_misses_total";
+    /// Entries evicted per tier (counter; label `tier`).
+    pub const EVICTIONS: &str = "granary_warehouse_evictions_total";
+    /// Entries that expired (counter; label `tier`).
+    pub const EXPIRATIONS: &str = "granary_warehouse_expirations_total";
+    /// Offloads to a slower tier dropped because its queue was full (counter; label `tier`).
+    pub const OFFLOADS_DROPPED: &str = "granary_warehouse_offloads_dropped_total";
+    /// Offloads written to a slower tier (counter; label `tier`).
+    pub const OFFLOADS: &str = "granary_warehouse_offloads_total";
+    /// Hits promoted into a faster tier (counter; label `tier` = where it was found).
+    pub const PROMOTIONS: &str = "granary_warehouse_promotions_total";
+    /// Entries recovered from disk at start (counter).
+    pub const RECOVERED: &str = "granary_warehouse_recovered_total";
+    /// Corrupt or torn entries found and dropped (counter; label `tier`).
+    pub const CORRUPT_DROPPED: &str = "granary_warehouse_corrupt_dropped_total";
+    /// Tier I/O errors (counter; label `tier`).
+    pub const TIER_ERRORS: &str = "granary_warehouse_tier_errors_total";
+    /// Requests served per protocol and outcome (counter; labels `protocol`, `outcome`).
+    pub const REQUESTS: &str = "granary_warehouse_requests_total";
+    /// Request latency per protocol (histogram; label `protocol`).
+    pub const REQUEST_SECONDS: &str = "granary_warehouse_request_seconds";
+    /// Open client connections per protocol (gauge; label `protocol`).
+    pub const CONNECTIONS: &str = "granary_warehouse_connections";
+    /// Bytes read by clients (counter; label `protocol`).
+    pub const READ_BYTES: &str = "granary_warehouse_read_bytes_total";
+    /// Bytes written by clients (counter; label `protocol`).
+    pub const WRITTEN_BYTES: &str = "granary_warehouse_written_bytes_total";
+
+    pub const ALL: &[&str] = &[
+        TIER_BYTES,
+        TIER_ENTRIES,
+        TIER_CAPACITY_BYTES,
+        HITS,
+        MISSES,
+        EVICTIONS,
+        EXPIRATIONS,
+        OFFLOADS_DROPPED,
+        OFFLOADS,
+        PROMOTIONS,
+        RECOVERED,
+        CORRUPT_DROPPED,
+        TIER_ERRORS,
+        REQUESTS,
+        REQUEST_SECONDS,
+        CONNECTIONS,
+        READ_BYTES,
+        WRITTEN_BYTES,
+    ];
+
+    /// Counters as declared (without `_total`), for registries that append it.
+    pub fn counter_base(name: &str) -> &str {
+        name.strip_suffix("_total").unwrap_or(name)
+    }
+}
+
+/// Every name in the catalog, for the rule checks.
+pub fn all() -> impl Iterator<Item = &'static str> {
+    warehouse::ALL.iter().copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn names_follow_the_rules() {
+        let mut seen = HashSet::new();
+        for name in all() {
+            assert!(seen.insert(name), "{name} declared twice");
+            assert!(name.starts_with("granary_"), "{name}");
+            assert!(name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'), "{name}");
+            let units_ok = name.ends_with("_total")
+                || name.ends_with("_seconds")
+                || name.ends_with("_bytes")
+                || name.ends_with("_entries")
+                || name.ends_with("_connections");
+            assert!(units_ok, "{name} has no unit or _total suffix");
+        }
+        assert_eq!(warehouse::counter_base(warehouse::HITS), "granary_warehouse_hits");
+    }
+}

@@ -1,0 +1,130 @@
+//! Store configuration: tiers, policies, offload mode, limits.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use granary_core::ByteSize;
+use serde::{Deserialize, Serialize};
+
+use crate::policy::PolicyKind;
+
+/// When values written to memory are copied to slower tiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OffloadMode {
+    /// Every write is offloaded (write-through, asynchronously).
+    #[default]
+    All,
+    /// Only values read at least `hot_threshold` times.
+    Hot,
+    /// Only values evicted from memory (write-back).
+    Evicted,
+}
+
+impl std::str::FromStr for OffloadMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "all" => Ok(Self::All),
+            "hot" => Ok(Self::Hot),
+            "evicted" => Ok(Self::Evicted),
+            _ => Err(format!("unknown offload mode {s:?} (expected all, hot or evicted)")),
+        }
+    }
+}
+
+/// The local disk tier.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    /// Directory holding the tier's files (created if missing).
+    pub dir: PathBuf,
+    /// Byte budget of the tier.
+    pub capacity: ByteSize,
+    /// Eviction policy of the tier.
+    #[serde(default)]
+    pub policy: PolicyKind,
+}
+
+/// The shared remote tier.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteConfig {
+    /// An `object_store` URL: `s3://bucket/prefix`, `gs://`, `az://`, `file:///mnt/shared/kv`.
+    pub url: String,
+    /// Extra options for the object store (e.g. `aws_endpoint`, `aws_allow_http`,
+    /// `aws_access_key_id`); AWS_*/GOOGLE_*/AZURE_* env vars are read too.
+    #[serde(default)]
+    pub options: HashMap<String, String>,
+}
+
+/// Encryption at rest for the disk and remote tiers.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EncryptionConfig {
+    /// File holding the 32-byte AES-256 key (raw, or 64 hex chars).
+    pub key_file: Option<PathBuf>,
+    /// Env var holding the key as 64 hex chars.
+    pub key_env: Option<String>,
+}
+
+/// Per-namespace settings.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceConfig {
+    /// Default time to live of entries in this namespace, in seconds.
+    pub ttl_secs: Option<u64>,
+}
+
+/// Everything the store needs; servers' settings live beside it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// Byte budget of the memory tier.
+    pub memory: ByteSize,
+    /// Eviction policy of the memory tier.
+    pub memory_policy: PolicyKind,
+    pub disk: Option<DiskConfig>,
+    pub remote: Option<RemoteConfig>,
+    pub offload: OffloadMode,
+    /// Reads after which a value counts as hot (offload mode `hot`).
+    pub hot_threshold: u32,
+    /// Capacity of each offload queue (entries); a full queue drops offloads.
+    pub queue_depth: usize,
+    /// zstd level for the disk and remote tiers; `None` stores uncompressed.
+    pub compression: Option<i32>,
+    pub encryption: Option<EncryptionConfig>,
+    /// Largest value accepted.
+    pub max_value: ByteSize,
+    pub namespaces: HashMap<String, NamespaceConfig>,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            memory: ByteSize::gib(1),
+            memory_policy: PolicyKind::Lru,
+            disk: None,
+            remote: None,
+            offload: OffloadMode::All,
+            hot_threshold: 2,
+            queue_depth: 1024,
+            compression: None,
+            encryption: None,
+            max_value: ByteSize::mib(512),
+            namespaces: HashMap::new(),
+        }
+    }
+}
+
+impl StoreConfig {
+    /// A memory-only store with the given budget.
+    pub fn memory_only(budget: u64) -> Self {
+        StoreConfig { memory: ByteSize(budget), ..Default::default() }
+    }
+
+    pub fn namespace_ttl(&self, ns: &str) -> Option<Duration> {
+        self.namespaces.get(ns).and_then(|n| n.ttl_secs).map(Duration::from_secs)
+    }
+}

@@ -1,0 +1,415 @@
+//! The memory tier: values as reference-counted [`Bytes`] under a byte budget.
+//!
+//! A read hands out a clone of the `Bytes` handle, not a copy of the data,
+//! so an evicted value stays valid for every reader still holding it; pins
+//! additionally keep an entry from being chosen for eviction. The map is
+//! split into shards (each with its own lock, policy and share of the
+//! budget) once the budget is large enough for sharding not to distort
+//! eviction.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use parking_lot::Mutex;
+
+use super::{Tier, TierKind};
+use crate::error::Result;
+use crate::policy::{EntryId, Policy, PolicyKind};
+use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
+
+/// Budget per shard below which the tier uses fewer shards.
+const MIN_SHARD_BUDGET: u64 = 64 << 20;
+const MAX_SHARDS: usize = 16;
+
+struct Slot {
+    id: EntryId,
+    value: Bytes,
+    meta: EntryMeta,
+    hits: u32,
+    pins: u32,
+}
+
+#[derive(Default)]
+struct Namespace {
+    map: HashMap<Bytes, Slot>,
+    /// Scan order: (scan hash, key).
+    order: BTreeSet<(u64, Bytes)>,
+}
+
+struct Shard {
+    budget: u64,
+    bytes: u64,
+    next_id: EntryId,
+    spaces: HashMap<Arc<str>, Namespace>,
+    by_id: HashMap<EntryId, (Arc<str>, Bytes)>,
+    /// (expires_at_ms, id) of entries with a TTL.
+    expiry: BTreeMap<(u64, EntryId), ()>,
+    policy: Box<dyn Policy>,
+}
+
+/// Counters shared by all shards.
+#[derive(Default)]
+struct Counters {
+    bytes: AtomicU64,
+    entries: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    evictions: AtomicU64,
+    expirations: AtomicU64,
+}
+
+pub struct MemoryTier {
+    shards: Box<[Mutex<Shard>]>,
+    capacity: u64,
+    policy: PolicyKind,
+    c: Counters,
+}
+
+fn entry_size(key: &[u8], value: &[u8]) -> u64 {
+    // Keys count too, plus a fixed overhead for the slot and indexes.
+    (key.len() + value.len() + 96) as u64
+}
+
+impl MemoryTier {
+    /// A tier of `capacity` bytes (0 = unbounded) under `policy`.
+    pub fn new(capacity: u64, policy: PolicyKind) -> Self {
+        // The largest power of two that leaves each shard MIN_SHARD_BUDGET.
+        let n =
+            if capacity == 0 { MAX_SHARDS as u64 } else { (capacity / MIN_SHARD_BUDGET).clamp(1, MAX_SHARDS as u64) };
+        let shards = 1usize << (63 - n.leading_zeros());
+        let per = if capacity == 0 { 0 } else { capacity / shards as u64 };
+        let shards = (0..shards)
+            .map(|_| {
+                Mutex::new(Shard {
+                    budget: per,
+                    bytes: 0,
+                    next_id: 1,
+                    spaces: HashMap::new(),
+                    by_id: HashMap::new(),
+                    expiry: BTreeMap::new(),
+                    policy: policy.build(per),
+                })
+            })
+            .collect();
+        MemoryTier { shards, capacity, policy, c: Counters::default() }
+    }
+
+    fn shard(&self, ns: &str, key: &[u8]) -> &Mutex<Shard> {
+        if self.shards.len() == 1 {
+            return &self.shards[0];
+        }
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(ns.as_bytes());
+        h.update(&[0]);
+        h.update(key);
+        &self.shards[(h.digest() as usize) & (self.shards.len() - 1)]
+    }
+
+    /// Reads a value without an await: the in-process fast path.
+    pub fn get_sync(&self, ns: &str, key: &[u8]) -> Option<Stored> {
+        let now = now_ms();
+        let mut s = self.shard(ns, key).lock();
+        let expired = match s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) {
+            None => {
+                drop(s);
+                self.c.misses.fetch_add(1, Relaxed);
+                return None;
+            }
+            Some(slot) if !slot.meta.is_expired(now) => {
+                slot.hits = slot.hits.saturating_add(1);
+                let out = Stored { value: slot.value.clone(), meta: slot.meta, hits: slot.hits };
+                let id = slot.id;
+                s.policy.access(id);
+                drop(s);
+                self.c.hits.fetch_add(1, Relaxed);
+                return Some(out);
+            }
+            Some(slot) => slot.pins == 0,
+        };
+        if expired {
+            self.remove_locked(&mut s, ns, key);
+            self.c.expirations.fetch_add(1, Relaxed);
+        }
+        drop(s);
+        self.c.misses.fetch_add(1, Relaxed);
+        None
+    }
+
+    /// Whether a live entry exists (no counting, no I/O).
+    pub fn contains_sync(&self, ns: &str, key: &[u8]) -> bool {
+        let now = now_ms();
+        let s = self.shard(ns, key).lock();
+        s.spaces.get(ns).and_then(|n| n.map.get(key)).is_some_and(|slot| !slot.meta.is_expired(now))
+    }
+
+    /// Stores a value without an await.
+    pub fn put_sync(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta) -> Vec<Evicted> {
+        let size = entry_size(&key, &value);
+        let mut s = self.shard(ns, &key).lock();
+        if s.budget != 0 && size > s.budget {
+            // Too big for this tier: replace nothing, hand it straight back.
+            self.remove_locked(&mut s, ns, &key);
+            return vec![Evicted { namespace: ns.to_string(), key, value: Some(value), meta }];
+        }
+        self.remove_locked(&mut s, ns, &key);
+        let mut evicted = Vec::new();
+        while s.budget != 0 && s.bytes + size > s.budget {
+            let Some(v) = self.evict_one(&mut s) else { break };
+            evicted.push(v);
+        }
+        let id = s.next_id;
+        s.next_id += 1;
+        let ns_arc: Arc<str> = match s.spaces.get_key_value(ns) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(ns),
+        };
+        let fp = scan_hash(&key) ^ xxhash_rust::xxh3::xxh3_64(ns.as_bytes());
+        s.policy.insert(id, fp, size, meta.depth);
+        if let Some(t) = meta.expires_at_ms {
+            s.expiry.insert((t, id), ());
+        }
+        s.by_id.insert(id, (ns_arc.clone(), key.clone()));
+        let space = s.spaces.entry(ns_arc).or_default();
+        space.order.insert((scan_hash(&key), key.clone()));
+        space.map.insert(key, Slot { id, value, meta, hits: 0, pins: 0 });
+        s.bytes += size;
+        self.c.bytes.fetch_add(size, Relaxed);
+        self.c.entries.fetch_add(1, Relaxed);
+        evicted
+    }
+
+    fn evict_one(&self, s: &mut Shard) -> Option<Evicted> {
+        let Shard { policy, by_id, spaces, .. } = s;
+        let victim = policy.evict(&mut |id| {
+            let Some((ns, key)) = by_id.get(&id) else { return true };
+            spaces.get(&**ns).and_then(|n| n.map.get(key)).is_none_or(|slot| slot.pins == 0)
+        })?;
+        let (ns, key) = s.by_id.get(&victim).cloned()?;
+        let slot = self.take_locked(s, &ns, &key)?;
+        self.c.evictions.fetch_add(1, Relaxed);
+        Some(Evicted { namespace: ns.to_string(), key, value: Some(slot.value), meta: slot.meta })
+    }
+
+    /// Removes an entry with the shard locked, policy included.
+    fn remove_locked(&self, s: &mut Shard, ns: &str, key: &[u8]) -> bool {
+        match self.take_locked(s, ns, key) {
+            Some(slot) => {
+                s.policy.remove(slot.id);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Unlinks an entry from the maps and counters (not from the policy).
+    fn take_locked(&self, s: &mut Shard, ns: &str, key: &[u8]) -> Option<Slot> {
+        let space = s.spaces.get_mut(ns)?;
+        let (k, slot) = space.map.remove_entry(key)?;
+        space.order.remove(&(scan_hash(&k), k.clone()));
+        if space.map.is_empty() {
+            s.spaces.remove(ns);
+        }
+        s.by_id.remove(&slot.id);
+        if let Some(t) = slot.meta.expires_at_ms {
+            s.expiry.remove(&(t, slot.id));
+        }
+        let size = entry_size(&k, &slot.value);
+        s.bytes -= size;
+        self.c.bytes.fetch_sub(size, Relaxed);
+        self.c.entries.fetch_sub(1, Relaxed);
+        Some(slot)
+    }
+}
+
+#[async_trait]
+impl Tier for MemoryTier {
+    fn kind(&self) -> TierKind {
+        TierKind::Memory
+    }
+
+    async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
+        Ok(self.get_sync(ns, key))
+    }
+
+    async fn contains(&self, ns: &str, key: &[u8]) -> Result<bool> {
+        Ok(self.contains_sync(ns, key))
+    }
+
+    fn contains_local(&self, ns: &str, key: &[u8]) -> Option<bool> {
+        Some(self.contains_sync(ns, key))
+    }
+
+    async fn put(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta) -> Result<Vec<Evicted>> {
+        Ok(self.put_sync(ns, key, value, meta))
+    }
+
+    async fn remove(&self, ns: &str, key: &[u8]) -> Result<bool> {
+        let mut s = self.shard(ns, key).lock();
+        Ok(self.remove_locked(&mut s, ns, key))
+    }
+
+    async fn remove_namespace(&self, ns: &str) -> Result<u64> {
+        let mut n = 0;
+        for shard in self.shards.iter() {
+            let mut s = shard.lock();
+            let keys: Vec<Bytes> = s.spaces.get(ns).map(|sp| sp.map.keys().cloned().collect()).unwrap_or_default();
+            for k in keys {
+                n += self.remove_locked(&mut s, ns, &k) as u64;
+            }
+        }
+        Ok(n)
+    }
+
+    async fn set_expiry(&self, ns: &str, key: &[u8], expires_at_ms: Option<u64>) -> Result<bool> {
+        let now = now_ms();
+        let mut s = self.shard(ns, key).lock();
+        let Some(slot) = s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) else { return Ok(false) };
+        if slot.meta.is_expired(now) {
+            return Ok(false);
+        }
+        let (id, old) = (slot.id, slot.meta.expires_at_ms);
+        slot.meta.expires_at_ms = expires_at_ms;
+        if let Some(t) = old {
+            s.expiry.remove(&(t, id));
+        }
+        if let Some(t) = expires_at_ms {
+            s.expiry.insert((t, id), ());
+        }
+        Ok(true)
+    }
+
+    async fn meta(&self, ns: &str, key: &[u8]) -> Result<Option<EntryMeta>> {
+        let now = now_ms();
+        let s = self.shard(ns, key).lock();
+        Ok(s.spaces.get(ns).and_then(|n| n.map.get(key)).map(|slot| slot.meta).filter(|m| !m.is_expired(now)))
+    }
+
+    async fn scan(&self, ns: &str, cursor: u64, count: usize) -> Result<ScanPage> {
+        let count = count.max(1);
+        let now = now_ms();
+        // Take up to count+1 candidates from every shard, merge, cut.
+        let mut cand: Vec<(u64, Bytes)> = Vec::new();
+        for shard in self.shards.iter() {
+            let s = shard.lock();
+            if let Some(space) = s.spaces.get(ns) {
+                for (h, k) in space.order.range((cursor, Bytes::new())..).take(count + 1) {
+                    if space.map.get(k).is_some_and(|slot| !slot.meta.is_expired(now)) {
+                        cand.push((*h, k.clone()));
+                    }
+                }
+            }
+        }
+        cand.sort();
+        Ok(cut_page(cand, count))
+    }
+
+    async fn namespaces(&self) -> Result<Vec<String>> {
+        let mut out = BTreeSet::new();
+        for shard in self.shards.iter() {
+            out.extend(shard.lock().spaces.keys().map(|k| k.to_string()));
+        }
+        Ok(out.into_iter().collect())
+    }
+
+    fn pin(&self, ns: &str, key: &[u8]) -> bool {
+        let mut s = self.shard(ns, key).lock();
+        match s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) {
+            Some(slot) => {
+                slot.pins += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn unpin(&self, ns: &str, key: &[u8]) {
+        let mut s = self.shard(ns, key).lock();
+        if let Some(slot) = s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) {
+            slot.pins = slot.pins.saturating_sub(1);
+        }
+    }
+
+    async fn purge_expired(&self, limit: usize) -> Result<u64> {
+        let now = now_ms();
+        let mut n = 0u64;
+        for shard in self.shards.iter() {
+            let mut s = shard.lock();
+            let due: Vec<EntryId> =
+                s.expiry.range(..(now + 1, 0)).map(|((_, id), _)| *id).take(limit.saturating_sub(n as usize)).collect();
+            for id in due {
+                if let Some((ns, key)) = s.by_id.get(&id).cloned() {
+                    let pinned = s.spaces.get(&*ns).and_then(|sp| sp.map.get(&key)).is_some_and(|sl| sl.pins > 0);
+                    if !pinned && self.remove_locked(&mut s, &ns, &key) {
+                        n += 1;
+                    }
+                }
+            }
+        }
+        self.c.expirations.fetch_add(n, Relaxed);
+        Ok(n)
+    }
+
+    fn stats(&self) -> TierStats {
+        TierStats {
+            tier: Some(TierKind::Memory),
+            policy: Some(self.policy.as_str().to_string()),
+            bytes: self.c.bytes.load(Relaxed),
+            entries: self.c.entries.load(Relaxed),
+            capacity: self.capacity,
+            hits: self.c.hits.load(Relaxed),
+            misses: self.c.misses.load(Relaxed),
+            evictions: self.c.evictions.load(Relaxed),
+            expirations: self.c.expirations.load(Relaxed),
+            ..Default::default()
+        }
+    }
+}
+
+/// Cuts a sorted candidate list to a page of about `count` keys without
+/// splitting keys that share a scan hash (a cursor could not resume between them).
+pub(crate) fn cut_page(mut cand: Vec<(u64, Bytes)>, count: usize) -> ScanPage {
+    cand.dedup();
+    if cand.len() <= count {
+        return ScanPage { keys: cand.into_iter().map(|(_, k)| k).collect(), next: 0 };
+    }
+    let mut end = count;
+    while end < cand.len() && cand[end].0 == cand[end - 1].0 {
+        end += 1;
+    }
+    let next = cand.get(end).map(|(h, _)| *h).unwrap_or(0);
+    cand.truncate(end);
+    ScanPage { keys: cand.into_iter().map(|(_, k)| k).collect(), next }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_count_follows_budget() {
+        assert_eq!(MemoryTier::new(1000, PolicyKind::Lru).shards.len(), 1);
+        assert_eq!(MemoryTier::new(128 << 20, PolicyKind::Lru).shards.len(), 2);
+        assert_eq!(MemoryTier::new(1 << 30, PolicyKind::Lru).shards.len(), 16);
+        assert_eq!(MemoryTier::new(0, PolicyKind::Lru).shards.len(), 16);
+    }
+
+    #[test]
+    fn budget_is_enforced_and_pins_hold() {
+        let t = MemoryTier::new(3 * entry_size(b"k0", &[0; 100]), PolicyKind::Lru);
+        for i in 0..3 {
+            assert!(t
+                .put_sync("n", Bytes::from(format!("k{i}")), Bytes::from(vec![i as u8; 100]), EntryMeta::default())
+                .is_empty());
+        }
+        assert!(t.pin("n", b"k0"));
+        let ev = t.put_sync("n", Bytes::from_static(b"k3"), Bytes::from(vec![3; 100]), EntryMeta::default());
+        assert_eq!(ev.len(), 1);
+        assert_eq!(&ev[0].key[..], b"k1", "pinned k0 must be skipped");
+        assert!(t.get_sync("n", b"k0").is_some());
+        t.unpin("n", b"k0");
+        assert!(t.stats().bytes <= t.capacity);
+    }
+}
