@@ -8,6 +8,7 @@
 //! [`http`] put it on the network for Redis tooling, LMCache and Granary
 //! engines.
 
+pub mod auth;
 pub mod config;
 pub mod error;
 pub mod policy;
