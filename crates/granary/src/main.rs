@@ -1,1 +1,107 @@
-fn main() {}
+//! `granary`: one binary, a subcommand per component.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use granary_core::ByteSize;
+
+mod bench;
+mod config;
+mod warehouse;
+
+#[derive(Parser)]
+#[command(name = "granary", version, about = "LLM serving around a shared KV-cache warehouse")]
+struct Cli {
+    /// Log filter (tracing env-filter syntax).
+    #[arg(long, global = true, env = "GRANARY_LOG", default_value = "info")]
+    log: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the KV-cache warehouse: a tiered block store behind RESP and HTTP.
+    Warehouse(Box<WarehouseArgs>),
+    /// Run a benchmark; each prints a table with its anchor and the ratio.
+    Bench {
+        #[command(subcommand)]
+        which: bench::BenchCmd,
+    },
+}
+
+#[derive(Args)]
+struct WarehouseArgs {
+    /// TOML config file (section [warehouse]).
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// RESP listen address (`off` to disable) [default: 127.0.0.1:6380].
+    #[arg(long)]
+    resp: Option<String>,
+    /// HTTP listen address (`off` to disable) [default: 127.0.0.1:8300].
+    #[arg(long)]
+    http: Option<String>,
+    /// Memory tier budget, e.g. 4GiB [default: 1GiB].
+    #[arg(long)]
+    memory: Option<ByteSize>,
+    /// Directory of the disk tier (enables it).
+    #[arg(long)]
+    disk_dir: Option<PathBuf>,
+    /// Disk tier budget, e.g. 100GiB.
+    #[arg(long)]
+    disk: Option<ByteSize>,
+    /// Remote tier: s3://bucket/prefix, gs://, az://, file:///shared/mount.
+    #[arg(long)]
+    remote_url: Option<String>,
+    /// Eviction policy: lru, lfu, fifo, s3fifo, cost.
+    #[arg(long)]
+    policy: Option<String>,
+    /// When to copy to slower tiers: all, hot, evicted.
+    #[arg(long)]
+    offload: Option<String>,
+    /// zstd level for disk and remote tiers (1-19).
+    #[arg(long)]
+    compression: Option<i32>,
+    /// AES-256 key file for disk and remote tiers (32 bytes or 64 hex chars).
+    #[arg(long)]
+    encryption_key_file: Option<PathBuf>,
+    /// Admin token (all namespaces, admin endpoints).
+    #[arg(long, env = "GRANARY_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Namespace token, NAMESPACE=TOKEN (repeatable).
+    #[arg(long = "token", value_parser = config::parse_token_flag)]
+    tokens: Vec<(String, String)>,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    match cli.cmd {
+        Cmd::Warehouse(a) => {
+            let env: HashMap<String, String> = std::env::vars().collect();
+            let flags = config::WarehouseFlags {
+                resp: a.resp,
+                http: a.http,
+                memory: a.memory,
+                disk_dir: a.disk_dir,
+                disk: a.disk,
+                remote_url: a.remote_url,
+                policy: a.policy,
+                offload: a.offload,
+                compression: a.compression,
+                encryption_key_file: a.encryption_key_file,
+                admin_token: a.admin_token,
+                tokens: a.tokens,
+            };
+            let cfg = config::load_warehouse(a.config.as_deref(), &env, &flags)?;
+            rt.block_on(warehouse::run(cfg))
+        }
+        Cmd::Bench { which } => rt.block_on(bench::run(which)),
+    }
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Installs what the tests need on a fresh Debian machine, then runs every
+# check CI runs: formatting, lints, the test suites (with the external
+# servers and clients they drive: redis-server/redis-cli/redis-benchmark,
+# the Python redis client, promtool, an S3-compatible server, fio) and a
+# short fuzzing pass over the parsers.
+#
+#   scripts/test.sh            everything
+#   FUZZ_SECONDS=0 scripts/test.sh   skip fuzzing
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+have() { command -v "$1" >/dev/null 2>&1; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+echo "== installing test dependencies"
+pkgs=()
+have redis-server || pkgs+=(redis-server)
+have redis-cli || pkgs+=(redis-tools)
+have promtool || pkgs+=(prometheus)
+have fio || pkgs+=(fio)
+if [ ${#pkgs[@]} -gt 0 ]; then
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
+fi
+python3 -c 'import redis' 2>/dev/null || python3 -m pip install -q 'redis>=5'
+export PATH="$HOME/.cargo/bin:$PATH"
+# S3-compatible server for the remote tier's tests (a real process, not a mock).
+have s3s-fs || cargo install s3s-fs --version 0.14.1 --locked --features binary
+if [ "${FUZZ_SECONDS:-15}" != 0 ]; then
+  have cargo-fuzz || cargo install cargo-fuzz --version 0.13.2 --locked
+fi
+
+# Tests that drive external programs fail (instead of skipping) when one is missing.
+export GRANARY_REQUIRE_EXTERNAL=1
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo test"
+cargo test --workspace
+if [ "${FUZZ_SECONDS:-15}" != 0 ] && [ -d fuzz ]; then
+  echo "== fuzzing (${FUZZ_SECONDS:-15}s per target)"
+  for target in $(cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz list); do
+    (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" -- -max_total_time="${FUZZ_SECONDS:-15}" -rss_limit_mb=2048) 2>&1 | tail -n 3
+  done
+fi
+echo "== all checks passed"
