@@ -595,3 +595,21 @@ async fn health_and_ready_need_no_auth() {
     assert_eq!(s.get("/ready", None).await.status(), StatusCode::OK);
     s.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_lagging_event_subscriber_is_told_how_many_it_missed() {
+    let s = Server::open().await;
+    let mut stream = s.get("/v1/events?namespace=lag", None).await;
+    assert_eq!(stream.status(), StatusCode::OK);
+    // The store keeps 8192 events per subscriber; write far more before the
+    // stream gets a chance to drain (the test runtime has one thread).
+    for i in 0..20_000u32 {
+        let key = Bytes::from(format!("k{i}"));
+        s.ctx.store.put("lag", key, Bytes::from_static(b"v"), Default::default()).await.unwrap();
+    }
+    let seen = read_events(&mut stream, |v| v.get("missed").is_some()).await;
+    let missed = seen.last().unwrap()["missed"].as_u64().unwrap();
+    assert!(missed >= 20_000 - 8192, "missed {missed}");
+    drop(stream);
+    s.shutdown().await;
+}
