@@ -340,3 +340,39 @@ async fn two_stores_share_an_s3_bucket() {
     assert!(!objects.is_empty(), "nothing reached the bucket");
     assert!(!contains_marker(&objects));
 }
+
+/// `Store::open` builds both persistent tiers from configuration, with the
+/// key read from a file, and a reopened store finds durable writes on disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_open_builds_configured_tiers() {
+    let root = tempfile::tempdir().unwrap();
+    let key_file = root.path().join("kv.key");
+    std::fs::write(&key_file, hex::encode([7u8; 32])).unwrap();
+    let cfg = StoreConfig {
+        memory: ByteSize::mib(16),
+        disk: Some(disk_cfg(&root.path().join("disk"))),
+        remote: Some(RemoteConfig { url: common::file_url(&root.path().join("remote")), options: HashMap::new() }),
+        compression: Some(3),
+        encryption: Some(granary_warehouse::config::EncryptionConfig { key_file: Some(key_file), key_env: None }),
+        ..Default::default()
+    };
+    {
+        let s = Store::open(cfg.clone()).await.unwrap();
+        assert_eq!(s.tiers(), vec![TierKind::Memory, TierKind::Disk, TierKind::Remote]);
+        let durable = PutOptions { durable: true, ..Default::default() };
+        s.put("ns", Bytes::from_static(b"k"), Bytes::from(common::noise(70_000, 5)), durable).await.unwrap();
+        s.flush(Duration::from_secs(10)).await.unwrap();
+    }
+    let s = Store::open(cfg.clone()).await.unwrap();
+    assert_eq!(s.stats().tiers[1].recovered, 1);
+    let hit = s.get("ns", b"k").await.unwrap().unwrap();
+    assert_eq!((hit.tier, hit.value), (TierKind::Disk, Bytes::from(common::noise(70_000, 5))));
+    // A missing key file is a configuration error naming the file.
+    let mut bad = cfg;
+    bad.encryption = Some(granary_warehouse::config::EncryptionConfig {
+        key_file: Some(root.path().join("missing.key")),
+        key_env: None,
+    });
+    let err = Store::open(bad).await.err().expect("missing key file must fail").to_string();
+    assert!(err.contains("missing.key"), "{err}");
+}
