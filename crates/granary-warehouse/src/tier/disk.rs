@@ -35,6 +35,12 @@
 //! file that fails them is deleted, counted and reported absent, never
 //! served. Blocking file I/O runs on Tokio's blocking pool.
 //!
+//! Written here rather than on a hybrid-cache crate (`foyer`) because the
+//! tier must share the warehouse's [`Policy`] implementations, pins,
+//! namespaces with SCAN-order paging, per-entry expiry, and the
+//! [`AtRest`] record the remote tier also stores; one plain file per entry
+//! also keeps the data inspectable and recoverable entry by entry.
+//!
 //! Files are not fsynced before their rename: a crash can leave an entry's
 //! name pointing at a short or empty file, which recovery's length check
 //! drops. Removals are made durable by the next `flush` as well.
