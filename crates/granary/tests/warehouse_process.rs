@@ -2,6 +2,8 @@
 //! faults found by checksum, and two processes sharing one remote tier.
 
 mod common;
+#[path = "../../granary-warehouse/tests/common/s3.rs"]
+mod s3;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -138,16 +140,14 @@ async fn sigkill_during_writes_keeps_every_durable_block_and_serves_nothing_corr
     println!("media faults: {dropped} damaged blocks dropped and counted, {missing} durable blocks lost to them, nothing corrupt served");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_processes_share_one_remote_tier() {
+/// A and B have their own memory and disk; they share only `remote`.
+async fn two_processes_share(remote: &str, envs: &[(&str, &str)]) {
     let dir = tempfile::tempdir().unwrap();
-    let remote = format!("file://{}", dir.path().join("shared").display());
-    std::fs::create_dir_all(dir.path().join("shared")).unwrap();
     let (da, db) = (dir.path().join("a"), dir.path().join("b"));
     let a =
-        Warehouse::start(&["--disk-dir", da.to_str().unwrap(), "--remote-url", &remote, "--admin-token", ADMIN], &[]);
+        Warehouse::start(&["--disk-dir", da.to_str().unwrap(), "--remote-url", remote, "--admin-token", ADMIN], envs);
     let b =
-        Warehouse::start(&["--disk-dir", db.to_str().unwrap(), "--remote-url", &remote, "--admin-token", ADMIN], &[]);
+        Warehouse::start(&["--disk-dir", db.to_str().unwrap(), "--remote-url", remote, "--admin-token", ADMIN], envs);
     let c = reqwest::Client::new();
     for seed in 0..8u64 {
         let r = c
@@ -187,6 +187,27 @@ async fn two_processes_share_one_remote_tier() {
         .await
         .unwrap();
     assert_eq!(r["matched"], 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_share_one_remote_tier_on_a_shared_filesystem() {
+    let dir = tempfile::tempdir().unwrap();
+    two_processes_share(&format!("file://{}", dir.path().display()), &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_share_one_remote_tier_on_s3() {
+    let Some(server) = s3::start_s3() else { return };
+    let url = format!("s3://{}/kv", s3::BUCKET);
+    let opts = server.options();
+    let envs: Vec<(String, String)> = opts
+        .iter()
+        .map(|(k, v)| (format!("GRANARY_WAREHOUSE__STORE__REMOTE__OPTIONS__{}", k.to_uppercase()), v.clone()))
+        .collect();
+    let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    two_processes_share(&url, &envs).await;
+    // The objects really are in the S3 server's bucket.
+    assert!(!files_under(&server.bucket_dir()).is_empty());
 }
 
 #[test]
