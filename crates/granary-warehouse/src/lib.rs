@@ -13,6 +13,7 @@ pub mod config;
 pub mod error;
 pub mod policy;
 pub mod server;
+pub mod sim;
 pub mod store;
 pub mod tier;
 pub mod types;
