@@ -12,6 +12,7 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod policy;
+pub mod resp;
 pub mod server;
 pub mod store;
 pub mod tier;
