@@ -202,10 +202,13 @@ impl<'a> Session<'a> {
             }
             _ => {}
         }
-        if self.principal.is_none() {
+        let a = &args[1..];
+        // Client libraries announce themselves right after connecting,
+        // before authenticating; that touches no data, so it is allowed.
+        let announce = name == "CLIENT" && a.first().is_some_and(|s| is(s, "SETINFO"));
+        if self.principal.is_none() && !announce {
             return Err(CmdError::NoAuth);
         }
-        let a = &args[1..];
         let arity = |ok: bool| if ok { Ok(()) } else { Err(CmdError::Arity(lower(first))) };
         match name.as_str() {
             "PING" => {
@@ -269,7 +272,8 @@ impl<'a> Session<'a> {
             "SETNX" => {
                 arity(a.len() == 2)?;
                 let opts = PutOptions { condition: Condition::IfAbsent, ..Default::default() };
-                let stored = self.ctx.store.put(&self.ns, Bytes::copy_from_slice(&a[0]), own(a[1].clone()), opts).await?;
+                let stored =
+                    self.ctx.store.put(&self.ns, Bytes::copy_from_slice(&a[0]), own(a[1].clone()), opts).await?;
                 out.int(i64::from(stored));
             }
             "MGET" => {
@@ -661,7 +665,8 @@ impl<'a> Session<'a> {
     }
 
     async fn scan(&self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
-        let cursor = std::str::from_utf8(&a[0]).ok().and_then(|s| s.parse::<u64>().ok()).ok_or(CmdError::InvalidCursor)?;
+        let cursor =
+            std::str::from_utf8(&a[0]).ok().and_then(|s| s.parse::<u64>().ok()).ok_or(CmdError::InvalidCursor)?;
         let (mut pattern, mut count, mut strings) = (None, DEFAULT_SCAN_COUNT, true);
         let mut i = 1;
         while i < a.len() {
@@ -712,10 +717,8 @@ impl<'a> Session<'a> {
                     ("databases", "1".into()),
                     ("proto-max-bulk-len", cfg.max_value.as_u64().to_string()),
                 ];
-                let hits: Vec<&(&str, String)> = params
-                    .iter()
-                    .filter(|(k, _)| a[1..].iter().any(|p| glob_match(p, k.as_bytes(), true)))
-                    .collect();
+                let hits: Vec<&(&str, String)> =
+                    params.iter().filter(|(k, _)| a[1..].iter().any(|p| glob_match(p, k.as_bytes(), true))).collect();
                 out.map(hits.len());
                 for (k, v) in hits {
                     out.bulk(k.as_bytes());

@@ -90,7 +90,12 @@ impl Drop for OpenGuard<'_> {
     }
 }
 
-async fn connection(mut stream: TcpStream, ctx: Arc<ServerCtx>, info: Arc<ServerInfo>, mut stop: watch::Receiver<bool>) {
+async fn connection(
+    mut stream: TcpStream,
+    ctx: Arc<ServerCtx>,
+    info: Arc<ServerInfo>,
+    mut stop: watch::Receiver<bool>,
+) {
     let stats = &ctx.resp;
     stats.connections_total.fetch_add(1, Relaxed);
     stats.connections_open.fetch_add(1, Relaxed);

@@ -245,10 +245,11 @@ pub fn split_inline(line: &[u8]) -> Result<Vec<Vec<u8>>, ProtocolError> {
                             i += 1;
                             break;
                         }
-                        b'\\' if i + 3 < n
-                            && line[i + 1] == b'x'
-                            && hex_val(line[i + 2]).is_some()
-                            && hex_val(line[i + 3]).is_some() =>
+                        b'\\'
+                            if i + 3 < n
+                                && line[i + 1] == b'x'
+                                && hex_val(line[i + 2]).is_some()
+                                && hex_val(line[i + 3]).is_some() =>
                         {
                             let hi = hex_val(line[i + 2]).unwrap_or(0);
                             let lo = hex_val(line[i + 3]).unwrap_or(0);
@@ -343,7 +344,10 @@ mod tests {
         let mut buf = BytesMut::from(&wire[..]);
         buf.extend_from_slice(b"*1\r\n$4\r\nPING\r\n");
         let Parse::Command(args) = parse_command(&mut buf, &Limits::default()).unwrap() else { panic!("incomplete") };
-        assert_eq!(args, vec![Bytes::from_static(b"SET"), Bytes::from_static(b"key"), Bytes::from_static(b"val\r\nue")]);
+        assert_eq!(
+            args,
+            vec![Bytes::from_static(b"SET"), Bytes::from_static(b"key"), Bytes::from_static(b"val\r\nue")]
+        );
         assert_eq!(&buf[..], b"*1\r\n$4\r\nPING\r\n");
     }
 
@@ -441,7 +445,10 @@ mod tests {
         let l = Limits { max_bulk: 10, max_args: 3, max_inline: 16, max_frame: 40 };
         assert_eq!(parse_all(b"*1\r\n$11\r\n", &l), Err(ProtocolError::BulkTooBig { size: 11, limit: 10 }));
         assert_eq!(parse_all(b"*4\r\n", &l), Err(ProtocolError::TooManyArgs { count: 4, limit: 3 }));
-        assert_eq!(parse_all(b"*1000000000\r\n", &l), Err(ProtocolError::TooManyArgs { count: 1_000_000_000, limit: 3 }));
+        assert_eq!(
+            parse_all(b"*1000000000\r\n", &l),
+            Err(ProtocolError::TooManyArgs { count: 1_000_000_000, limit: 3 })
+        );
         assert!(matches!(
             parse_all(b"*3\r\n$10\r\n0123456789\r\n$10\r\n0123456789\r\n$10\r\n", &l),
             Err(ProtocolError::FrameTooBig { .. })
