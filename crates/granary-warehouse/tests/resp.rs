@@ -224,8 +224,8 @@ fn redis_benchmark_runs_against_the_server() {
     for t in ["SET", "GET"] {
         let line = text
             .lines()
-            .filter(|l| l.starts_with(&format!("{t}:")) && l.contains("requests per second"))
-            .last()
+            .rev()
+            .find(|l| l.starts_with(&format!("{t}:")) && l.contains("requests per second"))
             .unwrap_or_else(|| panic!("no {t} result in {text}"));
         let rps: f64 = line
             .split_whitespace()

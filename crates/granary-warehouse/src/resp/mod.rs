@@ -35,8 +35,12 @@ pub use reply::Out;
 
 use crate::server::ServerCtx;
 
-/// Smallest read attempted; also the starting buffer size.
+/// Size of a fresh read buffer.
 const READ_CHUNK: usize = 64 * 1024;
+/// Most room reserved ahead of a frame's bytes arriving.
+const PREALLOC_MAX: usize = 32 << 20;
+/// Below this much free room, a new read buffer is started.
+const MIN_READ: usize = 8 * 1024;
 /// Replies queued beyond this are written before more commands run.
 const FLUSH_AT: usize = 8 << 20;
 /// How long shutdown waits for connections to finish what they are doing.
@@ -137,10 +141,19 @@ async fn connection(
         if write_out(&mut out, &mut stream, &ctx).await.is_err() {
             return;
         }
-        // Room for the rest of a large value in one piece, or at least a normal read.
-        let want = need.saturating_sub(input.len()).max(READ_CHUNK / 4);
-        if input.capacity() - input.len() < want {
-            input.reserve(want.max(READ_CHUNK));
+        if need > input.capacity() {
+            // A frame larger than the buffer: give it one allocation of
+            // exactly its size, filled by the reads that follow. The stored
+            // value then owns that allocation alone instead of sharing (and
+            // pinning) a read buffer with the requests after it. Beyond
+            // PREALLOC_MAX the room grows with the bytes that actually arrive,
+            // so a header alone cannot make the server reserve 512 MiB.
+            let cap = need.min(input.len().saturating_mul(2).max(input.len() + PREALLOC_MAX));
+            let mut frame = BytesMut::with_capacity(cap);
+            frame.extend_from_slice(&input);
+            input = frame;
+        } else if input.capacity() - input.len() < MIN_READ {
+            input.reserve(READ_CHUNK);
         }
         tokio::select! {
             r = stream.read_buf(&mut input) => match r {
