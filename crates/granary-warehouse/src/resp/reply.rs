@@ -55,8 +55,8 @@ impl Out {
     }
 
     fn number(&mut self, kind: u8, n: i64) {
-        let mut tmp = itoa_buf(n);
-        self.line(kind, tmp.as_bytes_mut());
+        let digits = itoa_buf(n);
+        self.line(kind, digits.as_bytes());
     }
 
     /// `+OK`.
@@ -194,7 +194,7 @@ struct NumBuf {
 }
 
 impl NumBuf {
-    fn as_bytes_mut(&mut self) -> &[u8] {
+    fn as_bytes(&self) -> &[u8] {
         &self.bytes[self.start..]
     }
 }
