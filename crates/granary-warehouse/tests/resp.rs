@@ -417,3 +417,29 @@ fn large_values_round_trip_intact() {
     let got = roundtrip(&mut s, &resp(&[b"GET", b"big"]), want.len());
     assert!(got == want, "4 MiB value changed in transit");
 }
+
+#[test]
+fn shutdown_stops_the_server_and_closes_connections() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let ctx = Arc::new(ServerCtx::new(Store::memory_only(1 << 20), Auth::default()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(granary_warehouse::resp::serve(listener, ctx.clone(), async {
+            let _ = stopped.await;
+        }));
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"PING\r\n").await.unwrap();
+        let mut buf = [0u8; 7];
+        c.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"+PONG\r\n");
+        stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server).await.expect("serve must return").unwrap().unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf)).await.unwrap().unwrap_or(0);
+        assert_eq!(n, 0, "open connections are closed on shutdown");
+        assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "listener must be closed");
+        assert_eq!(ctx.resp.connections_open.load(Relaxed), 0);
+    });
+}
