@@ -46,10 +46,24 @@ pub mod warehouse {
     pub const REQUEST_SECONDS: &str = "granary_warehouse_request_seconds";
     /// Open client connections per protocol (gauge; label `protocol`).
     pub const CONNECTIONS: &str = "granary_warehouse_connections";
-    /// Bytes read by clients (counter; label `protocol`).
+    /// Bytes the server read from clients (counter; label `protocol`).
     pub const READ_BYTES: &str = "granary_warehouse_read_bytes_total";
-    /// Bytes written by clients (counter; label `protocol`).
+    /// Bytes the server wrote to clients (counter; label `protocol`).
     pub const WRITTEN_BYTES: &str = "granary_warehouse_written_bytes_total";
+    /// Client connections accepted since start (counter; label `protocol`).
+    pub const CONNECTIONS_ACCEPTED: &str = "granary_warehouse_connections_accepted_total";
+    /// Requests or connections refused for a protocol violation: malformed
+    /// frames, oversized values (counter; label `protocol`).
+    pub const PROTOCOL_ERRORS: &str = "granary_warehouse_protocol_errors_total";
+    /// Offloads accepted into a slower tier's queue (counter; label `tier`).
+    pub const OFFLOADS_QUEUED: &str = "granary_warehouse_offloads_queued_total";
+    /// Offloads that failed to write to a slower tier (counter; label `tier`).
+    pub const OFFLOAD_ERRORS: &str = "granary_warehouse_offload_errors_total";
+    /// HTTP request latency (histogram; labels `method`, `route` = the route
+    /// template or `unmatched`, `status` = class such as `2xx`).
+    pub const HTTP_REQUEST_SECONDS: &str = "granary_warehouse_http_request_seconds";
+    /// Seconds since the server started (gauge).
+    pub const UPTIME_SECONDS: &str = "granary_warehouse_uptime_seconds";
 
     pub const ALL: &[&str] = &[
         TIER_BYTES,
@@ -70,6 +84,12 @@ pub mod warehouse {
         CONNECTIONS,
         READ_BYTES,
         WRITTEN_BYTES,
+        CONNECTIONS_ACCEPTED,
+        PROTOCOL_ERRORS,
+        OFFLOADS_QUEUED,
+        OFFLOAD_ERRORS,
+        HTTP_REQUEST_SECONDS,
+        UPTIME_SECONDS,
     ];
 
     /// Counters as declared (without `_total`), for registries that append it.

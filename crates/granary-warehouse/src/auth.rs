@@ -99,6 +99,11 @@ impl Auth {
         self.admin.is_none() && self.namespaces.is_empty()
     }
 
+    /// Whether an admin token is configured (admin endpoints answer only then).
+    pub fn has_admin(&self) -> bool {
+        self.admin.is_some()
+    }
+
     /// The principal of an unauthenticated client: `Some` only on an open server.
     pub fn anonymous(&self) -> Option<Principal> {
         self.is_open().then(|| Principal::Namespace(DEFAULT_NAMESPACE.to_string()))

@@ -11,6 +11,8 @@
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod http;
+pub mod metrics;
 pub mod policy;
 pub mod server;
 pub mod store;

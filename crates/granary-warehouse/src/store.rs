@@ -526,7 +526,10 @@ impl Store {
         let mut out = self.lookup_local(ns, keys);
         let Some(remote) = self.lower_tier(TierKind::Remote) else { return Ok(out) };
         let rest = &keys[out.matched..];
-        let mut answers = futures::stream::iter(rest.iter().map(|k| remote.contains(ns, k.as_ref()))).buffered(16);
+        // Built before streaming: a closure inside the stream type makes the
+        // returned future fail the `Send` proof that servers (axum handlers) need.
+        let asks: Vec<_> = rest.iter().map(|k| remote.contains(ns, k.as_ref())).collect();
+        let mut answers = futures::stream::iter(asks).buffered(16);
         while let Some(found) = answers.next().await {
             if !found.unwrap_or(false) {
                 break;

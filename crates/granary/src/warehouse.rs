@@ -37,7 +37,7 @@ pub async fn run(cfg: WarehouseConfig) -> Result<()> {
     if let Some(addr) = WarehouseConfig::listen("http", &cfg.http)? {
         let l = TcpListener::bind(addr).await.with_context(|| format!("binding HTTP on {addr}"))?;
         println!("granary warehouse: http listening on {}", l.local_addr()?);
-        tasks.push(tokio::spawn(serve_pending(l, ctx.clone(), stopped(stop_rx.clone()))));
+        tasks.push(tokio::spawn(granary_warehouse::http::serve(l, ctx.clone(), stopped(stop_rx.clone()))));
     }
     println!("granary warehouse: ready");
     shutdown_signal().await;

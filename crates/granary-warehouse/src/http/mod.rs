@@ -1,0 +1,381 @@
+//! The warehouse's HTTP server: the block API for engines and routers, and
+//! the admin endpoints for operators.
+//!
+//! - `PUT|GET|HEAD|DELETE /v1/blocks/{namespace}/{hash}`: one encoded
+//!   [`granary_core::KvBlock`], stored as-is under the hash's hex text;
+//! - `POST /v1/lookup`: the longest cached prefix of a list of hashes;
+//! - `GET /v1/events`: `stored` / `removed` events as Server-Sent Events;
+//! - `/health`, `/ready` (no auth), `/metrics`, `/stats`, `/cache/list`,
+//!   `/cache/get` (admin token).
+//!
+//! Clients authenticate with `Authorization: Bearer <token>`: a namespace
+//! token opens its own namespace, the admin token opens all of them and the
+//! admin endpoints. A server with no token configured is open for the data
+//! endpoints. Every failure is answered by [`error::ApiError`] in one JSON
+//! shape. [`serve`] counts connections and bytes at the socket; a middleware
+//! counts requests and times them for `/metrics`.
+
+mod admin;
+mod blocks;
+pub mod error;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::Principal;
+use crate::metrics::HttpMetrics;
+use crate::server::ServerCtx;
+use error::ApiError;
+
+/// Route templates (also the `route` label of the latency histogram).
+pub const ROUTE_BLOCK: &str = "/v1/blocks/{namespace}/{key}";
+pub const ROUTE_LOOKUP: &str = "/v1/lookup";
+pub const ROUTE_EVENTS: &str = "/v1/events";
+pub const ROUTE_HEALTH: &str = "/health";
+pub const ROUTE_READY: &str = "/ready";
+pub const ROUTE_METRICS: &str = "/metrics";
+pub const ROUTE_STATS: &str = "/stats";
+pub const ROUTE_CACHE_LIST: &str = "/cache/list";
+pub const ROUTE_CACHE_GET: &str = "/cache/get";
+const ROUTES: [&str; 9] = [
+    ROUTE_BLOCK,
+    ROUTE_LOOKUP,
+    ROUTE_EVENTS,
+    ROUTE_HEALTH,
+    ROUTE_READY,
+    ROUTE_METRICS,
+    ROUTE_STATS,
+    ROUTE_CACHE_LIST,
+    ROUTE_CACHE_GET,
+];
+
+/// Most hashes accepted by one `POST /v1/lookup`.
+pub const MAX_LOOKUP_KEYS: usize = 4096;
+/// Body limit of `POST /v1/lookup` (room for [`MAX_LOOKUP_KEYS`] quoted hashes).
+const LOOKUP_BODY_LIMIT: usize = 1 << 20;
+
+/// What every handler sees.
+#[derive(Clone)]
+struct AppState {
+    ctx: Arc<ServerCtx>,
+    metrics: HttpMetrics,
+    started: Instant,
+    /// Cancelled when the server shuts down, ending event streams.
+    shutdown: CancellationToken,
+    /// Largest accepted block body.
+    body_limit: u64,
+}
+
+/// Marks an answer with an error status that is still a normal outcome
+/// (a cache miss, an NX put that found the key), so it is not counted as an error.
+#[derive(Clone, Copy)]
+struct NormalAnswer;
+
+fn mark_normal(mut r: Response) -> Response {
+    r.extensions_mut().insert(NormalAnswer);
+    r
+}
+
+/// The router over `ctx`. Event streams opened through it end only when
+/// their client leaves; [`serve`] also ends them at shutdown.
+pub fn router(ctx: Arc<ServerCtx>) -> Router {
+    build(ctx, CancellationToken::new())
+}
+
+fn build(ctx: Arc<ServerCtx>, shutdown: CancellationToken) -> Router {
+    let body_limit = ctx.store.config().max_value.as_u64();
+    let state = AppState { ctx, metrics: HttpMetrics::default(), started: Instant::now(), shutdown, body_limit };
+    let block_limit = usize::try_from(body_limit).unwrap_or(usize::MAX);
+    Router::new()
+        .route(
+            ROUTE_BLOCK,
+            get(blocks::get_block)
+                .head(blocks::head_block)
+                .put(blocks::put_block)
+                .delete(blocks::delete_block)
+                .layer(DefaultBodyLimit::max(block_limit)),
+        )
+        .route(ROUTE_LOOKUP, post(blocks::lookup).layer(DefaultBodyLimit::max(LOOKUP_BODY_LIMIT)))
+        .route(ROUTE_EVENTS, get(blocks::events))
+        .route(ROUTE_HEALTH, get(admin::health))
+        .route(ROUTE_READY, get(admin::ready))
+        .route(ROUTE_METRICS, get(admin::metrics))
+        .route(ROUTE_STATS, get(admin::stats))
+        .route(ROUTE_CACHE_LIST, get(admin::cache_list))
+        .route(ROUTE_CACHE_GET, get(admin::cache_get))
+        .fallback(unknown_path)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), track))
+        .with_state(state)
+}
+
+async fn unknown_path() -> ApiError {
+    ApiError::not_found("unknown_path", "no such endpoint")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+fn method_label(m: &Method) -> &'static str {
+    match *m {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::PUT => "PUT",
+        Method::POST => "POST",
+        Method::DELETE => "DELETE",
+        _ => "other",
+    }
+}
+
+/// Counts each request in `ctx.http` and times it for the histogram.
+async fn track(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let start = Instant::now();
+    let method = method_label(req.method());
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .and_then(|m| ROUTES.iter().copied().find(|r| *r == m.as_str()))
+        .unwrap_or("unmatched");
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let http = &st.ctx.http;
+    if status.as_u16() < 400 || resp.extensions().get::<NormalAnswer>().is_some() {
+        http.requests_ok.fetch_add(1, Relaxed);
+    } else {
+        http.requests_error.fetch_add(1, Relaxed);
+    }
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        http.protocol_errors.fetch_add(1, Relaxed);
+    }
+    st.metrics.observe(method, route, status.as_u16(), start.elapsed());
+    resp
+}
+
+/// Who may do what on a data endpoint.
+enum Access {
+    /// No token is configured: every namespace is open.
+    Open,
+    As(Principal),
+}
+
+impl Access {
+    fn may_access(&self, ns: &str) -> bool {
+        match self {
+            Access::Open => true,
+            Access::As(p) => p.may_access(ns),
+        }
+    }
+
+    fn check(&self, ns: &str) -> Result<(), ApiError> {
+        if self.may_access(ns) {
+            Ok(())
+        } else {
+            Err(ApiError::forbidden("namespace_forbidden", "this token does not grant access to the namespace")
+                .param("namespace"))
+        }
+    }
+}
+
+/// The bearer token of a request, if any; an `Authorization` header of
+/// another scheme is an error rather than silently ignored.
+fn bearer(headers: &HeaderMap) -> Result<Option<&[u8]>, ApiError> {
+    let Some(v) = headers.get(axum::http::header::AUTHORIZATION) else { return Ok(None) };
+    let v = v.as_bytes();
+    match v.split_at_checked(7) {
+        Some((scheme, token)) if scheme.eq_ignore_ascii_case(b"bearer ") && !token.trim_ascii().is_empty() => {
+            Ok(Some(token.trim_ascii()))
+        }
+        _ => Err(ApiError::unauthenticated("invalid_authorization", "Authorization must be 'Bearer <token>'")),
+    }
+}
+
+fn authenticate(st: &AppState, headers: &HeaderMap) -> Result<Principal, ApiError> {
+    let token = bearer(headers)?
+        .ok_or_else(|| ApiError::unauthenticated("missing_credentials", "missing 'Authorization: Bearer <token>'"))?;
+    st.ctx.auth.authenticate(None, token).ok_or_else(|| ApiError::unauthenticated("invalid_token", "invalid token"))
+}
+
+fn data_access(st: &AppState, headers: &HeaderMap) -> Result<Access, ApiError> {
+    if st.ctx.auth.is_open() {
+        return Ok(Access::Open);
+    }
+    authenticate(st, headers).map(Access::As)
+}
+
+fn admin_access(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if !st.ctx.auth.has_admin() {
+        return Err(ApiError::forbidden("no_admin_token", "no admin token configured"));
+    }
+    match authenticate(st, headers)? {
+        Principal::Admin => Ok(()),
+        Principal::Namespace(_) => Err(ApiError::forbidden("admin_required", "this endpoint needs the admin token")),
+    }
+}
+
+/// Query parameters, decoded once; getters name the parameter in errors.
+struct Params(Vec<(String, String)>);
+
+impl Params {
+    fn parse(raw: Option<&str>) -> Params {
+        Params(url::form_urlencoded::parse(raw.unwrap_or("").as_bytes()).into_owned().collect())
+    }
+
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    fn required(&self, name: &'static str) -> Result<&str, ApiError> {
+        self.get(name).ok_or_else(|| ApiError::invalid(name, "missing_parameter", format!("missing {name}")))
+    }
+
+    fn u64(&self, name: &'static str, min: u64, max: u64) -> Result<Option<u64>, ApiError> {
+        let Some(v) = self.get(name) else { return Ok(None) };
+        match v.parse::<u64>() {
+            Ok(n) if (min..=max).contains(&n) => Ok(Some(n)),
+            _ => Err(ApiError::invalid(
+                name,
+                "invalid_parameter",
+                format!("{name} must be an integer from {min} to {max}"),
+            )),
+        }
+    }
+
+    fn flag(&self, name: &'static str) -> Result<bool, ApiError> {
+        match self.get(name) {
+            None => Ok(false),
+            Some("true" | "1" | "yes") => Ok(true),
+            Some("false" | "0" | "no") => Ok(false),
+            Some(_) => Err(ApiError::invalid(name, "invalid_parameter", format!("{name} must be true or false"))),
+        }
+    }
+}
+
+/// Serves `router(ctx)` on `listener` until `shutdown` resolves, then
+/// ends event streams and waits for in-flight requests.
+pub async fn serve(
+    listener: TcpListener,
+    ctx: Arc<ServerCtx>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let token = CancellationToken::new();
+    let app = build(ctx.clone(), token.clone());
+    let listener = CountingListener { inner: listener, ctx };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            token.cancel();
+        })
+        .await
+}
+
+/// A TCP listener whose connections count themselves in `ctx.http`.
+struct CountingListener {
+    inner: TcpListener,
+    ctx: Arc<ServerCtx>,
+}
+
+impl axum::serve::Listener for CountingListener {
+    type Io = CountedStream;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            match self.inner.accept().await {
+                Ok((stream, addr)) => {
+                    let _ = stream.set_nodelay(true);
+                    self.ctx.http.connections_open.fetch_add(1, Relaxed);
+                    self.ctx.http.connections_total.fetch_add(1, Relaxed);
+                    return (CountedStream { inner: stream, ctx: self.ctx.clone() }, addr);
+                }
+                Err(e) => {
+                    // Out of descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
+
+/// A connection that adds its traffic to `ctx.http` and closes itself in it when dropped.
+struct CountedStream {
+    inner: TcpStream,
+    ctx: Arc<ServerCtx>,
+}
+
+impl Drop for CountedStream {
+    fn drop(&mut self) {
+        self.ctx.http.connections_open.fetch_sub(1, Relaxed);
+    }
+}
+
+impl AsyncRead for CountedStream {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let n = buf.filled().len() - before;
+        self.ctx.http.bytes_read.fetch_add(n as u64, Relaxed);
+        r
+    }
+}
+
+impl AsyncWrite for CountedStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = &r {
+            self.ctx.http.bytes_written.fetch_add(*n as u64, Relaxed);
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Ok(n)) = &r {
+            self.ctx.http.bytes_written.fetch_add(*n as u64, Relaxed);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A key as text: UTF-8 as is, anything else as `hex:<hex>`.
+fn display_key(key: &[u8]) -> String {
+    match std::str::from_utf8(key) {
+        Ok(s) => s.to_string(),
+        Err(_) => format!("hex:{}", hex::encode(key)),
+    }
+}
