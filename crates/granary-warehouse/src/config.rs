@@ -55,7 +55,8 @@ pub struct RemoteConfig {
     pub url: String,
     /// Extra options for the object store (e.g. `aws_endpoint`, `aws_allow_http`,
     /// `aws_access_key_id`); AWS_*/GOOGLE_*/AZURE_* env vars are read too.
-    #[serde(default)]
+    /// Values may be written as strings, numbers or booleans.
+    #[serde(default, deserialize_with = "scalar_map")]
     pub options: HashMap<String, String>,
 }
 
@@ -127,4 +128,29 @@ impl StoreConfig {
     pub fn namespace_ttl(&self, ns: &str) -> Option<Duration> {
         self.namespaces.get(ns).and_then(|n| n.ttl_secs).map(Duration::from_secs)
     }
+}
+
+/// A map whose values may be any scalar, kept as their text.
+fn scalar_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<HashMap<String, String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Scalar {
+        S(String),
+        B(bool),
+        I(i64),
+        F(f64),
+    }
+    let raw = HashMap::<String, Scalar>::deserialize(d)?;
+    Ok(raw
+        .into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                Scalar::S(s) => s,
+                Scalar::B(b) => b.to_string(),
+                Scalar::I(i) => i.to_string(),
+                Scalar::F(f) => f.to_string(),
+            };
+            (k, v)
+        })
+        .collect())
 }

@@ -15,6 +15,7 @@ pub mod http;
 pub mod metrics;
 pub mod policy;
 pub mod server;
+pub mod sim;
 pub mod store;
 pub mod tier;
 pub mod types;

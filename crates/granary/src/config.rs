@@ -380,6 +380,19 @@ policy = "s3fifo"
     }
 
     #[test]
+    fn env_options_keep_their_text() {
+        let e = env(&[
+            ("GRANARY_WAREHOUSE__STORE__REMOTE__URL", "s3://b/p"),
+            ("GRANARY_WAREHOUSE__STORE__REMOTE__OPTIONS__AWS_ALLOW_HTTP", "true"),
+            ("GRANARY_WAREHOUSE__STORE__REMOTE__OPTIONS__AWS_ENDPOINT", "http://127.0.0.1:9000"),
+        ]);
+        let c = load_warehouse(None, &e, &WarehouseFlags::default()).unwrap();
+        let o = c.store.remote.unwrap().options;
+        assert_eq!(o["aws_allow_http"], "true");
+        assert_eq!(o["aws_endpoint"], "http://127.0.0.1:9000");
+    }
+
+    #[test]
     fn flags_for_disk_and_tokens() {
         let flags = WarehouseFlags {
             disk_dir: Some("/tmp/d".into()),
