@@ -8,9 +8,10 @@
 //! hit ratio against budget with one line per policy and the ceiling
 //! dashed, as SVG and PNG into the output directory.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use granary_warehouse::sim::{self, TraceRequest};
 use granary_warehouse::PolicyKind;
 use plotters::prelude::*;
 use serde::Serialize;
@@ -19,7 +20,6 @@ use super::report::{bar, Goal, Table};
 use super::{Ctx, Unavailable};
 
 const TRACE: &str = "shared/data/mooncake/conversation_trace.jsonl";
-const BUDGETS: [f64; 6] = [0.01, 0.02, 0.05, 0.10, 0.20, 0.50];
 const QUICK_BUDGETS: [f64; 3] = [0.02, 0.10, 0.50];
 
 #[derive(Debug, Serialize)]
@@ -32,6 +32,10 @@ pub struct Cell {
     pub hit_ratio: f64,
     /// hit_ratio / ceiling.
     pub of_ceiling: f64,
+    /// Hits before each request's first miss, over all references: what an
+    /// engine loading the longest cached prefix can use.
+    pub prefix_hit_ratio: f64,
+    pub evictions: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -48,30 +52,30 @@ pub struct HitReport {
 }
 
 pub fn run(ctx: &Ctx) -> Result<HitReport> {
-    let path = match &ctx.trace {
-        Some(p) => p.clone(),
-        None => find_trace().ok_or_else(|| {
-            Unavailable(format!("no {TRACE} found above the current directory or the executable; pass --trace"))
-        })?,
-    };
-    let trace = sim_api::load(&path).with_context(|| format!("loading {}", path.display()))?;
-    let ceiling = sim_api::ceiling(&trace);
-    let budgets: Vec<f64> = if ctx.quick { QUICK_BUDGETS.to_vec() } else { BUDGETS.to_vec() };
+    let path = locate(ctx)?;
+    let trace: Vec<TraceRequest> =
+        sim::load_trace(&path).with_context(|| format!("loading the trace {}", path.display()))?;
+    let distinct = sim::distinct_blocks(&trace);
+    let refs: u64 = trace.iter().map(|r| r.hash_ids.len() as u64).sum();
+    let ceiling = sim::unbounded_ceiling(&trace);
+    let budgets: Vec<f64> = if ctx.quick { QUICK_BUDGETS.to_vec() } else { sim::SWEEP_FRACTIONS.to_vec() };
     let pb = bar((PolicyKind::ALL.len() * budgets.len()) as u64, "hitratio");
     let mut cells = Vec::new();
     for policy in PolicyKind::ALL {
         for &share in &budgets {
             pb.set_message(format!("{policy} at {:.0}%", share * 100.0));
-            let capacity_blocks = ((trace.distinct as f64 * share).round() as u64).max(1);
-            let (hits, refs, hit_ratio) = sim_api::replay(&trace, policy, capacity_blocks);
+            let capacity_blocks = sim::capacity_for(distinct, share);
+            let r = sim::replay(&trace, policy, capacity_blocks);
             cells.push(Cell {
                 policy,
                 budget_share: share,
                 capacity_blocks,
-                hits,
-                refs,
-                hit_ratio,
-                of_ceiling: if ceiling > 0.0 { hit_ratio / ceiling } else { 0.0 },
+                hits: r.hits,
+                refs: r.refs,
+                hit_ratio: r.hit_ratio,
+                of_ceiling: if ceiling > 0.0 { r.hit_ratio / ceiling } else { 0.0 },
+                prefix_hit_ratio: r.prefix_hit_ratio,
+                evictions: r.evictions,
             });
             pb.inc(1);
         }
@@ -82,9 +86,9 @@ pub fn run(ctx: &Ctx) -> Result<HitReport> {
     let chart_png = ctx.out.join("hitratio.png");
     let mut report = HitReport {
         trace: path,
-        requests: trace.requests,
-        distinct_blocks: trace.distinct,
-        block_refs: trace.refs,
+        requests: trace.len(),
+        distinct_blocks: distinct,
+        block_refs: refs,
         ceiling,
         budgets,
         cells,
@@ -99,16 +103,24 @@ pub fn run(ctx: &Ctx) -> Result<HitReport> {
     Ok(report)
 }
 
-/// `shared/data/mooncake/...` under any ancestor of the current directory
-/// or of this executable (the repository's checkout sits below `shared/`'s
-/// parent, possibly a few levels down as a worktree).
-fn find_trace() -> Option<PathBuf> {
+/// `--trace`, else where the simulator looks (`$GRANARY_MOONCAKE_TRACE`,
+/// beside the repository), else `shared/data/mooncake/...` under any
+/// ancestor of the current directory or of this executable (a worktree may
+/// sit a few levels below `shared/`'s parent).
+fn locate(ctx: &Ctx) -> Result<PathBuf> {
+    if let Some(p) = &ctx.trace {
+        return Ok(p.clone());
+    }
+    if let Ok(p) = sim::locate_mooncake_trace() {
+        return Ok(p);
+    }
     let starts = [std::env::current_dir().ok(), std::env::current_exe().ok()];
     starts
         .into_iter()
         .flatten()
         .flat_map(|s| s.ancestors().map(|a| a.join(TRACE)).collect::<Vec<_>>())
         .find(|p| p.is_file())
+        .ok_or_else(|| Unavailable(format!("no {TRACE} found (set {} or pass --trace)", sim::TRACE_ENV)).into())
 }
 
 fn draw<DB: DrawingBackend>(r: &HitReport, area: DrawingArea<DB, plotters::coord::Shift>) -> Result<()>
@@ -117,32 +129,44 @@ where
 {
     area.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
     let pct = |x: f64| x * 100.0;
-    let lo = r.budgets.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = r.budgets.iter().copied().fold(0.0, f64::max);
+    // The budgets follow a 1-2-5 series, so evenly spaced positions are a
+    // log scale that keeps one labelled tick per measured budget.
+    let n = r.budgets.len();
+    let budgets = r.budgets.clone();
+    let label = move |x: &f64| {
+        let i = x.round();
+        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < budgets.len() {
+            format!("{:.0}%", budgets[i as usize] * 100.0)
+        } else {
+            String::new()
+        }
+    };
     let ymax = (r.cells.iter().map(|c| c.hit_ratio).fold(r.ceiling, f64::max) * 100.0 * 1.15).max(1.0);
+    let x_span = -0.25..(n as f64 - 0.75);
     let mut chart = ChartBuilder::on(&area)
         .caption(
-            format!("Mooncake conversation trace: hit ratio vs memory budget ({} requests)", r.requests),
+            format!("Mooncake conversation trace: block hit ratio vs memory budget ({} requests)", r.requests),
             ("sans-serif", 20),
         )
         .margin(16)
         .x_label_area_size(44)
         .y_label_area_size(56)
-        .build_cartesian_2d((pct(lo) * 0.9..pct(hi) * 1.1).log_scale(), 0.0..ymax)
+        .build_cartesian_2d(x_span.clone(), 0.0..ymax)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     chart
         .configure_mesh()
-        .x_desc(format!("memory budget, % of {} distinct blocks (log scale)", r.distinct_blocks))
+        .x_labels(n)
+        .x_desc(format!("memory budget, % of {} distinct blocks (log-spaced)", r.distinct_blocks))
         .y_desc("block hit ratio, %")
-        .x_label_formatter(&|x| format!("{x:.0}%"))
+        .x_label_formatter(&label)
         .y_label_formatter(&|y| format!("{y:.0}%"))
+        .light_line_style(RGBColor(240, 240, 240))
         .draw()
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let x_span = [pct(lo) * 0.9, pct(hi) * 1.1];
     let ceiling = pct(r.ceiling);
     chart
         .draw_series(DashedLineSeries::new(
-            x_span.iter().map(|&x| (x, ceiling)),
+            [(x_span.start, ceiling), (x_span.end, ceiling)],
             10,
             6,
             ShapeStyle { color: BLACK.to_rgba(), filled: false, stroke_width: 2 },
@@ -150,10 +174,22 @@ where
         .map_err(|e| anyhow::anyhow!("{e}"))?
         .label(format!("unbounded ceiling {ceiling:.2}%"))
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+    let colors = [
+        RGBColor(214, 39, 40),
+        RGBColor(44, 160, 44),
+        RGBColor(255, 127, 14),
+        RGBColor(31, 119, 180),
+        RGBColor(148, 103, 189),
+    ];
     for (i, policy) in PolicyKind::ALL.into_iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        let points: Vec<(f64, f64)> =
-            r.cells.iter().filter(|c| c.policy == policy).map(|c| (pct(c.budget_share), pct(c.hit_ratio))).collect();
+        let color = colors[i % colors.len()].to_rgba();
+        let points: Vec<(f64, f64)> = r
+            .cells
+            .iter()
+            .filter(|c| c.policy == policy)
+            .enumerate()
+            .map(|(j, c)| (j as f64, pct(c.hit_ratio)))
+            .collect();
         chart
             .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)).point_size(3))
             .map_err(|e| anyhow::anyhow!("{e}"))?
@@ -178,34 +214,33 @@ pub fn tables(r: &HitReport) -> Vec<Table> {
         .collect();
     let head: Vec<&str> = head.iter().map(String::as_str).collect();
     let caps: Vec<String> = std::iter::once("(blocks)".to_string())
-        .chain(r.budgets.iter().map(|&b| ((r.distinct_blocks as f64 * b).round() as u64).max(1).to_string()))
+        .chain(r.budgets.iter().map(|&b| sim::capacity_for(r.distinct_blocks, b).to_string()))
         .chain(std::iter::once("unbounded".to_string()))
         .collect();
+    let name = r.trace.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned());
     let mut t = Table::new(
         format!(
-            "hitratio: block hit ratio replaying {} ({} requests, {} block refs, {} distinct blocks) at memory budgets in % of distinct blocks",
-            r.trace.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
-            r.requests,
-            r.block_refs,
-            r.distinct_blocks
+            "hitratio: block hit ratio (share of the ceiling) replaying {name}: {} requests, {} block refs, \
+             {} distinct blocks; budgets in % of distinct blocks",
+            r.requests, r.block_refs, r.distinct_blocks
         ),
         &head,
     );
-    let mut share = Table::new("hitratio: share of the ceiling reached", &head);
+    let mut prefix = Table::new("hitratio: prefix hit ratio (hits before each request's first miss)", &head);
     t.row(caps.clone());
-    share.row(caps);
+    prefix.row(caps);
     for policy in PolicyKind::ALL {
         let cells: Vec<&Cell> = r.cells.iter().filter(|c| c.policy == policy).collect();
         let mut row = vec![policy.to_string()];
-        row.extend(cells.iter().map(|c| format!("{:.2}%", c.hit_ratio * 100.0)));
+        row.extend(cells.iter().map(|c| format!("{:.2}% ({:.0}%)", c.hit_ratio * 100.0, c.of_ceiling * 100.0)));
         row.push(format!("{:.2}%", r.ceiling * 100.0));
         t.row(row);
         let mut row = vec![policy.to_string()];
-        row.extend(cells.iter().map(|c| format!("{:.0}%", c.of_ceiling * 100.0)));
-        row.push("100%".into());
-        share.row(row);
+        row.extend(cells.iter().map(|c| format!("{:.2}%", c.prefix_hit_ratio * 100.0)));
+        row.push(format!("{:.2}%", r.ceiling * 100.0));
+        prefix.row(row);
     }
-    vec![t, share]
+    vec![t, prefix]
 }
 
 /// No numeric goal: the anchor is the ceiling itself, shown beside every cell.
@@ -215,27 +250,4 @@ pub fn goals(_r: &HitReport) -> Vec<Goal> {
 
 pub fn notes(r: &HitReport) -> Vec<String> {
     vec![format!("Chart: {} and {}", r.chart_svg.display(), r.chart_png.display())]
-}
-
-/// The warehouse's trace simulator, behind the three calls this part needs.
-mod sim_api {
-    use super::*;
-
-    pub struct Trace {
-        pub requests: usize,
-        pub distinct: u64,
-        pub refs: u64,
-    }
-
-    pub fn load(_path: &Path) -> Result<Trace> {
-        Err(Unavailable("the warehouse's trace simulator is not in this build".into()).into())
-    }
-
-    pub fn ceiling(_t: &Trace) -> f64 {
-        0.0
-    }
-
-    pub fn replay(_t: &Trace, _policy: PolicyKind, _capacity_blocks: u64) -> (u64, u64, f64) {
-        (0, 0, 0.0)
-    }
 }
