@@ -122,11 +122,13 @@ struct Done {
     tables: Vec<Table>,
     goals: Vec<Goal>,
     notes: Vec<String>,
+    /// Measured only in part: reported, and the command exits 1.
+    failed: bool,
 }
 
 impl Done {
     fn new<T: Serialize>(r: &T, tables: Vec<Table>, goals: Vec<Goal>) -> Result<Done> {
-        Ok(Done { json: serde_json::to_value(r)?, tables, goals, notes: Vec::new() })
+        Ok(Done { json: serde_json::to_value(r)?, tables, goals, notes: Vec::new(), failed: false })
     }
 }
 
@@ -179,7 +181,14 @@ pub async fn run(args: Args) -> Result<()> {
     let mut failed = Vec::new();
     for &part in &parts {
         let outcome: Result<Done> = match part {
-            Part::Resp => resp::run(&ctx).and_then(|r| Done::new(&r, resp::tables(&r), resp::goals(&r))),
+            Part::Resp => resp::run(&ctx).and_then(|r| {
+                let mut d = Done::new(&r, resp::tables(&r), resp::goals(&r))?;
+                if let Some(e) = &r.granary_error {
+                    d.notes.push(format!("resp: FAILED for granary (Redis rows stand alone): {e}"));
+                    d.failed = true;
+                }
+                Ok(d)
+            }),
             Part::Disk => disk::run(&ctx).await.and_then(|r| Done::new(&r, disk::tables(&r), disk::goals(&r))),
             Part::Inproc => inproc::run(&ctx).and_then(|r| Done::new(&r, inproc::tables(&r), inproc::goals(&r))),
             Part::Hitratio => hitratio::run(&ctx).and_then(|r| {
@@ -198,6 +207,9 @@ pub async fn run(args: Args) -> Result<()> {
                 }
                 if !done.notes.is_empty() {
                     println!();
+                }
+                if done.failed {
+                    failed.push(part.name());
                 }
                 report.goals.extend(done.goals);
                 done.json
