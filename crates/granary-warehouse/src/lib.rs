@@ -14,6 +14,7 @@ pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod policy;
+pub mod resp;
 pub mod server;
 pub mod sim;
 pub mod store;

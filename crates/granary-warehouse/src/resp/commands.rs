@@ -1,0 +1,864 @@
+//! Command execution for one RESP connection.
+//!
+//! A [`Session`] holds what a connection has established (who it is, which
+//! namespace it acts on, the protocol version) and runs one parsed command
+//! at a time against the store, writing the reply into the connection's
+//! [`Out`]. Only the commands that Redis tooling and LMCache's connector
+//! send are implemented; each keeps Redis's reply shapes and error texts so
+//! unmodified clients work. Every failure is a typed [`CmdError`], turned
+//! into reply text in one place.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::auth::{Principal, DEFAULT_NAMESPACE};
+use crate::error::WarehouseError;
+use crate::resp::glob::glob_match;
+use crate::resp::reply::Out;
+use crate::server::ServerCtx;
+use crate::store::MAX_NAMESPACE;
+use crate::types::{Condition, PutOptions, Ttl};
+
+/// Values shorter than this are copied out of the request frame before
+/// being stored, so a small value never keeps a whole read buffer alive.
+const OWN_COPY_BELOW: usize = 16 * 1024;
+/// `SCAN` page size when the client gives no COUNT.
+const DEFAULT_SCAN_COUNT: usize = 10;
+/// Longest wait of `WAITAOF` (its timeout 0 means "no limit" in Redis).
+const MAX_DURABILITY_WAIT: Duration = Duration::from_secs(60);
+/// Version Redis clients see (feature checks key off it).
+pub const REDIS_VERSION: &str = "7.2.0";
+
+/// Why a command failed; `Display` is the reply text (code first).
+#[derive(Debug, thiserror::Error)]
+pub enum CmdError {
+    #[error("ERR unknown command '{name}', with args beginning with: {args}")]
+    UnknownCommand { name: String, args: String },
+    #[error("ERR unknown subcommand '{sub}'. Try {cmd} HELP.")]
+    UnknownSubcommand { cmd: &'static str, sub: String },
+    #[error("ERR wrong number of arguments for '{0}' command")]
+    Arity(String),
+    #[error("ERR syntax error")]
+    Syntax,
+    #[error("ERR value is not an integer or out of range")]
+    NotInteger,
+    #[error("ERR invalid expire time in '{0}' command")]
+    InvalidExpire(&'static str),
+    #[error("ERR invalid cursor")]
+    InvalidCursor,
+    #[error("ERR DB index is out of range")]
+    DbIndex,
+    #[error("ERR Protocol version is not an integer or out of range")]
+    ProtoNotInteger,
+    #[error("NOPROTO unsupported protocol version")]
+    NoProto,
+    #[error("NOAUTH Authentication required.")]
+    NoAuth,
+    #[error(
+        "NOAUTH HELLO must be called with the client already authenticated, otherwise the HELLO <proto> AUTH \
+         <user> <pass> option can be used to authenticate the client and select the RESP protocol version at the \
+         same time"
+    )]
+    HelloNoAuth,
+    #[error("WRONGPASS invalid username-password pair or user is disabled.")]
+    WrongPass,
+    #[error(
+        "ERR AUTH <password> called without any password configured for the default user. Are you sure your \
+         configuration is correct?"
+    )]
+    AuthNotConfigured,
+    #[error("NOPERM this user has no permissions to run the '{0}' command")]
+    NoPerm(&'static str),
+    #[error("NOPERM this user has no permissions to access namespace '{0}'")]
+    NamespaceDenied(String),
+    #[error("ERR invalid namespace: {0}")]
+    BadNamespace(&'static str),
+    #[error("ERR Client names cannot contain spaces, newlines or special characters.")]
+    BadClientName,
+    #[error("{}", store_error_text(.0))]
+    Store(#[from] WarehouseError),
+}
+
+/// The one mapping from store errors to RESP error text.
+fn store_error_text(e: &WarehouseError) -> String {
+    match e {
+        WarehouseError::TooLarge { .. } => format!("ERR value too large: {e}"),
+        WarehouseError::Invalid { .. } => format!("ERR {e}"),
+        WarehouseError::Io { .. } | WarehouseError::Remote(_) | WarehouseError::Corrupt { .. } => {
+            format!("ERR storage error: {e}")
+        }
+        other => format!("ERR {other}"),
+    }
+}
+
+type CmdResult = Result<Flow, CmdError>;
+
+/// What the connection does after a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// Flush the replies, then close (QUIT).
+    Close,
+}
+
+/// Facts about the listener every session reports.
+#[derive(Debug)]
+pub struct ServerInfo {
+    pub started: Instant,
+    pub port: u16,
+    pub next_client_id: AtomicU64,
+}
+
+/// State of one connection.
+pub struct Session<'a> {
+    ctx: &'a ServerCtx,
+    info: &'a ServerInfo,
+    id: u64,
+    principal: Option<Principal>,
+    ns: String,
+    name: Option<Bytes>,
+}
+
+fn lower(name: &[u8]) -> String {
+    String::from_utf8_lossy(name).to_ascii_lowercase()
+}
+
+fn parse_i64(b: &[u8]) -> Result<i64, CmdError> {
+    std::str::from_utf8(b).ok().and_then(|s| s.parse::<i64>().ok()).ok_or(CmdError::NotInteger)
+}
+
+fn is(b: &[u8], word: &str) -> bool {
+    b.eq_ignore_ascii_case(word.as_bytes())
+}
+
+/// A stored value owns its bytes unless it is large enough to be worth
+/// sharing the request frame's allocation.
+fn own(v: Bytes) -> Bytes {
+    if v.len() < OWN_COPY_BELOW {
+        Bytes::copy_from_slice(&v)
+    } else {
+        v
+    }
+}
+
+fn check_namespace(ns: &[u8]) -> Result<String, CmdError> {
+    if ns.is_empty() || ns.len() > MAX_NAMESPACE {
+        return Err(CmdError::BadNamespace("must be 1 to 128 bytes"));
+    }
+    if !ns.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
+        return Err(CmdError::BadNamespace("may hold only ASCII letters, digits, '-', '_' and '.'"));
+    }
+    Ok(String::from_utf8_lossy(ns).into_owned())
+}
+
+/// Redis-style rounding of a remaining TTL to seconds.
+fn ttl_secs(d: Duration) -> i64 {
+    ((d.as_millis() + 500) / 1000) as i64
+}
+
+impl<'a> Session<'a> {
+    pub fn new(ctx: &'a ServerCtx, info: &'a ServerInfo) -> Session<'a> {
+        let principal = ctx.auth.anonymous();
+        Session {
+            ctx,
+            info,
+            id: info.next_client_id.fetch_add(1, Relaxed),
+            principal,
+            ns: DEFAULT_NAMESPACE.to_string(),
+            name: None,
+        }
+    }
+
+    /// Runs one command and writes its reply; counts it.
+    pub async fn execute(&mut self, args: Vec<Bytes>, out: &mut Out) -> Flow {
+        match self.dispatch(&args, out).await {
+            Ok(flow) => {
+                self.ctx.resp.requests_ok.fetch_add(1, Relaxed);
+                flow
+            }
+            Err(e) => {
+                self.ctx.resp.requests_error.fetch_add(1, Relaxed);
+                out.error(&e.to_string());
+                Flow::Continue
+            }
+        }
+    }
+
+    async fn dispatch(&mut self, args: &[Bytes], out: &mut Out) -> CmdResult {
+        let Some(first) = args.first() else { return Ok(Flow::Continue) };
+        if first.len() > 32 {
+            return Err(unknown(args));
+        }
+        let name = String::from_utf8_lossy(first).to_ascii_uppercase();
+        match name.as_str() {
+            "AUTH" => return self.auth(args, out),
+            "HELLO" => return self.hello(args, out),
+            "QUIT" => {
+                out.ok();
+                return Ok(Flow::Close);
+            }
+            _ => {}
+        }
+        let a = &args[1..];
+        // Client libraries announce themselves right after connecting,
+        // before authenticating; that touches no data, so it is allowed.
+        let announce = name == "CLIENT" && a.first().is_some_and(|s| is(s, "SETINFO"));
+        if self.principal.is_none() && !announce {
+            return Err(CmdError::NoAuth);
+        }
+        let arity = |ok: bool| if ok { Ok(()) } else { Err(CmdError::Arity(lower(first))) };
+        match name.as_str() {
+            "PING" => {
+                arity(a.len() <= 1)?;
+                match a.first() {
+                    Some(m) => out.bulk(m),
+                    None => out.simple("PONG"),
+                }
+            }
+            "ECHO" => {
+                arity(a.len() == 1)?;
+                out.bulk(&a[0]);
+            }
+            "SELECT" => {
+                arity(a.len() == 1)?;
+                if parse_i64(&a[0])? != 0 {
+                    return Err(CmdError::DbIndex);
+                }
+                out.ok();
+            }
+            "CLIENT" => {
+                arity(!a.is_empty())?;
+                self.client(a, out)?;
+            }
+            "NAMESPACE" => {
+                arity(a.len() <= 1)?;
+                if let Some(n) = a.first() {
+                    let ns = check_namespace(n)?;
+                    if !self.principal.as_ref().is_some_and(|p| p.may_access(&ns)) {
+                        return Err(CmdError::NamespaceDenied(ns));
+                    }
+                    self.ns = ns;
+                    out.ok();
+                } else {
+                    out.bulk(self.ns.as_bytes());
+                }
+            }
+            "GET" => {
+                arity(a.len() == 1)?;
+                match self.ctx.store.get(&self.ns, &a[0]).await? {
+                    Some(hit) => out.bulk_bytes(hit.value),
+                    None => out.null(),
+                }
+            }
+            "SET" => {
+                arity(a.len() >= 2)?;
+                self.set(a, out).await?;
+            }
+            "SETEX" | "PSETEX" => {
+                arity(a.len() == 3)?;
+                let n = parse_i64(&a[1])?;
+                let cmd = if name == "SETEX" { "setex" } else { "psetex" };
+                if n <= 0 {
+                    return Err(CmdError::InvalidExpire(cmd));
+                }
+                let ttl = if name == "SETEX" { Duration::from_secs(n as u64) } else { Duration::from_millis(n as u64) };
+                let opts = PutOptions { ttl: Some(ttl), ..Default::default() };
+                self.ctx.store.put(&self.ns, Bytes::copy_from_slice(&a[0]), own(a[2].clone()), opts).await?;
+                out.ok();
+            }
+            "SETNX" => {
+                arity(a.len() == 2)?;
+                let opts = PutOptions { condition: Condition::IfAbsent, ..Default::default() };
+                let stored =
+                    self.ctx.store.put(&self.ns, Bytes::copy_from_slice(&a[0]), own(a[1].clone()), opts).await?;
+                out.int(i64::from(stored));
+            }
+            "MGET" => {
+                arity(!a.is_empty())?;
+                // Look everything up first so an error leaves no half-written array.
+                let mut hits = Vec::with_capacity(a.len());
+                for k in a {
+                    hits.push(self.ctx.store.get(&self.ns, k).await?);
+                }
+                out.array(hits.len());
+                for h in hits {
+                    match h {
+                        Some(hit) => out.bulk_bytes(hit.value),
+                        None => out.null(),
+                    }
+                }
+            }
+            "MSET" => {
+                arity(!a.is_empty() && a.len() % 2 == 0)?;
+                for kv in a.chunks_exact(2) {
+                    let key = Bytes::copy_from_slice(&kv[0]);
+                    self.ctx.store.put(&self.ns, key, own(kv[1].clone()), PutOptions::default()).await?;
+                }
+                out.ok();
+            }
+            "EXISTS" => {
+                arity(!a.is_empty())?;
+                let mut n = 0;
+                for k in a {
+                    n += i64::from(self.ctx.store.exists(&self.ns, k).await?);
+                }
+                out.int(n);
+            }
+            "DEL" | "UNLINK" => {
+                arity(!a.is_empty())?;
+                let mut n = 0;
+                for k in a {
+                    n += i64::from(self.ctx.store.delete(&self.ns, k).await?);
+                }
+                out.int(n);
+            }
+            "GETDEL" => {
+                arity(a.len() == 1)?;
+                match self.ctx.store.get(&self.ns, &a[0]).await? {
+                    Some(hit) => {
+                        self.ctx.store.delete(&self.ns, &a[0]).await?;
+                        out.bulk_bytes(hit.value);
+                    }
+                    None => out.null(),
+                }
+            }
+            "STRLEN" => {
+                arity(a.len() == 1)?;
+                let len = self.ctx.store.get(&self.ns, &a[0]).await?.map_or(0, |h| h.value.len());
+                out.int(len as i64);
+            }
+            "TYPE" => {
+                arity(a.len() == 1)?;
+                let found = self.ctx.store.exists(&self.ns, &a[0]).await?;
+                out.simple(if found { "string" } else { "none" });
+            }
+            "EXPIRE" | "PEXPIRE" => {
+                arity(a.len() >= 2)?;
+                let ms = name == "PEXPIRE";
+                let n = parse_i64(&a[1])?;
+                let cmd = if ms { "pexpire" } else { "expire" };
+                let set = self.expire(&a[0], n, ms, &a[2..], cmd).await?;
+                out.int(i64::from(set));
+            }
+            "PERSIST" => {
+                arity(a.len() == 1)?;
+                let had = matches!(self.ctx.store.ttl(&self.ns, &a[0]).await?, Ttl::Remaining(_));
+                if had {
+                    self.ctx.store.expire(&self.ns, &a[0], None).await?;
+                }
+                out.int(i64::from(had));
+            }
+            "TTL" | "PTTL" => {
+                arity(a.len() == 1)?;
+                let v = match self.ctx.store.ttl(&self.ns, &a[0]).await? {
+                    Ttl::Missing => -2,
+                    Ttl::Persistent => -1,
+                    Ttl::Remaining(d) if name == "PTTL" => d.as_millis() as i64,
+                    Ttl::Remaining(d) => ttl_secs(d),
+                };
+                out.int(v);
+            }
+            "SCAN" => {
+                arity(!a.is_empty())?;
+                self.scan(a, out).await?;
+            }
+            "DBSIZE" => {
+                arity(a.is_empty())?;
+                out.int(self.ctx.store.count(&self.ns).await? as i64);
+            }
+            "INFO" => {
+                let text = self.info_text(a).await?;
+                out.bulk(text.as_bytes());
+            }
+            "CONFIG" => {
+                arity(!a.is_empty())?;
+                self.config(a, out)?;
+            }
+            "FLUSHDB" | "FLUSHALL" => {
+                arity(a.len() <= 1)?;
+                if let Some(mode) = a.first() {
+                    if !is(mode, "ASYNC") && !is(mode, "SYNC") {
+                        return Err(CmdError::Syntax);
+                    }
+                }
+                if !self.principal.as_ref().is_some_and(Principal::is_admin) {
+                    return Err(CmdError::NoPerm(if name == "FLUSHDB" { "flushdb" } else { "flushall" }));
+                }
+                if name == "FLUSHDB" {
+                    self.ctx.store.delete_namespace(&self.ns).await?;
+                } else {
+                    for ns in self.ctx.store.namespaces().await? {
+                        self.ctx.store.delete_namespace(&ns).await?;
+                    }
+                }
+                out.ok();
+            }
+            "COMMAND" => match a.first() {
+                Some(s) if is(s, "COUNT") => out.int(0),
+                Some(s) if is(s, "DOCS") => out.map(0),
+                _ => out.array(0),
+            },
+            "WAITAOF" => {
+                arity(a.len() == 3)?;
+                let (local, replicas, timeout) = (parse_i64(&a[0])?, parse_i64(&a[1])?, parse_i64(&a[2])?);
+                if local < 0 || replicas < 0 || timeout < 0 {
+                    return Err(CmdError::NotInteger);
+                }
+                let wait = if timeout == 0 {
+                    MAX_DURABILITY_WAIT
+                } else {
+                    Duration::from_millis(timeout as u64).min(MAX_DURABILITY_WAIT)
+                };
+                self.ctx.store.flush(wait).await?;
+                out.array(2);
+                out.int(1);
+                out.int(0);
+            }
+            "WAIT" => {
+                arity(a.len() == 2)?;
+                parse_i64(&a[0])?;
+                parse_i64(&a[1])?;
+                out.int(0);
+            }
+            "READONLY" | "READWRITE" | "RESET" => {
+                arity(a.is_empty())?;
+                if name == "RESET" {
+                    out.simple("RESET");
+                } else {
+                    out.ok();
+                }
+            }
+            _ => return Err(unknown(args)),
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn bind(&mut self, p: Principal) {
+        self.ns = match &p {
+            Principal::Admin => DEFAULT_NAMESPACE.to_string(),
+            Principal::Namespace(n) => n.clone(),
+        };
+        self.principal = Some(p);
+    }
+
+    fn authenticate(&mut self, user: Option<&[u8]>, pass: &[u8]) -> Result<(), CmdError> {
+        if self.ctx.auth.is_open() {
+            return Err(CmdError::AuthNotConfigured);
+        }
+        // `default` is the name Redis clients send when they have only a password.
+        let ns = user.filter(|u| !is(u, "default")).map(|u| String::from_utf8_lossy(u).into_owned());
+        match self.ctx.auth.authenticate(ns.as_deref(), pass) {
+            Some(p) => {
+                self.bind(p);
+                Ok(())
+            }
+            None => Err(CmdError::WrongPass),
+        }
+    }
+
+    fn auth(&mut self, args: &[Bytes], out: &mut Out) -> CmdResult {
+        match args.len() {
+            2 => self.authenticate(None, &args[1])?,
+            3 => self.authenticate(Some(&args[1]), &args[2])?,
+            _ => return Err(CmdError::Arity("auth".into())),
+        }
+        out.ok();
+        Ok(Flow::Continue)
+    }
+
+    fn hello(&mut self, args: &[Bytes], out: &mut Out) -> CmdResult {
+        let a = &args[1..];
+        let mut proto = out.proto;
+        let mut i = 0;
+        if let Some(v) = a.first() {
+            let v = parse_i64(v).map_err(|_| CmdError::ProtoNotInteger)?;
+            if v != 2 && v != 3 {
+                return Err(CmdError::NoProto);
+            }
+            proto = v as u8;
+            i = 1;
+        }
+        let mut auth: Option<(&Bytes, &Bytes)> = None;
+        let mut setname = None;
+        while i < a.len() {
+            if is(&a[i], "AUTH") && i + 2 < a.len() {
+                auth = Some((&a[i + 1], &a[i + 2]));
+                i += 3;
+            } else if is(&a[i], "SETNAME") && i + 1 < a.len() {
+                setname = Some(&a[i + 1]);
+                i += 2;
+            } else {
+                return Err(CmdError::Syntax);
+            }
+        }
+        if let Some(n) = setname {
+            check_client_name(n)?;
+        }
+        if let Some((user, pass)) = auth {
+            self.authenticate(Some(user), pass)?;
+        }
+        if self.principal.is_none() {
+            return Err(CmdError::HelloNoAuth);
+        }
+        if let Some(n) = setname {
+            self.name = (!n.is_empty()).then(|| n.clone());
+        }
+        out.proto = proto;
+        out.map(7);
+        out.bulk(b"server");
+        out.bulk(b"redis");
+        out.bulk(b"version");
+        out.bulk(REDIS_VERSION.as_bytes());
+        out.bulk(b"proto");
+        out.int(i64::from(proto));
+        out.bulk(b"id");
+        out.int(self.id as i64);
+        out.bulk(b"mode");
+        out.bulk(b"standalone");
+        out.bulk(b"role");
+        out.bulk(b"master");
+        out.bulk(b"modules");
+        out.array(0);
+        Ok(Flow::Continue)
+    }
+
+    fn client(&mut self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
+        let sub = String::from_utf8_lossy(&a[0]).to_ascii_uppercase();
+        let arity = |ok: bool| if ok { Ok(()) } else { Err(CmdError::Arity(format!("client|{}", sub.to_lowercase()))) };
+        match sub.as_str() {
+            "SETINFO" => {
+                arity(a.len() == 3)?;
+                out.ok();
+            }
+            "SETNAME" => {
+                arity(a.len() == 2)?;
+                check_client_name(&a[1])?;
+                self.name = (!a[1].is_empty()).then(|| a[1].clone());
+                out.ok();
+            }
+            "GETNAME" => {
+                arity(a.len() == 1)?;
+                match &self.name {
+                    Some(n) => out.bulk(n),
+                    None => out.null(),
+                }
+            }
+            "ID" => {
+                arity(a.len() == 1)?;
+                out.int(self.id as i64);
+            }
+            "INFO" => {
+                arity(a.len() == 1)?;
+                let name = self.name.as_deref().map(String::from_utf8_lossy).unwrap_or_default();
+                let line = format!("id={} name={} db=0 namespace={} resp={}\n", self.id, name, self.ns, out.proto);
+                out.bulk(line.as_bytes());
+            }
+            "NO-EVICT" | "NO-TOUCH" | "REPLY" => {
+                arity(a.len() == 2)?;
+                out.ok();
+            }
+            _ => return Err(CmdError::UnknownSubcommand { cmd: "CLIENT", sub: String::from_utf8_lossy(&a[0]).into() }),
+        }
+        Ok(())
+    }
+
+    async fn set(&mut self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
+        let mut opts = PutOptions::default();
+        let (mut get, mut keep_ttl, mut expiry_given) = (false, false, false);
+        let mut i = 2;
+        while i < a.len() {
+            let w = &a[i];
+            if is(w, "NX") && opts.condition == Condition::Always {
+                opts.condition = Condition::IfAbsent;
+            } else if is(w, "XX") && opts.condition == Condition::Always {
+                opts.condition = Condition::IfPresent;
+            } else if is(w, "GET") {
+                get = true;
+            } else if is(w, "KEEPTTL") && !expiry_given {
+                keep_ttl = true;
+                expiry_given = true;
+            } else if (is(w, "EX") || is(w, "PX") || is(w, "EXAT") || is(w, "PXAT")) && !expiry_given && i + 1 < a.len()
+            {
+                let n = parse_i64(&a[i + 1])?;
+                if n <= 0 {
+                    return Err(CmdError::InvalidExpire("set"));
+                }
+                let n = n as u64;
+                let now = crate::types::now_ms();
+                let ttl = if is(w, "EX") {
+                    Duration::from_secs(n)
+                } else if is(w, "PX") {
+                    Duration::from_millis(n)
+                } else {
+                    let at = if is(w, "EXAT") { n.saturating_mul(1000) } else { n };
+                    // A time already past stores a key that is gone at once, as in Redis.
+                    Duration::from_millis(at.saturating_sub(now).max(1))
+                };
+                opts.ttl = Some(ttl);
+                expiry_given = true;
+                i += 1;
+            } else {
+                return Err(CmdError::Syntax);
+            }
+            i += 1;
+        }
+        let key = Bytes::copy_from_slice(&a[0]);
+        let old = if get { self.ctx.store.get(&self.ns, &key).await?.map(|h| h.value) } else { None };
+        if keep_ttl {
+            if let Ttl::Remaining(d) = self.ctx.store.ttl(&self.ns, &key).await? {
+                opts.ttl = Some(d.max(Duration::from_millis(1)));
+            }
+        }
+        let stored = self.ctx.store.put(&self.ns, key, own(a[1].clone()), opts).await?;
+        if get {
+            match old {
+                Some(v) => out.bulk_bytes(v),
+                None => out.null(),
+            }
+        } else if stored {
+            out.ok();
+        } else {
+            out.null();
+        }
+        Ok(())
+    }
+
+    async fn expire(&self, key: &[u8], n: i64, ms: bool, flags: &[Bytes], cmd: &'static str) -> Result<bool, CmdError> {
+        let (mut nx, mut xx, mut gt, mut lt) = (false, false, false, false);
+        for f in flags {
+            if is(f, "NX") {
+                nx = true;
+            } else if is(f, "XX") {
+                xx = true;
+            } else if is(f, "GT") {
+                gt = true;
+            } else if is(f, "LT") {
+                lt = true;
+            } else {
+                return Err(CmdError::Syntax);
+            }
+        }
+        if (nx && (xx || gt || lt)) || (gt && lt) {
+            return Err(CmdError::Syntax);
+        }
+        let new_ms = if ms { Some(n) } else { n.checked_mul(1000) }.ok_or(CmdError::InvalidExpire(cmd))?;
+        let current = self.ctx.store.ttl(&self.ns, key).await?;
+        let current_ms = match current {
+            Ttl::Missing => return Ok(false),
+            Ttl::Persistent => None,
+            Ttl::Remaining(d) => Some(d.as_millis() as i64),
+        };
+        let allowed = match current_ms {
+            None => !xx && !gt,
+            Some(c) => !nx && (!gt || new_ms > c) && (!lt || new_ms < c),
+        };
+        if !allowed {
+            return Ok(false);
+        }
+        if new_ms <= 0 {
+            return Ok(self.ctx.store.delete(&self.ns, key).await?);
+        }
+        Ok(self.ctx.store.expire(&self.ns, key, Some(Duration::from_millis(new_ms as u64))).await?)
+    }
+
+    async fn scan(&self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
+        let cursor =
+            std::str::from_utf8(&a[0]).ok().and_then(|s| s.parse::<u64>().ok()).ok_or(CmdError::InvalidCursor)?;
+        let (mut pattern, mut count, mut strings) = (None, DEFAULT_SCAN_COUNT, true);
+        let mut i = 1;
+        while i < a.len() {
+            let Some(v) = a.get(i + 1) else { return Err(CmdError::Syntax) };
+            if is(&a[i], "MATCH") {
+                pattern = Some(v.clone());
+            } else if is(&a[i], "COUNT") {
+                let n = parse_i64(v)?;
+                if n < 1 {
+                    return Err(CmdError::Syntax);
+                }
+                count = n.min(100_000) as usize;
+            } else if is(&a[i], "TYPE") {
+                strings = is(v, "string");
+            } else {
+                return Err(CmdError::Syntax);
+            }
+            i += 2;
+        }
+        let page = self.ctx.store.scan(&self.ns, cursor, count).await?;
+        let keys: Vec<&Bytes> = page
+            .keys
+            .iter()
+            .filter(|k| strings && pattern.as_ref().is_none_or(|p| p.as_ref() == b"*" || glob_match(p, k, false)))
+            .collect();
+        out.array(2);
+        out.bulk(page.next.to_string().as_bytes());
+        out.array(keys.len());
+        for k in keys {
+            out.bulk(k);
+        }
+        Ok(())
+    }
+
+    fn config(&self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
+        let sub = String::from_utf8_lossy(&a[0]).to_ascii_uppercase();
+        match sub.as_str() {
+            "GET" => {
+                if a.len() < 2 {
+                    return Err(CmdError::Arity("config|get".into()));
+                }
+                let cfg = self.ctx.store.config();
+                let params: [(&str, String); 6] = [
+                    ("maxmemory", cfg.memory.as_u64().to_string()),
+                    ("maxmemory-policy", cfg.memory_policy.to_string()),
+                    ("save", String::new()),
+                    ("appendonly", "no".into()),
+                    ("databases", "1".into()),
+                    ("proto-max-bulk-len", cfg.max_value.as_u64().to_string()),
+                ];
+                let hits: Vec<&(&str, String)> =
+                    params.iter().filter(|(k, _)| a[1..].iter().any(|p| glob_match(p, k.as_bytes(), true))).collect();
+                out.map(hits.len());
+                for (k, v) in hits {
+                    out.bulk(k.as_bytes());
+                    out.bulk(v.as_bytes());
+                }
+            }
+            "SET" => {
+                if a.len() < 3 || a.len() % 2 == 0 {
+                    return Err(CmdError::Arity("config|set".into()));
+                }
+                out.ok();
+            }
+            "RESETSTAT" | "REWRITE" => out.ok(),
+            _ => return Err(CmdError::UnknownSubcommand { cmd: "CONFIG", sub: String::from_utf8_lossy(&a[0]).into() }),
+        }
+        Ok(())
+    }
+
+    async fn info_text(&self, a: &[Bytes]) -> Result<String, CmdError> {
+        let wanted: Vec<String> = a.iter().map(|s| lower(s)).collect();
+        let all = wanted.is_empty() || wanted.iter().any(|w| w == "all" || w == "everything" || w == "default");
+        let want = |s: &str| all || wanted.iter().any(|w| w == s);
+        let stats = self.ctx.store.stats();
+        let p = self.ctx.resp.snapshot();
+        let cfg = self.ctx.store.config();
+        let mut t = String::new();
+        // Writing to a String cannot fail; results are ignored.
+        if want("server") {
+            let _ = write!(
+                t,
+                "# Server\r\nredis_version:{REDIS_VERSION}\r\ngranary_version:{}\r\nredis_mode:standalone\r\n\
+                 os:{} {}\r\narch_bits:{}\r\nprocess_id:{}\r\ntcp_port:{}\r\nuptime_in_seconds:{}\r\n\r\n",
+                env!("CARGO_PKG_VERSION"),
+                std::env::consts::OS,
+                std::env::consts::ARCH,
+                usize::BITS,
+                std::process::id(),
+                self.info.port,
+                self.info.started.elapsed().as_secs(),
+            );
+        }
+        if want("clients") {
+            let _ = write!(t, "# Clients\r\nconnected_clients:{}\r\n\r\n", p.connections_open);
+        }
+        let mem = stats.tiers.first().cloned().unwrap_or_default();
+        if want("memory") {
+            let _ = write!(
+                t,
+                "# Memory\r\nused_memory:{}\r\nmaxmemory:{}\r\nmaxmemory_policy:{}\r\n\r\n",
+                mem.bytes,
+                cfg.memory.as_u64(),
+                cfg.memory_policy,
+            );
+        }
+        if want("stats") {
+            let _ = write!(
+                t,
+                "# Stats\r\ntotal_connections_received:{}\r\ntotal_commands_processed:{}\r\n\
+                 total_net_input_bytes:{}\r\ntotal_net_output_bytes:{}\r\nkeyspace_hits:{}\r\n\
+                 keyspace_misses:{}\r\nevicted_keys:{}\r\nexpired_keys:{}\r\ngranary_requests_ok:{}\r\n\
+                 granary_requests_error:{}\r\ngranary_protocol_errors:{}\r\n\r\n",
+                p.connections_total,
+                p.requests_ok + p.requests_error,
+                p.bytes_read,
+                p.bytes_written,
+                mem.hits,
+                mem.misses,
+                mem.evictions,
+                mem.expirations,
+                p.requests_ok,
+                p.requests_error,
+                p.protocol_errors,
+            );
+        }
+        if want("tiers") || want("granary") {
+            let _ = write!(t, "# Tiers\r\nnamespace:{}\r\n", self.ns);
+            for s in &stats.tiers {
+                let _ = write!(
+                    t,
+                    "tier_{}:bytes={},entries={},capacity={},hits={},misses={},evictions={},expirations={},\
+                     corrupt_dropped={},errors={},policy={}\r\n",
+                    s.tier.map_or("unknown", |k| k.as_str()),
+                    s.bytes,
+                    s.entries,
+                    s.capacity,
+                    s.hits,
+                    s.misses,
+                    s.evictions,
+                    s.expirations,
+                    s.corrupt_dropped,
+                    s.errors,
+                    s.policy.as_deref().unwrap_or("-"),
+                );
+            }
+            for o in &stats.offload {
+                let _ = write!(
+                    t,
+                    "offload_{}:queued={},written={},dropped={},errors={}\r\n",
+                    o.tier.map_or("unknown", |k| k.as_str()),
+                    o.queued,
+                    o.written,
+                    o.dropped,
+                    o.errors,
+                );
+            }
+            let _ = write!(
+                t,
+                "promotions_from_disk:{}\r\npromotions_from_remote:{}\r\n\r\n",
+                stats.promotions_from_disk, stats.promotions_from_remote
+            );
+        }
+        if want("keyspace") {
+            let keys = self.ctx.store.count(&self.ns).await?;
+            let _ = write!(t, "# Keyspace\r\ndb0:keys={keys},expires=0,avg_ttl=0\r\n");
+        }
+        Ok(t)
+    }
+}
+
+fn check_client_name(n: &[u8]) -> Result<(), CmdError> {
+    if n.iter().all(|&c| (b'!'..=b'~').contains(&c)) {
+        Ok(())
+    } else {
+        Err(CmdError::BadClientName)
+    }
+}
+
+/// Redis's text for an unknown command: the name and the first arguments, quoted.
+fn unknown(args: &[Bytes]) -> CmdError {
+    let clip = |b: &[u8], max: usize| {
+        let s = String::from_utf8_lossy(b);
+        s.chars().take(max).collect::<String>()
+    };
+    let mut list = String::new();
+    for a in &args[1..] {
+        if list.len() >= 128 {
+            break;
+        }
+        let room = 128 - list.len();
+        let _ = write!(list, "'{}' ", clip(a, room));
+    }
+    CmdError::UnknownCommand { name: clip(&args[0], 128), args: list }
+}

@@ -1,0 +1,174 @@
+//! The RESP (Redis protocol) front end of the warehouse.
+//!
+//! Redis tooling (`redis-cli`, `redis-benchmark`, redis-py) and LMCache's
+//! `redis://` remote connector speak RESP; serving it over the [`Store`]
+//! lets them use the warehouse unchanged. Each connection reads into one
+//! buffer, takes every complete command out of it (pipelining), runs them
+//! in order, gathers the replies and writes them when the input is
+//! drained. Large values move without copies both ways: a SET's value is
+//! a slice of the read buffer, a GET's reply is the stored bytes handed to
+//! a vectored write. A malformed or oversized request closes only the
+//! connection that sent it.
+//!
+//! [`Store`]: crate::store::Store
+
+pub mod commands;
+pub mod glob;
+pub mod parser;
+pub mod reply;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+pub use commands::{CmdError, Flow, ServerInfo, Session};
+pub use glob::glob_match;
+pub use parser::{parse_command, Limits, Parse, ProtocolError};
+pub use reply::Out;
+
+use crate::server::ServerCtx;
+
+/// Size of a fresh read buffer.
+const READ_CHUNK: usize = 64 * 1024;
+/// Most room reserved ahead of a frame's bytes arriving.
+const PREALLOC_MAX: usize = 32 << 20;
+/// Below this much free room, a new read buffer is started.
+const MIN_READ: usize = 8 * 1024;
+/// Replies queued beyond this are written before more commands run.
+const FLUSH_AT: usize = 8 << 20;
+/// How long shutdown waits for connections to finish what they are doing.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Serves RESP on `listener` until `shutdown` completes; then stops
+/// accepting, tells connections to close once their current batch is
+/// answered, and waits briefly for them.
+pub async fn serve(
+    listener: TcpListener,
+    ctx: Arc<ServerCtx>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let info = Arc::new(ServerInfo {
+        started: Instant::now(),
+        port: listener.local_addr()?.port(),
+        next_client_id: AtomicU64::new(1),
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut conns = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => {
+                    conns.spawn(connection(stream, ctx.clone(), info.clone(), stop_rx.clone()));
+                }
+                Err(e) => {
+                    // Out of descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "RESP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, async { while conns.join_next().await.is_some() {} }).await;
+    conns.abort_all();
+    Ok(())
+}
+
+/// Decrements the open-connection gauge however the connection ends.
+struct OpenGuard<'a>(&'a AtomicU64);
+
+impl Drop for OpenGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+async fn connection(
+    mut stream: TcpStream,
+    ctx: Arc<ServerCtx>,
+    info: Arc<ServerInfo>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let stats = &ctx.resp;
+    stats.connections_total.fetch_add(1, Relaxed);
+    stats.connections_open.fetch_add(1, Relaxed);
+    let _open = OpenGuard(&stats.connections_open);
+    let _ = stream.set_nodelay(true);
+    let limits = Limits::for_max_value(ctx.store.config().max_value.as_u64());
+    let mut session = Session::new(&ctx, &info);
+    let mut input = BytesMut::with_capacity(READ_CHUNK);
+    let mut out = Out::new();
+    // Bytes the input must hold before parsing can make progress.
+    let mut need = 1usize;
+    loop {
+        while input.len() >= need {
+            match parse_command(&mut input, &limits) {
+                Ok(Parse::Command(args)) => {
+                    need = 1;
+                    if args.is_empty() {
+                        continue;
+                    }
+                    if session.execute(args, &mut out).await == Flow::Close {
+                        let _ = write_out(&mut out, &mut stream, &ctx).await;
+                        return;
+                    }
+                    if out.pending() >= FLUSH_AT && write_out(&mut out, &mut stream, &ctx).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(Parse::Incomplete { need: n }) => need = n,
+                Err(e) => {
+                    stats.protocol_errors.fetch_add(1, Relaxed);
+                    stats.requests_error.fetch_add(1, Relaxed);
+                    tracing::debug!(error = %e, "RESP protocol error; closing connection");
+                    out.error(&format!("ERR Protocol error: {e}"));
+                    let _ = write_out(&mut out, &mut stream, &ctx).await;
+                    return;
+                }
+            }
+        }
+        if write_out(&mut out, &mut stream, &ctx).await.is_err() {
+            return;
+        }
+        if need > input.capacity() {
+            // A frame larger than the buffer: give it one allocation of
+            // exactly its size, filled by the reads that follow. The stored
+            // value then owns that allocation alone instead of sharing (and
+            // pinning) a read buffer with the requests after it. Beyond
+            // PREALLOC_MAX the room grows with the bytes that actually arrive,
+            // so a header alone cannot make the server reserve 512 MiB.
+            let cap = need.min(input.len().saturating_mul(2).max(input.len() + PREALLOC_MAX));
+            let mut frame = BytesMut::with_capacity(cap);
+            frame.extend_from_slice(&input);
+            input = frame;
+        } else if input.capacity() - input.len() < MIN_READ {
+            input.reserve(READ_CHUNK);
+        }
+        tokio::select! {
+            r = stream.read_buf(&mut input) => match r {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    stats.bytes_read.fetch_add(n as u64, Relaxed);
+                }
+            },
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+async fn write_out(out: &mut Out, stream: &mut TcpStream, ctx: &ServerCtx) -> std::io::Result<()> {
+    let n = out.flush_to(stream).await?;
+    ctx.resp.bytes_written.fetch_add(n as u64, Relaxed);
+    Ok(())
+}

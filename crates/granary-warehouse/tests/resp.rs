@@ -1,0 +1,445 @@
+//! The RESP server against real clients: `redis-cli`, `redis-benchmark`,
+//! redis-py (scripts in `tests/python/`), and raw sockets for what no
+//! client would send. Missing external tools skip their test unless
+//! `GRANARY_REQUIRE_EXTERNAL=1`, which turns a missing tool into a failure.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use granary_warehouse::auth::Auth;
+use granary_warehouse::{ServerCtx, Store, StoreConfig};
+
+struct Server {
+    port: u16,
+    ctx: Arc<ServerCtx>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Server {
+    fn start(auth: Auth) -> Server {
+        Self::start_with(StoreConfig::memory_only(256 << 20), auth)
+    }
+
+    fn start_with(cfg: StoreConfig, auth: Auth) -> Server {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (port, ctx) = rt.block_on(async {
+            let store = Store::with_tiers(cfg, None, None);
+            let ctx = Arc::new(ServerCtx::new(store, auth));
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            tokio::spawn(granary_warehouse::resp::serve(listener, ctx.clone(), async {
+                let _ = stopped.await;
+            }));
+            (port, ctx)
+        });
+        Server { port, ctx, stop: Some(stop), rt: Some(rt) }
+    }
+
+    fn connect(&self) -> TcpStream {
+        let s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    }
+
+    fn get(&self, ns: &str, key: &[u8]) -> Option<Vec<u8>> {
+        let store = self.ctx.store.clone();
+        let (ns, key) = (ns.to_string(), key.to_vec());
+        self.rt.as_ref().unwrap().block_on(async move { store.get(&ns, &key).await.unwrap().map(|h| h.value.to_vec()) })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_timeout(Duration::from_secs(2));
+        }
+    }
+}
+
+/// Whether an external program works; a missing one fails the test only in CI.
+fn available(program: &str, args: &[&str]) -> bool {
+    let ok = Command::new(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        if std::env::var("GRANARY_REQUIRE_EXTERNAL").as_deref() == Ok("1") {
+            panic!("{program} {args:?} is required (GRANARY_REQUIRE_EXTERNAL=1) but does not work");
+        }
+        eprintln!("skipped: {program} not available");
+    }
+    ok
+}
+
+fn cli(port: u16, args: &[&[u8]]) -> String {
+    cli_stdin(port, args, None)
+}
+
+fn cli_stdin(port: u16, args: &[&[u8]], stdin: Option<&[u8]>) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut cmd = Command::new("redis-cli");
+    cmd.args(["-p", &port.to_string()]);
+    for a in args {
+        cmd.arg(std::ffi::OsStr::from_bytes(a));
+    }
+    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    if let Some(input) = stdin {
+        child.stdin.take().unwrap().write_all(input).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "redis-cli {:?} failed: {}", args, String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim_end().to_string()
+}
+
+/// Sends raw bytes and reads until `expect` replies' worth of bytes have arrived or the peer closes.
+fn roundtrip(s: &mut TcpStream, send: &[u8], want_len: usize) -> Vec<u8> {
+    s.write_all(send).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 65536];
+    while got.len() < want_len {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("read failed after {} bytes: {e}", got.len()),
+        }
+    }
+    got
+}
+
+/// Sends a request and asserts the exact reply bytes.
+fn expect(s: &mut TcpStream, send: &[u8], want: &[u8]) {
+    let got = roundtrip(s, send, want.len());
+    assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(want));
+}
+
+/// Sends a request and reads replies until they end with `suffix`.
+fn read_until(s: &mut TcpStream, send: &[u8], suffix: &[u8]) -> Vec<u8> {
+    s.write_all(send).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 65536];
+    while !got.ends_with(suffix) {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("read failed after {} bytes: {e}", got.len()),
+        }
+    }
+    got
+}
+
+/// Reads until the peer closes; whether it closed within the read timeout.
+fn read_to_close(s: &mut TcpStream) -> (Vec<u8>, bool) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return (got, true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return (got, true),
+            Err(_) => return (got, false),
+        }
+    }
+}
+
+fn resp(args: &[&[u8]]) -> Vec<u8> {
+    let mut v = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        v.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        v.extend_from_slice(a);
+        v.extend_from_slice(b"\r\n");
+    }
+    v
+}
+
+#[test]
+fn redis_cli_commands() {
+    if !available("redis-cli", &["--version"]) {
+        return;
+    }
+    let srv = Server::start(Auth::default());
+    let p = srv.port;
+    assert_eq!(cli(p, &[b"PING"]), "PONG");
+    assert_eq!(cli(p, &[b"SET", b"greeting", b"hello world"]), "OK");
+    assert_eq!(cli(p, &[b"GET", b"greeting"]), "hello world");
+    assert_eq!(cli(p, &[b"EXISTS", b"greeting", b"nope"]), "1");
+    assert_eq!(cli(p, &[b"TTL", b"greeting"]), "-1");
+    assert_eq!(cli(p, &[b"TTL", b"nope"]), "-2");
+    assert_eq!(cli(p, &[b"SET", b"temp", b"v", b"EX", b"100"]), "OK");
+    let ttl: i64 = cli(p, &[b"TTL", b"temp"]).parse().unwrap();
+    assert!((99..=100).contains(&ttl), "ttl {ttl}");
+    assert_eq!(cli(p, &[b"DEL", b"greeting", b"nope"]), "1");
+    assert_eq!(cli(p, &[b"GET", b"greeting"]), "");
+    assert_eq!(srv.get("default", b"greeting"), None);
+    assert!(cli(p, &[b"FOO", b"bar"]).contains("unknown command 'FOO', with args beginning with: 'bar'"));
+
+    // Non-UTF-8 key from argv, binary value (with NULs) from stdin via -x.
+    let key: &[u8] = b"k\xff\xfe\x80";
+    let value: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    assert_eq!(cli_stdin(p, &[b"-x", b"SET", key], Some(&value)), "OK");
+    assert_eq!(srv.get("default", key).as_deref(), Some(&value[..]));
+    assert_eq!(cli(p, &[b"STRLEN", key]), "70000");
+
+    for i in 0..30 {
+        cli(p, &[b"SET", format!("scan:{i}").as_bytes(), b"1"]);
+    }
+    let mut keys: Vec<String> = cli(p, &[b"--scan", b"--pattern", b"scan:1*"]).lines().map(String::from).collect();
+    keys.sort();
+    let mut want: Vec<String> = std::iter::once(1).chain(10..20).map(|i| format!("scan:{i}")).collect();
+    want.sort();
+    assert_eq!(keys, want);
+    let n: u64 = cli(p, &[b"DBSIZE"]).parse().unwrap();
+    assert_eq!(n, 32);
+    let info = cli(p, &[b"INFO", b"keyspace"]);
+    assert!(info.contains("db0:keys=32,expires=0,avg_ttl=0"), "{info}");
+    assert!(cli(p, &[b"INFO"]).contains("redis_version:7.2.0"));
+    assert!(srv.ctx.resp.snapshot().requests_ok > 40);
+}
+
+#[test]
+fn redis_benchmark_runs_against_the_server() {
+    if !available("redis-benchmark", &["--version"]) {
+        return;
+    }
+    let srv = Server::start(Auth::default());
+    let out = Command::new("redis-benchmark")
+        .args(["-p", &srv.port.to_string(), "-t", "set,get", "-n", "20000", "-c", "16", "-P", "8", "-q"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).replace('\r', "\n");
+    assert!(out.status.success(), "redis-benchmark failed: {}", String::from_utf8_lossy(&out.stderr));
+    for t in ["SET", "GET"] {
+        let line = text
+            .lines()
+            .rev()
+            .find(|l| l.starts_with(&format!("{t}:")) && l.contains("requests per second"))
+            .unwrap_or_else(|| panic!("no {t} result in {text}"));
+        let rps: f64 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no number in {line:?}"));
+        assert!(rps > 0.0, "{line}");
+    }
+    // redis-benchmark writes its default 3-byte value to one fixed key.
+    assert_eq!(srv.get("default", b"key:__rand_int__").map(|v| v.len()), Some(3));
+    let snap = srv.ctx.resp.snapshot();
+    assert!(snap.requests_ok >= 40_000, "{snap:?}");
+    assert_eq!(snap.protocol_errors, 0);
+}
+
+fn python(script: &str, port: u16) {
+    if !available("python3", &["-c", "import redis"]) {
+        return;
+    }
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(script);
+    let out = Command::new("python3").arg(&path).arg(port.to_string()).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn python_redis_client() {
+    let srv = Server::start(Auth::default());
+    python("basic.py", srv.port);
+}
+
+#[test]
+fn python_namespaces_and_auth() {
+    let srv = Server::start(Auth::from_plain(Some("root"), &[("t1", "s1"), ("t2", "s2")]));
+    python("auth.py", srv.port);
+    if srv.ctx.resp.snapshot().requests_ok > 0 {
+        assert_eq!(srv.get("t1", b"shared-name"), None, "admin FLUSHDB emptied t1");
+        assert_eq!(srv.get("t2", b"shared-name").as_deref(), Some(&b"from-t2"[..]));
+    }
+}
+
+#[test]
+fn raw_auth_errors() {
+    let srv = Server::start(Auth::from_plain(None, &[("t1", "s1")]));
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"GET", b"k"]), b"-NOAUTH Authentication required.\r\n");
+    expect(&mut s, &resp(&[b"AUTH", b"bad"]), b"-WRONGPASS invalid username-password pair or user is disabled.\r\n");
+    expect(
+        &mut s,
+        &resp(&[b"AUTH", b"t2", b"s1"]),
+        b"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+    );
+    expect(&mut s, &resp(&[b"GET", b"k"]), b"-NOAUTH Authentication required.\r\n");
+    expect(&mut s, &resp(&[b"AUTH", b"t1", b"s1"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"GET", b"k"]), b"$-1\r\n");
+    expect(
+        &mut s,
+        &resp(&[b"NAMESPACE", b"other"]),
+        b"-NOPERM this user has no permissions to access namespace 'other'\r\n",
+    );
+}
+
+#[test]
+fn malformed_frame_closes_only_that_connection() {
+    let srv = Server::start(Auth::default());
+    let mut good = srv.connect();
+    expect(&mut good, &resp(&[b"SET", b"a", b"1"]), b"+OK\r\n");
+    let mut bad = srv.connect();
+    bad.write_all(b"*2\r\n$3\r\nGET\r\n+oops\r\n").unwrap();
+    let (got, closed) = read_to_close(&mut bad);
+    assert!(closed, "connection must be closed after a protocol error");
+    assert_eq!(got, b"-ERR Protocol error: expected '$', got '+'\r\n");
+    expect(&mut good, &resp(&[b"GET", b"a"]), b"$1\r\n1\r\n");
+    assert_eq!(srv.ctx.resp.snapshot().protocol_errors, 1);
+
+    // A bulk longer than the store accepts is refused before it is read.
+    let srv = Server::start_with(
+        StoreConfig { max_value: granary_core::ByteSize::kib(64), ..StoreConfig::memory_only(1 << 20) },
+        Auth::default(),
+    );
+    let mut s = srv.connect();
+    s.write_all(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$999999999\r\n").unwrap();
+    let (got, closed) = read_to_close(&mut s);
+    assert!(closed);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("-ERR Protocol error: bulk of 999999999 bytes exceeds the limit"), "{text}");
+    // A value over the store's limit but within the framing slack is a command error, not a protocol one.
+    let mut s = srv.connect();
+    let big = vec![b'v'; 64 * 1024 + 1];
+    let got = read_until(&mut s, &resp(&[b"SET", b"k", &big]), b"\r\n");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("-ERR value too large: value of 65537 bytes exceeds the limit of 65536 bytes"), "{text}");
+    expect(&mut s, &resp(&[b"PING"]), b"+PONG\r\n");
+}
+
+#[test]
+fn disconnect_mid_value_stores_nothing() {
+    let srv = Server::start(Auth::default());
+    let mut s = srv.connect();
+    let mut frame = resp(&[b"SET", b"half", &vec![b'z'; 1 << 20]]);
+    frame.truncate(frame.len() / 2);
+    s.write_all(&frame).unwrap();
+    drop(s);
+    // And one cut just before the closing CRLF.
+    let mut s = srv.connect();
+    let mut frame = resp(&[b"SET", b"almost", b"value"]);
+    frame.truncate(frame.len() - 2);
+    s.write_all(&frame).unwrap();
+    drop(s);
+    let mut c = srv.connect();
+    expect(&mut c, &resp(&[b"EXISTS", b"half", b"almost"]), b":0\r\n");
+    for _ in 0..100 {
+        if srv.ctx.resp.connections_open.load(Relaxed) == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(srv.ctx.resp.connections_open.load(Relaxed), 1, "cut connections must be closed");
+    assert_eq!(srv.get("default", b"half"), None);
+}
+
+#[test]
+fn unknown_command_and_arity_errors() {
+    let srv = Server::start(Auth::default());
+    let mut s = srv.connect();
+    let want = b"-ERR unknown command 'BOGUS', with args beginning with: 'x' 'y' \r\n";
+    expect(&mut s, &resp(&[b"BOGUS", b"x", b"y"]), want);
+    let want = b"-ERR wrong number of arguments for 'get' command\r\n";
+    expect(&mut s, &resp(&[b"get"]), want);
+    let want = b"-ERR syntax error\r\n";
+    expect(&mut s, &resp(&[b"SET", b"k", b"v", b"NX", b"XX"]), want);
+    let want = b"-NOPERM this user has no permissions to run the 'flushdb' command\r\n";
+    expect(&mut s, &resp(&[b"FLUSHDB"]), want);
+    // Inline commands work too.
+    expect(&mut s, b"PING\r\n", b"+PONG\r\n");
+    expect(&mut s, b"ECHO \"a b\"\r\n", b"$3\r\na b\r\n");
+    assert_eq!(srv.ctx.resp.snapshot().protocol_errors, 0);
+}
+
+#[test]
+fn pipelined_commands_are_answered_in_order() {
+    let srv = Server::start(Auth::default());
+    let mut s = srv.connect();
+    let mut batch = Vec::new();
+    let mut want = Vec::new();
+    for i in 0..1000 {
+        let v = format!("value-{i}");
+        if i % 2 == 0 {
+            batch.extend(resp(&[b"SET", format!("p{i}").as_bytes(), v.as_bytes()]));
+            want.extend_from_slice(b"+OK\r\n");
+        } else {
+            batch.extend(resp(&[b"GET", format!("p{}", i - 1).as_bytes()]));
+            let prev = format!("value-{}", i - 1);
+            want.extend(format!("${}\r\n{prev}\r\n", prev.len()).into_bytes());
+        }
+    }
+    let got = roundtrip(&mut s, &batch, want.len());
+    assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want));
+}
+
+#[test]
+fn resp3_nulls_and_waitaof() {
+    let srv = Server::start(Auth::default());
+    let mut s = srv.connect();
+    let mut both = resp(&[b"HELLO", b"3"]);
+    both.extend(resp(&[b"PING"]));
+    let hello = read_until(&mut s, &both, b"+PONG\r\n");
+    let text = String::from_utf8_lossy(&hello);
+    assert!(text.starts_with("%7\r\n$6\r\nserver\r\n$5\r\nredis\r\n"), "{text}");
+    assert!(text.contains("$5\r\nproto\r\n:3\r\n"), "{text}");
+    expect(&mut s, &resp(&[b"GET", b"nothing"]), b"_\r\n");
+    expect(&mut s, &resp(&[b"WAITAOF", b"1", b"0", b"100"]), b"*2\r\n:1\r\n:0\r\n");
+    expect(&mut s, &resp(&[b"HELLO", b"4"]), b"-NOPROTO unsupported protocol version\r\n");
+}
+
+#[test]
+fn large_values_round_trip_intact() {
+    let srv = Server::start(Auth::default());
+    let mut s = srv.connect();
+    let value: Vec<u8> = (0..4 << 20).map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    expect(&mut s, &resp(&[b"SET", b"big", &value]), b"+OK\r\n");
+    let mut want = format!("${}\r\n", value.len()).into_bytes();
+    want.extend_from_slice(&value);
+    want.extend_from_slice(b"\r\n");
+    let got = roundtrip(&mut s, &resp(&[b"GET", b"big"]), want.len());
+    assert!(got == want, "4 MiB value changed in transit");
+}
+
+#[test]
+fn shutdown_stops_the_server_and_closes_connections() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let ctx = Arc::new(ServerCtx::new(Store::memory_only(1 << 20), Auth::default()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(granary_warehouse::resp::serve(listener, ctx.clone(), async {
+            let _ = stopped.await;
+        }));
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"PING\r\n").await.unwrap();
+        let mut buf = [0u8; 7];
+        c.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"+PONG\r\n");
+        stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server).await.expect("serve must return").unwrap().unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf)).await.unwrap().unwrap_or(0);
+        assert_eq!(n, 0, "open connections are closed on shutdown");
+        assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "listener must be closed");
+        assert_eq!(ctx.resp.connections_open.load(Relaxed), 0);
+    });
+}
