@@ -32,7 +32,7 @@ pub async fn run(cfg: WarehouseConfig) -> Result<()> {
     if let Some(addr) = WarehouseConfig::listen("resp", &cfg.resp)? {
         let l = TcpListener::bind(addr).await.with_context(|| format!("binding RESP on {addr}"))?;
         println!("granary warehouse: resp listening on {}", l.local_addr()?);
-        tasks.push(tokio::spawn(serve_pending(l, ctx.clone(), stopped(stop_rx.clone()))));
+        tasks.push(tokio::spawn(granary_warehouse::resp::serve(l, ctx.clone(), stopped(stop_rx.clone()))));
     }
     if let Some(addr) = WarehouseConfig::listen("http", &cfg.http)? {
         let l = TcpListener::bind(addr).await.with_context(|| format!("binding HTTP on {addr}"))?;
@@ -65,15 +65,4 @@ async fn shutdown_signal() {
     {
         let _ = ctrl_c.await;
     }
-}
-
-/// Placeholder until the protocol modules are wired in: holds the listener.
-async fn serve_pending(
-    l: TcpListener,
-    _ctx: Arc<ServerCtx>,
-    stop: impl std::future::Future<Output = ()>,
-) -> std::io::Result<()> {
-    let _keep = l;
-    stop.await;
-    Ok(())
 }
