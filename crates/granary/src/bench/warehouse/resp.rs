@@ -1,0 +1,358 @@
+//! `resp`: the warehouse's RESP server next to a real Redis.
+//!
+//! Starts the real `granary warehouse` process (this executable) and a real
+//! `redis-server` with persistence off, checks that both answer PING, then
+//! drives each identically with `redis-benchmark` (SET then GET, 16
+//! clients) for 64 KiB, 1 MiB and 4 MiB values, and reads requests per
+//! second and p50/p99 latency from its CSV output.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::Serialize;
+
+use super::report::{bar, size_label, Goal, Table};
+use super::{Ctx, Unavailable};
+
+const CLIENTS: u32 = 16;
+const GOAL_SIZE: u64 = 1 << 20;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RespRow {
+    pub value_bytes: u64,
+    pub op: String,
+    pub server: &'static str,
+    pub requests: u64,
+    pub rps: f64,
+    pub gbps: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    /// granary / redis, on the granary row.
+    pub rps_ratio: Option<f64>,
+    pub p99_ratio: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RespReport {
+    pub redis_version: String,
+    pub clients: u32,
+    pub rows: Vec<RespRow>,
+    /// Why granary's server could not be measured (the Redis rows stand alone).
+    pub granary_error: Option<String>,
+}
+
+/// A child process stopped (SIGTERM, then SIGKILL) when dropped.
+struct Proc {
+    child: Child,
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command) -> Result<(Proc, mpsc::Receiver<String>)> {
+        let program = cmd.get_program().to_string_lossy().into_owned();
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {program}"))?;
+        let (tx, rx) = mpsc::channel();
+        let stdout = child.stdout.take().expect("piped stdout");
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+                let _ = tx.send(line);
+            }
+        });
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let tail = stderr.clone();
+        let err = child.stderr.take().expect("piped stderr");
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
+                let mut t = tail.lock().expect("stderr tail");
+                t.push(line);
+                if t.len() > 20 {
+                    t.remove(0);
+                }
+            }
+        });
+        Ok((Proc { child, stderr }, rx))
+    }
+
+    fn stderr_tail(&self) -> String {
+        self.stderr.lock().expect("stderr tail").join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child by its pid.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sizes and request counts: a few seconds per case on a small host.
+fn cases(quick: bool) -> [(u64, u64); 3] {
+    if quick {
+        [(64 << 10, 1_000), (1 << 20, 200), (4 << 20, 50)]
+    } else {
+        [(64 << 10, 100_000), (1 << 20, 5_000), (4 << 20, 1_000)]
+    }
+}
+
+pub fn run(ctx: &Ctx) -> Result<RespReport> {
+    let redis_version = tool_version("redis-server", "--version")
+        .map_err(|e| Unavailable(format!("redis-server not runnable ({e:#}); install Redis 7.x to run this part")))?;
+    tool_version("redis-benchmark", "--version")
+        .map_err(|e| Unavailable(format!("redis-benchmark not runnable ({e:#}); it ships with Redis 7.x")))?;
+    if !redis_version.contains("v=7.") {
+        eprintln!("resp: expected Redis 7.x, found {redis_version}; continuing");
+    }
+
+    // Redis is measured even when granary's server cannot be, so that the
+    // anchor's figures are on record either way.
+    let (redis, redis_port) = start_redis()?;
+    let granary = start_granary();
+    let granary_error = granary.as_ref().err().map(|e| format!("{e:#}"));
+    if let Some(e) = &granary_error {
+        eprintln!("resp: granary not measured: {e}");
+    }
+
+    let cases = cases(ctx.quick);
+    let servers = if granary.is_ok() { 2 } else { 1 };
+    let pb = bar((cases.len() * servers) as u64, "resp");
+    let mut rows = Vec::new();
+    for (size, n) in cases {
+        pb.set_message(format!("{} x{n} against redis", size_label(size)));
+        let anchor = redis_benchmark(redis_port, size, n).with_context(|| format!("redis: {}", redis.stderr_tail()))?;
+        pb.inc(1);
+        let measured = match &granary {
+            Ok((proc, port)) => {
+                pb.set_message(format!("{} x{n} against granary", size_label(size)));
+                let m = redis_benchmark(*port, size, n).with_context(|| format!("granary: {}", proc.stderr_tail()))?;
+                pb.inc(1);
+                m
+            }
+            Err(_) => Vec::new(),
+        };
+        let row = |server, (op, rps, p50, p99): &Measured, anchor: Option<&Measured>| RespRow {
+            value_bytes: size,
+            op: op.clone(),
+            server,
+            requests: n,
+            rps: *rps,
+            gbps: rps * size as f64 / 1e9,
+            p50_ms: *p50,
+            p99_ms: *p99,
+            rps_ratio: anchor.map(|a| rps / a.1),
+            p99_ratio: anchor.map(|a| p99 / a.3),
+        };
+        // Each redis row, then granary's row for the same op.
+        for r in &anchor {
+            rows.push(row("redis", r, None));
+            if let Some(g) = measured.iter().find(|g| g.0 == r.0) {
+                rows.push(row("granary", g, Some(r)));
+            }
+        }
+    }
+    pb.finish_and_clear();
+    drop(granary);
+    drop(redis);
+    Ok(RespReport { redis_version, clients: CLIENTS, rows, granary_error })
+}
+
+fn tool_version(program: &str, flag: &str) -> Result<String> {
+    let out = Command::new(program).arg(flag).output()?;
+    ensure!(out.status.success(), "{program} {flag} failed");
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Starts this executable as `granary warehouse` on an OS-chosen port and
+/// waits for its `ready` line; the RESP address it printed.
+fn start_granary() -> Result<(Proc, u16)> {
+    let mut cmd = Command::new(std::env::current_exe().context("locating the granary executable")?);
+    cmd.args(["warehouse", "--resp", "127.0.0.1:0", "--http", "off", "--memory", "8GiB"]).env("GRANARY_LOG", "warn");
+    let (proc, lines) = Proc::spawn(cmd)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut addr = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => {
+                if let Some(a) = line.strip_prefix("granary warehouse: resp listening on ") {
+                    addr = Some(a.trim().to_string());
+                } else if line.trim() == "granary warehouse: ready" {
+                    break;
+                }
+            }
+            Err(_) => bail!("granary warehouse did not print `ready` within 30 s: {}", proc.stderr_tail()),
+        }
+    }
+    let addr = addr.context("granary warehouse printed no `resp listening on` line")?;
+    ping(&addr, Duration::from_secs(5)).with_context(|| format!("granary's RESP server at {addr}"))?;
+    let port = addr.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).context("granary's RESP port")?;
+    Ok((proc, port))
+}
+
+/// Starts `redis-server` without persistence on a free port.
+fn start_redis() -> Result<(Proc, u16)> {
+    // redis-server takes a port number, not a listener: find a free one.
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut cmd = Command::new("redis-server");
+    cmd.args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1", "--port", &port.to_string()]);
+    let (proc, _lines) = Proc::spawn(cmd)?;
+    let addr = format!("127.0.0.1:{port}");
+    ping(&addr, Duration::from_secs(10)).with_context(|| format!("redis-server at {addr}: {}", proc.stderr_tail()))?;
+    Ok((proc, port))
+}
+
+/// Sends PING until `+PONG` comes back or `within` passes.
+fn ping(addr: &str, within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    let mut last = String::from("no attempt");
+    while Instant::now() < deadline {
+        let attempt = || -> Result<()> {
+            let mut s = TcpStream::connect(addr)?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            s.write_all(b"*1\r\n$4\r\nPING\r\n")?;
+            let mut buf = [0u8; 7];
+            s.read_exact(&mut buf)?;
+            ensure!(&buf == b"+PONG\r\n", "answered {:?}", String::from_utf8_lossy(&buf));
+            Ok(())
+        };
+        match attempt() {
+            Ok(()) => return Ok(()),
+            Err(e) => last = format!("{e:#}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    bail!("no PONG within {} s (last: {last})", within.as_secs())
+}
+
+/// One test's result: (op, req/s, p50 ms, p99 ms).
+type Measured = (String, f64, f64, f64);
+
+/// One `redis-benchmark` run, a result per test.
+fn redis_benchmark(port: u16, size: u64, n: u64) -> Result<Vec<Measured>> {
+    let mut child = Command::new("redis-benchmark")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-t", "set,get", "-d", &size.to_string()])
+        .args(["-c", &CLIENTS.to_string(), "-n", &n.to_string(), "--csv"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting redis-benchmark")?;
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break st;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("redis-benchmark ran past 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = reader.join().unwrap_or_default();
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    ensure!(status.success(), "redis-benchmark failed ({status}): {}{}", out.trim(), err.trim());
+    let rows = parse_csv(&out)?;
+    ensure!(rows.len() == 2, "redis-benchmark printed {} result rows, expected SET and GET:\n{out}", rows.len());
+    Ok(rows)
+}
+
+fn parse_csv(out: &str) -> Result<Vec<Measured>> {
+    let split = |l: &str| l.split(',').map(|f| f.trim().trim_matches('"').to_string()).collect::<Vec<_>>();
+    let mut lines = out.lines().map(str::trim).filter(|l| l.starts_with('"'));
+    let header = split(lines.next().context("redis-benchmark printed no CSV header")?);
+    let col = |name: &str| header.iter().position(|h| h == name).with_context(|| format!("CSV lacks column {name}"));
+    let (test, rps, p50, p99) = (col("test")?, col("rps")?, col("p50_latency_ms")?, col("p99_latency_ms")?);
+    lines
+        .map(|l| {
+            let f = split(l);
+            let num = |i: usize| -> Result<f64> {
+                f.get(i).context("short CSV row")?.parse::<f64>().with_context(|| format!("bad number in {l}"))
+            };
+            Ok((f.get(test).context("short CSV row")?.clone(), num(rps)?, num(p50)?, num(p99)?))
+        })
+        .collect()
+}
+
+pub fn tables(r: &RespReport) -> Vec<Table> {
+    let mut t = Table::new(
+        format!("resp: redis-benchmark -t set,get -c {} against granary and {} (persistence off)", r.clients, {
+            r.redis_version.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+        }),
+        &["size", "op", "server", "requests", "req/s", "GB/s", "p50 ms", "p99 ms", "req/s ratio", "p99 ratio"],
+    );
+    for row in &r.rows {
+        t.row(vec![
+            size_label(row.value_bytes),
+            row.op.clone(),
+            row.server.to_string(),
+            row.requests.to_string(),
+            format!("{:.0}", row.rps),
+            format!("{:.3}", row.gbps),
+            format!("{:.3}", row.p50_ms),
+            format!("{:.3}", row.p99_ms),
+            row.rps_ratio.map_or_else(|| "anchor".into(), |x| format!("{x:.2}x")),
+            row.p99_ratio.map_or_else(|| "anchor".into(), |x| format!("{x:.2}x")),
+        ]);
+    }
+    vec![t]
+}
+
+pub fn goals(r: &RespReport) -> Vec<Goal> {
+    let goal = "1 MiB GET: granary >= 1.5x Redis req/s, p99 no worse";
+    let find = |server: &str| r.rows.iter().find(|x| x.value_bytes == GOAL_SIZE && x.op == "GET" && x.server == server);
+    match (find("granary"), find("redis")) {
+        (Some(g), Some(a)) => {
+            let ratio = g.rps / a.rps;
+            vec![Goal::new(
+                "resp",
+                goal,
+                ratio >= 1.5 && g.p99_ms <= a.p99_ms,
+                format!("{:.0} vs {:.0} req/s ({ratio:.2}x), p99 {:.2} vs {:.2} ms", g.rps, a.rps, g.p99_ms, a.p99_ms),
+            )]
+        }
+        _ => vec![Goal::unmeasured("resp", goal, r.granary_error.as_deref().unwrap_or("no 1 MiB GET rows"))],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_redis_benchmark_csv() {
+        let out = "\"test\",\"rps\",\"avg_latency_ms\",\"min_latency_ms\",\"p50_latency_ms\",\"p95_latency_ms\",\"p99_latency_ms\",\"max_latency_ms\"\n\
+                   \"SET\",\"1458.79\",\"7.136\",\"0.592\",\"7.151\",\"11.431\",\"19.583\",\"37.119\"\n\
+                   \"GET\",\"1063.26\",\"6.977\",\"0.352\",\"6.239\",\"15.863\",\"18.863\",\"21.471\"\n";
+        let rows = parse_csv(out).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[1], ("GET".to_string(), 1063.26, 6.239, 18.863));
+    }
+}
