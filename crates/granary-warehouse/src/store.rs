@@ -501,8 +501,11 @@ impl Store {
 
     /// Longest prefix of `keys` present in memory or on disk, without I/O.
     pub fn lookup_local(&self, ns: &str, keys: &[impl AsRef<[u8]>]) -> LookupResult {
-        let mut out = LookupResult::default();
-        for k in keys {
+        let in_memory = self.inner.memory.prefix_len(ns, keys);
+        let mut out = LookupResult { matched: in_memory, tiers: vec![TierKind::Memory; in_memory] };
+        // Past the memory prefix, a block may still be on disk (then memory
+        // may hold more of the chain again, having promoted a later block).
+        for k in &keys[in_memory..] {
             let k = k.as_ref();
             let tier = if self.inner.memory.contains_sync(ns, k) {
                 TierKind::Memory

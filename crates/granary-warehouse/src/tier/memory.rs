@@ -7,7 +7,7 @@
 //! budget) once the budget is large enough for sharding not to distort
 //! eviction.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -19,6 +19,10 @@ use super::{Tier, TierKind};
 use crate::error::Result;
 use crate::policy::{EntryId, Policy, PolicyKind};
 use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
+
+/// Maps keyed by client-chosen bytes: a fast hasher with a random seed per
+/// map, so crafted keys cannot force collisions.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Budget per shard below which the tier uses fewer shards.
 const MIN_SHARD_BUDGET: u64 = 64 << 20;
@@ -48,17 +52,18 @@ struct Shard {
     /// (expires_at_ms, id) of entries with a TTL.
     expiry: BTreeMap<(u64, EntryId), ()>,
     policy: Box<dyn Policy>,
+    // Counted under the shard's lock: no shared cache line on the read path.
+    hits: u64,
+    misses: u64,
+    evictions: u64,
+    expirations: u64,
 }
 
-/// Counters shared by all shards.
+/// Sizes shared by all shards (changed on writes only).
 #[derive(Default)]
 struct Counters {
     bytes: AtomicU64,
     entries: AtomicU64,
-    hits: AtomicU64,
-    misses: AtomicU64,
-    evictions: AtomicU64,
-    expirations: AtomicU64,
 }
 
 pub struct MemoryTier {
@@ -87,10 +92,14 @@ impl MemoryTier {
                     budget: per,
                     bytes: 0,
                     next_id: 1,
-                    spaces: HashMap::new(),
-                    by_id: HashMap::new(),
+                    spaces: HashMap::default(),
+                    by_id: HashMap::default(),
                     expiry: BTreeMap::new(),
                     policy: policy.build(per),
+                    hits: 0,
+                    misses: 0,
+                    evictions: 0,
+                    expirations: 0,
                 })
             })
             .collect();
@@ -98,14 +107,29 @@ impl MemoryTier {
     }
 
     fn shard(&self, ns: &str, key: &[u8]) -> &Mutex<Shard> {
+        self.shard_in(ns_seed(ns), key)
+    }
+
+    /// The shard of `key` in the namespace whose [`ns_seed`] is `seed`.
+    fn shard_in(&self, seed: u64, key: &[u8]) -> &Mutex<Shard> {
         if self.shards.len() == 1 {
             return &self.shards[0];
         }
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
-        h.update(ns.as_bytes());
-        h.update(&[0]);
-        h.update(key);
-        &self.shards[(h.digest() as usize) & (self.shards.len() - 1)]
+        let h = xxhash_rust::xxh3::xxh3_64_with_seed(key, seed);
+        &self.shards[(h as usize) & (self.shards.len() - 1)]
+    }
+
+    /// How many of `keys`, from the first, are live in `ns`: one clock read
+    /// and one namespace hash for the whole batch.
+    pub fn prefix_len(&self, ns: &str, keys: &[impl AsRef<[u8]>]) -> usize {
+        let (now, seed) = (now_ms(), ns_seed(ns));
+        keys.iter()
+            .take_while(|k| {
+                let k = k.as_ref();
+                let s = self.shard_in(seed, k).lock();
+                s.spaces.get(ns).and_then(|n| n.map.get(k)).is_some_and(|slot| !slot.meta.is_expired(now))
+            })
+            .count()
     }
 
     /// Reads a value without an await: the in-process fast path.
@@ -114,8 +138,7 @@ impl MemoryTier {
         let mut s = self.shard(ns, key).lock();
         let expired = match s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) {
             None => {
-                drop(s);
-                self.c.misses.fetch_add(1, Relaxed);
+                s.misses += 1;
                 return None;
             }
             Some(slot) if !slot.meta.is_expired(now) => {
@@ -123,18 +146,16 @@ impl MemoryTier {
                 let out = Stored { value: slot.value.clone(), meta: slot.meta, hits: slot.hits };
                 let id = slot.id;
                 s.policy.access(id);
-                drop(s);
-                self.c.hits.fetch_add(1, Relaxed);
+                s.hits += 1;
                 return Some(out);
             }
             Some(slot) => slot.pins == 0,
         };
         if expired {
             self.remove_locked(&mut s, ns, key);
-            self.c.expirations.fetch_add(1, Relaxed);
+            s.expirations += 1;
         }
-        drop(s);
-        self.c.misses.fetch_add(1, Relaxed);
+        s.misses += 1;
         None
     }
 
@@ -189,7 +210,7 @@ impl MemoryTier {
         })?;
         let (ns, key) = s.by_id.get(&victim).cloned()?;
         let slot = self.take_locked(s, &ns, &key)?;
-        self.c.evictions.fetch_add(1, Relaxed);
+        s.evictions += 1;
         Some(Evicted { namespace: ns.to_string(), key, value: Some(slot.value), meta: slot.meta })
     }
 
@@ -344,28 +365,37 @@ impl Tier for MemoryTier {
                     let pinned = s.spaces.get(&*ns).and_then(|sp| sp.map.get(&key)).is_some_and(|sl| sl.pins > 0);
                     if !pinned && self.remove_locked(&mut s, &ns, &key) {
                         n += 1;
+                        s.expirations += 1;
                     }
                 }
             }
         }
-        self.c.expirations.fetch_add(n, Relaxed);
         Ok(n)
     }
 
     fn stats(&self) -> TierStats {
-        TierStats {
+        let mut t = TierStats {
             tier: Some(TierKind::Memory),
             policy: Some(self.policy.as_str().to_string()),
             bytes: self.c.bytes.load(Relaxed),
             entries: self.c.entries.load(Relaxed),
             capacity: self.capacity,
-            hits: self.c.hits.load(Relaxed),
-            misses: self.c.misses.load(Relaxed),
-            evictions: self.c.evictions.load(Relaxed),
-            expirations: self.c.expirations.load(Relaxed),
             ..Default::default()
+        };
+        for shard in self.shards.iter() {
+            let s = shard.lock();
+            t.hits += s.hits;
+            t.misses += s.misses;
+            t.evictions += s.evictions;
+            t.expirations += s.expirations;
         }
+        t
     }
+}
+
+/// Hash of a namespace name, seeding the shard choice of its keys.
+fn ns_seed(ns: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(ns.as_bytes())
 }
 
 /// Cuts a sorted candidate list to a page of about `count` keys without
