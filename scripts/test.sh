@@ -39,7 +39,11 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
-cargo test --workspace
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace 2>&1 | tee "$log"
+passed=$(grep -oE '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s+=$4} END {print s+0}')
+failed=$(grep -oE '; [0-9]+ failed' "$log" | awk '{s+=$2} END {print s+0}')
 if [ "${FUZZ_SECONDS:-15}" != 0 ] && [ -d fuzz ]; then
   echo "== fuzzing (${FUZZ_SECONDS:-15}s per target)"
   for target in $(cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz list); do
@@ -47,3 +51,4 @@ if [ "${FUZZ_SECONDS:-15}" != 0 ] && [ -d fuzz ]; then
   done
 fi
 echo "== all checks passed"
+echo "tests: ${passed} passed, ${failed} failed"
