@@ -94,6 +94,19 @@ pub async fn open_remote(cfg: &RemoteConfig, at_rest: AtRest) -> Result<RemoteTi
 }
 
 impl RemoteTier {
+    /// The namespace's prefix and every object path under it.
+    async fn list_namespace(&self, ns: &str) -> Result<(Path, Vec<Path>)> {
+        let dir = self.ns_path(ns);
+        let paths = self
+            .store
+            .list(Some(&dir))
+            .map_ok(|m| m.location)
+            .try_collect()
+            .await
+            .map_err(|e| self.fail("list", &dir, e))?;
+        Ok((dir, paths))
+    }
+
     fn ns_path(&self, ns: &str) -> Path {
         self.prefix.child(ns)
     }
@@ -265,14 +278,7 @@ impl Tier for RemoteTier {
     }
 
     async fn remove_namespace(&self, ns: &str) -> Result<u64> {
-        let dir = self.ns_path(ns);
-        let paths: Vec<Path> = self
-            .store
-            .list(Some(&dir))
-            .map_ok(|m| m.location)
-            .try_collect()
-            .await
-            .map_err(|e| self.fail("list", &dir, e))?;
+        let (dir, paths) = self.list_namespace(ns).await?;
         let n = paths.len() as u64;
         let mut deleted = self.store.delete_stream(futures::stream::iter(paths.into_iter().map(Ok)).boxed());
         while let Some(r) = deleted.next().await {
@@ -300,14 +306,7 @@ impl Tier for RemoteTier {
 
     async fn scan(&self, ns: &str, cursor: u64, count: usize) -> Result<ScanPage> {
         let count = count.max(1);
-        let dir = self.ns_path(ns);
-        let paths: Vec<Path> = self
-            .store
-            .list(Some(&dir))
-            .map_ok(|m| m.location)
-            .try_collect()
-            .await
-            .map_err(|e| self.fail("list", &dir, e))?;
+        let (_, paths) = self.list_namespace(ns).await?;
         let now = now_ms();
         let heads: Vec<Result<Option<(u64, Bytes)>>> = futures::stream::iter(paths)
             .map(|p| async move {
