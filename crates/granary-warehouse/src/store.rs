@@ -381,10 +381,14 @@ impl Store {
 
     async fn drop_stale_below(&self, ns: &str, key: &[u8]) {
         for l in self.lower() {
-            if l.tier.contains_local(ns, key) != Some(false) {
-                if l.tier.contains_local(ns, key).is_some() {
+            match l.tier.contains_local(ns, key) {
+                Some(false) => {}
+                // The tier's index knows it has the key: drop it now.
+                Some(true) => {
                     let _ = l.tier.remove(ns, key).await;
-                } else {
+                }
+                // Only the tier itself can tell: queue the removal behind earlier writes.
+                None => {
                     l.offer(Op::Remove { ns: ns.to_string(), key: Bytes::copy_from_slice(key) });
                 }
             }
