@@ -1,0 +1,1 @@
+//! OpenAI-compatible HTTP API over a [`crate::Backend`].

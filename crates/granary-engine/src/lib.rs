@@ -1,0 +1,8 @@
+//! The embedded engine: loads a Llama-family model, runs its forward pass
+//! with an engine-owned KV cache, reuses KV blocks through the warehouse,
+//! batches requests continuously and serves the OpenAI API.
+
+pub mod api;
+pub mod types;
+
+pub use types::*;
