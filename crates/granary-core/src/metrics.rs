@@ -98,9 +98,54 @@ pub mod warehouse {
     }
 }
 
+pub mod engine {
+    /// Label values for where a prompt token's KV came from.
+    pub const SOURCES: [&str; 4] = ["computed", "memory", "disk", "remote"];
+
+    /// Time from arrival to the first generated token (histogram).
+    pub const TTFT_SECONDS: &str = "granary_engine_ttft_seconds";
+    /// Time between consecutive generated tokens of a request (histogram).
+    pub const TPOT_SECONDS: &str = "granary_engine_tpot_seconds";
+    /// Time from arrival to the last token (histogram).
+    pub const REQUEST_SECONDS: &str = "granary_engine_request_seconds";
+    /// Prompt tokens by where their KV came from (counter; label `source`).
+    pub const PROMPT_TOKENS: &str = "granary_engine_prompt_tokens_total";
+    /// Tokens generated (counter).
+    pub const GENERATED_TOKENS: &str = "granary_engine_generated_tokens_total";
+    /// Requests by outcome: finished, cancelled, failed (counter; label `outcome`).
+    pub const REQUESTS: &str = "granary_engine_requests_total";
+    /// Requests in the running batch (gauge).
+    pub const RUNNING: &str = "granary_engine_running_requests";
+    /// Requests admitted but not yet running (gauge).
+    pub const WAITING: &str = "granary_engine_waiting_requests";
+    /// KV blocks resident in engine memory (gauge; label `holder` = sequences or cache).
+    pub const RESIDENT_BLOCKS: &str = "granary_engine_kv_resident_blocks";
+    /// Throughput over the last steps (gauge; label `phase` = prefill or decode).
+    pub const TOKENS_PER_SECOND: &str = "granary_engine_tokens_per_second";
+    /// KV block saves to the warehouse by outcome: saved, dropped, failed (counter; label `outcome`).
+    pub const BLOCK_SAVES: &str = "granary_engine_kv_block_saves_total";
+    /// Warehouse calls that failed or timed out, costing hits (counter).
+    pub const WAREHOUSE_ERRORS: &str = "granary_engine_warehouse_errors_total";
+
+    pub const ALL: &[&str] = &[
+        TTFT_SECONDS,
+        TPOT_SECONDS,
+        REQUEST_SECONDS,
+        PROMPT_TOKENS,
+        GENERATED_TOKENS,
+        REQUESTS,
+        RUNNING,
+        WAITING,
+        RESIDENT_BLOCKS,
+        TOKENS_PER_SECOND,
+        BLOCK_SAVES,
+        WAREHOUSE_ERRORS,
+    ];
+}
+
 /// Every name in the catalog, for the rule checks.
 pub fn all() -> impl Iterator<Item = &'static str> {
-    warehouse::ALL.iter().copied()
+    warehouse::ALL.iter().chain(engine::ALL).copied()
 }
 
 #[cfg(test)]
@@ -119,7 +164,10 @@ mod tests {
                 || name.ends_with("_seconds")
                 || name.ends_with("_bytes")
                 || name.ends_with("_entries")
-                || name.ends_with("_connections");
+                || name.ends_with("_connections")
+                || name.ends_with("_requests")
+                || name.ends_with("_blocks")
+                || name.ends_with("_per_second");
             assert!(units_ok, "{name} has no unit or _total suffix");
         }
         assert_eq!(warehouse::counter_base(warehouse::HITS), "granary_warehouse_hits");

@@ -6,3 +6,6 @@ pub mod api;
 pub mod types;
 
 pub use types::*;
+pub mod engine;
+pub mod model;
+pub mod source;

@@ -1,0 +1,129 @@
+//! The engine's Prometheus metrics (names from
+//! [`granary_core::metrics::engine`]); every label value comes from a fixed set.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use granary_core::metrics::engine as names;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, &'static str)>;
+type F64Gauge = Gauge<f64, AtomicU64>;
+
+/// Where a prompt token's KV came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Computed,
+    Memory,
+    Disk,
+    Remote,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Computed => "computed",
+            Source::Memory => "memory",
+            Source::Disk => "disk",
+            Source::Remote => "remote",
+        }
+    }
+}
+
+pub struct EngineMetrics {
+    registry: Registry,
+    pub ttft: Histogram,
+    pub tpot: Histogram,
+    pub request_seconds: Histogram,
+    pub prompt_tokens: Family<Labels, Counter>,
+    pub generated: Counter,
+    pub requests: Family<Labels, Counter>,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub resident: Family<Labels, Gauge>,
+    pub tokens_per_second: Family<Labels, F64Gauge>,
+    pub saves: Family<Labels, Counter>,
+    pub warehouse_errors: Counter,
+    prompt_by_source: [AtomicU64; 4],
+}
+
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EngineMetrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let m = EngineMetrics {
+            ttft: Histogram::new(exponential_buckets(0.005, 2.0, 16)),
+            tpot: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            request_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 16)),
+            prompt_tokens: Family::default(),
+            generated: Counter::default(),
+            requests: Family::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            resident: Family::default(),
+            tokens_per_second: Family::default(),
+            saves: Family::default(),
+            warehouse_errors: Counter::default(),
+            prompt_by_source: Default::default(),
+            registry: Registry::default(),
+        };
+        let base = granary_core::metrics::warehouse::counter_base;
+        registry.register(names::TTFT_SECONDS, "Time to first token", m.ttft.clone());
+        registry.register(names::TPOT_SECONDS, "Time per output token", m.tpot.clone());
+        registry.register(names::REQUEST_SECONDS, "Request duration", m.request_seconds.clone());
+        registry.register(
+            base(names::PROMPT_TOKENS),
+            "Prompt tokens by KV source (computed, memory, disk, remote)",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(base(names::GENERATED_TOKENS), "Tokens generated", m.generated.clone());
+        registry.register(base(names::REQUESTS), "Requests by outcome", m.requests.clone());
+        registry.register(names::RUNNING, "Requests in the running batch", m.running.clone());
+        registry.register(names::WAITING, "Requests waiting to run", m.waiting.clone());
+        registry.register(names::RESIDENT_BLOCKS, "KV blocks resident in engine memory", m.resident.clone());
+        registry.register(names::TOKENS_PER_SECOND, "Recent throughput by phase", m.tokens_per_second.clone());
+        registry.register(base(names::BLOCK_SAVES), "KV block saves by outcome", m.saves.clone());
+        registry.register(base(names::WAREHOUSE_ERRORS), "Warehouse calls failed", m.warehouse_errors.clone());
+        for s in names::SOURCES {
+            let _ = m.prompt_tokens.get_or_create(&vec![("source", s)]);
+        }
+        EngineMetrics { registry, ..m }
+    }
+
+    pub fn add_prompt_tokens(&self, source: Source, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.prompt_tokens.get_or_create(&vec![("source", source.as_str())]).inc_by(n as u64);
+        self.prompt_by_source[source as usize].fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Prompt tokens so far by source, in [`names::SOURCES`] order.
+    pub fn prompt_tokens_by_source(&self) -> [u64; 4] {
+        std::array::from_fn(|i| self.prompt_by_source[i].load(Ordering::Relaxed))
+    }
+
+    pub fn outcome(&self, outcome: &'static str) {
+        self.requests.get_or_create(&vec![("outcome", outcome)]).inc();
+    }
+
+    pub fn save(&self, outcome: &'static str, n: u64) {
+        self.saves.get_or_create(&vec![("outcome", outcome)]).inc_by(n);
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        granary_warehouse::metrics::to_prometheus_text(&out)
+    }
+}

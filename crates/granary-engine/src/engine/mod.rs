@@ -1,0 +1,691 @@
+//! The running engine: admission with KV reuse, the continuous-batching
+//! loop, and saving new blocks.
+//!
+//! A request goes through two stages. Admission (a tokio task) names the
+//! prompt's full blocks with the hash chain, takes the longest prefix held
+//! in the engine's memory and then in the warehouse, and fetches those
+//! blocks. The step loop (one OS thread; the forward pass is blocking CPU or
+//! GPU work) imports them into the sequence's KV and, each step, runs one
+//! forward pass over every running sequence: one token for each decoding
+//! sequence plus prefill chunks up to a token budget. New requests therefore
+//! join between steps, without waiting for running ones to finish.
+
+mod cache;
+pub mod metrics;
+mod sampler;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Result;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use granary_core::block::DType as BlockDType;
+use granary_core::hash::{BlockHash, HashChain, KvLayout};
+use granary_tokenizer::Tokenizer;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tokio::sync::mpsc;
+
+pub use cache::{BlockCache, KvEvent};
+pub use metrics::{EngineMetrics, Source};
+
+use crate::model::{Chunk, KvCache, Model};
+use crate::{Backend, Event, FinishReason, GenerateRequest, ModelInfo, SubmitError, Usage};
+
+/// What this engine does with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Prefill and decode.
+    Both,
+    /// Compute the prompt's KV, write every full block to the warehouse, return.
+    Prefill,
+    /// Load the prompt's KV from the warehouse, compute the rest, generate.
+    Decode,
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "both" => Ok(Role::Both),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            other => Err(format!("unknown role {other:?} (expected both, prefill or decode)")),
+        }
+    }
+}
+
+/// A block fetched from the warehouse.
+pub struct FetchedBlock {
+    pub payload: Bytes,
+    pub source: Source,
+}
+
+/// The warehouse as the engine sees it: named KV payloads. Implementations
+/// frame and check blocks; errors are turned into misses by the engine.
+pub trait BlockStore: Send + Sync + 'static {
+    /// How many leading `hashes` are stored.
+    fn lookup<'a>(&'a self, hashes: &'a [BlockHash]) -> BoxFuture<'a, Result<usize>>;
+    /// The payloads of `hashes`; `None` where missing or unusable.
+    fn get_many<'a>(&'a self, hashes: &'a [BlockHash]) -> BoxFuture<'a, Result<Vec<Option<FetchedBlock>>>>;
+    /// Stores KV payloads of `tokens` tokens each.
+    fn put_many(&self, blocks: Vec<(BlockHash, Bytes)>) -> BoxFuture<'_, Result<()>>;
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The id clients use in `model`.
+    pub model_id: String,
+    pub block_tokens: usize,
+    pub role: Role,
+    /// Tokens one step may process (decode tokens plus prefill chunks).
+    pub max_batch_tokens: usize,
+    /// Sequences in the running batch at most.
+    pub max_running: usize,
+    /// Bytes of exported blocks kept in engine memory for reuse.
+    pub local_cache_bytes: usize,
+    /// Save batches queued for the warehouse at most; beyond, saves are dropped.
+    pub save_queue: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            model_id: "default".into(),
+            block_tokens: 256,
+            role: Role::Both,
+            max_batch_tokens: 512,
+            max_running: 64,
+            local_cache_bytes: 512 << 20,
+            save_queue: 64,
+        }
+    }
+}
+
+struct Admitted {
+    req: GenerateRequest,
+    tx: mpsc::UnboundedSender<Event>,
+    hashes: Vec<BlockHash>,
+    loaded: Vec<(Arc<[u8]>, Source)>,
+    arrived: Instant,
+}
+
+struct Shared {
+    cfg: EngineConfig,
+    model: Arc<Model>,
+    tokenizer: Arc<Tokenizer>,
+    layout: KvLayout,
+    cache: BlockCache,
+    metrics: EngineMetrics,
+    store: Option<Arc<dyn BlockStore>>,
+    runtime: tokio::runtime::Handle,
+    created: u64,
+    closed: AtomicBool,
+}
+
+/// A running engine; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    shared: Arc<Shared>,
+    admit: std_mpsc::Sender<Admitted>,
+}
+
+struct SaveJob {
+    namespace: String,
+    blocks: Vec<(BlockHash, Bytes)>,
+}
+
+impl Engine {
+    /// Starts the step loop and the saver on the current tokio runtime.
+    pub fn start(
+        cfg: EngineConfig,
+        model: Arc<Model>,
+        tokenizer: Arc<Tokenizer>,
+        store: Option<Arc<dyn BlockStore>>,
+    ) -> Result<Self> {
+        anyhow::ensure!(cfg.block_tokens > 0, "block_tokens must be positive");
+        anyhow::ensure!(cfg.max_batch_tokens > 0, "max_batch_tokens must be positive");
+        let mc = model.config();
+        let layout = KvLayout {
+            dtype: BlockDType::F16,
+            layers: mc.layers as u32,
+            kv_heads: mc.kv_heads as u32,
+            head_dim: mc.head_dim as u32,
+            block_tokens: cfg.block_tokens as u32,
+        };
+        let shared = Arc::new(Shared {
+            cache: BlockCache::new(cfg.local_cache_bytes),
+            metrics: EngineMetrics::new(),
+            runtime: tokio::runtime::Handle::try_current()?,
+            created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            closed: AtomicBool::new(false),
+            cfg,
+            model,
+            tokenizer,
+            layout,
+            store,
+        });
+        let (admit, rx) = std_mpsc::channel();
+        let (saver, save_rx) = mpsc::channel(shared.cfg.save_queue.max(1));
+        let s = shared.clone();
+        std::thread::Builder::new().name("granary-engine".into()).spawn(move || StepLoop::new(s, rx, saver).run())?;
+        shared.runtime.spawn(save_loop(shared.clone(), save_rx));
+        Ok(Engine { shared, admit })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.shared.model
+    }
+
+    pub fn layout(&self) -> KvLayout {
+        self.shared.layout
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.cfg
+    }
+
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.shared.metrics
+    }
+
+    /// The block names of `prompt` for `namespace` (what routers index).
+    pub fn block_hashes(&self, namespace: &str, prompt: &[u32]) -> Vec<BlockHash> {
+        self.chain(namespace).hashes(prompt)
+    }
+
+    fn chain(&self, namespace: &str) -> HashChain {
+        HashChain::for_layout(namespace, self.shared.model.fingerprint().as_bytes(), &self.shared.layout)
+    }
+
+    /// KV events from now on.
+    pub fn subscribe_events(&self) -> tokio::sync::broadcast::Receiver<KvEvent> {
+        self.shared.cache.subscribe()
+    }
+
+    /// Blocks held in engine memory as (namespace, hex hash).
+    pub fn resident_blocks(&self) -> Vec<(String, String)> {
+        self.shared.cache.snapshot()
+    }
+
+    /// Stops accepting requests.
+    pub fn close(&self) {
+        self.shared.closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Starts a request; see [`Event`] for what the receiver gets.
+    pub fn generate(&self, req: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, SubmitError> {
+        if self.shared.closed.load(Ordering::SeqCst) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        let limit = self.shared.model.context_len();
+        let needs = req.prompt.len() + usize::from(self.shared.cfg.role != Role::Prefill);
+        if needs > limit {
+            return Err(SubmitError::ContextExceeded { limit, prompt: req.prompt.len() });
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let hashes = self.chain(&req.namespace).hashes(&req.prompt);
+        self.shared.metrics.waiting.inc();
+        let this = self.clone();
+        self.shared.runtime.spawn(async move {
+            let loaded = this.fetch_prefix(&hashes).await;
+            let a = Admitted { req, tx, hashes, loaded, arrived: Instant::now() };
+            if this.admit.send(a).is_err() {
+                this.shared.metrics.waiting.dec();
+            }
+        });
+        Ok(rx)
+    }
+
+    /// The longest prefix of `hashes` in engine memory, then the warehouse.
+    async fn fetch_prefix(&self, hashes: &[BlockHash]) -> Vec<(Arc<[u8]>, Source)> {
+        let sh = &self.shared;
+        let mut loaded: Vec<(Arc<[u8]>, Source)> =
+            sh.cache.prefix(hashes).into_iter().map(|b| (b, Source::Memory)).collect();
+        let Some(store) = &sh.store else { return loaded };
+        let rest = &hashes[loaded.len()..];
+        if rest.is_empty() {
+            return loaded;
+        }
+        let n = match store.lookup(rest).await {
+            Ok(n) => n.min(rest.len()),
+            Err(e) => {
+                tracing::warn!(error = %e, "warehouse lookup failed; computing instead");
+                sh.metrics.warehouse_errors.inc();
+                0
+            }
+        };
+        if n == 0 {
+            return loaded;
+        }
+        match store.get_many(&rest[..n]).await {
+            Ok(blocks) => {
+                for b in blocks {
+                    let Some(b) = b else { break };
+                    loaded.push((Arc::from(b.payload.as_ref()), b.source));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "warehouse read failed; computing instead");
+                sh.metrics.warehouse_errors.inc();
+            }
+        }
+        loaded
+    }
+}
+
+impl Backend for Engine {
+    fn models(&self) -> Vec<ModelInfo> {
+        vec![ModelInfo {
+            id: self.shared.cfg.model_id.clone(),
+            context_len: self.shared.model.context_len(),
+            tokenizer: self.shared.tokenizer.clone(),
+            created: self.shared.created,
+        }]
+    }
+
+    fn submit(&self, _model: &str, req: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, SubmitError> {
+        self.generate(req)
+    }
+
+    fn metrics_text(&self) -> String {
+        self.shared.metrics.render()
+    }
+}
+
+async fn save_loop(sh: Arc<Shared>, mut rx: mpsc::Receiver<SaveJob>) {
+    while let Some(job) = rx.recv().await {
+        let n = job.blocks.len() as u64;
+        let hashes: Vec<String> = job.blocks.iter().map(|(h, _)| h.to_hex()).collect();
+        let ok = match &sh.store {
+            Some(store) if n > 0 => match store.put_many(job.blocks).await {
+                Ok(()) => {
+                    sh.metrics.save("saved", n);
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, blocks = n, "saving KV blocks failed");
+                    sh.metrics.save("failed", n);
+                    sh.metrics.warehouse_errors.inc();
+                    false
+                }
+            },
+            _ => false,
+        };
+        if ok {
+            sh.cache.publish(KvEvent { kind: "stored", namespace: job.namespace, tier: "warehouse", hashes });
+        }
+    }
+}
+
+/// Blocks of `s` from `s.blocks_known` up to its computed prompt, exported.
+fn export_new_blocks(bt: usize, s: &mut Seq) -> Vec<(BlockHash, Bytes)> {
+    let full = (s.prompt_done / bt).min(s.hashes.len());
+    let mut out = Vec::new();
+    for i in s.blocks_known..full {
+        match s.kv.export_block(i, bt) {
+            Ok(b) => out.push((s.hashes[i], Bytes::from(b))),
+            Err(e) => {
+                tracing::warn!(error = %e, block = i, "exporting a KV block failed");
+                break;
+            }
+        }
+    }
+    s.blocks_known = full;
+    out
+}
+
+struct Seq {
+    req: GenerateRequest,
+    tx: mpsc::UnboundedSender<Event>,
+    hashes: Vec<BlockHash>,
+    kv: KvCache,
+    /// Prompt tokens whose KV is in `kv`.
+    prompt_done: usize,
+    /// Prompt tokens to compute before the sequence is done with its prompt.
+    prompt_target: usize,
+    /// Blocks already held by the engine cache or the warehouse.
+    blocks_known: usize,
+    cached_tokens: usize,
+    generated: usize,
+    input: [u32; 1],
+    rng: StdRng,
+    arrived: Instant,
+    last_token: Option<Instant>,
+}
+
+struct StepLoop {
+    sh: Arc<Shared>,
+    rx: std_mpsc::Receiver<Admitted>,
+    saver: mpsc::Sender<SaveJob>,
+    waiting: VecDeque<Admitted>,
+    running: Vec<Seq>,
+}
+
+impl StepLoop {
+    fn new(sh: Arc<Shared>, rx: std_mpsc::Receiver<Admitted>, saver: mpsc::Sender<SaveJob>) -> Self {
+        StepLoop { sh, rx, saver, waiting: VecDeque::new(), running: Vec::new() }
+    }
+
+    fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv() {
+                    Ok(a) => self.waiting.push_back(a),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(a) = self.rx.try_recv() {
+                self.waiting.push_back(a);
+            }
+            self.drop_cancelled();
+            while self.running.len() < self.sh.cfg.max_running {
+                let Some(a) = self.waiting.pop_front() else { break };
+                self.sh.metrics.waiting.dec();
+                if let Some(seq) = self.start(a) {
+                    self.running.push(seq);
+                }
+            }
+            self.sh.metrics.running.set(self.running.len() as i64);
+            if let Err(e) = self.step() {
+                tracing::error!(error = %e, "forward step failed; failing its requests");
+                for s in self.running.drain(..) {
+                    let _ = s.tx.send(Event::Failed(format!("engine step failed: {e}")));
+                    self.sh.metrics.outcome("failed");
+                }
+            }
+            self.update_gauges();
+        }
+    }
+
+    fn update_gauges(&self) {
+        let bt = self.sh.cfg.block_tokens;
+        let in_seqs: usize = self.running.iter().map(|s| s.kv.len().div_ceil(bt)).sum();
+        self.sh.metrics.resident.get_or_create(&vec![("holder", "sequences")]).set(in_seqs as i64);
+        self.sh.metrics.resident.get_or_create(&vec![("holder", "cache")]).set(self.sh.cache.len() as i64);
+        self.sh.metrics.running.set(self.running.len() as i64);
+    }
+
+    fn drop_cancelled(&mut self) {
+        let m = &self.sh.metrics;
+        self.running.retain(|s| {
+            let keep = !s.tx.is_closed();
+            if !keep {
+                m.outcome("cancelled");
+            }
+            keep
+        });
+        self.waiting.retain(|a| {
+            let keep = !a.tx.is_closed();
+            if !keep {
+                m.waiting.dec();
+                m.outcome("cancelled");
+            }
+            keep
+        });
+    }
+
+    /// Imports the fetched prefix and decides what is left to compute.
+    fn start(&mut self, a: Admitted) -> Option<Seq> {
+        let sh = self.sh.clone();
+        let bt = sh.cfg.block_tokens;
+        let layers = sh.model.config().layers;
+        let mut kv = sh.model.new_kv(bt);
+        let mut sources = Vec::new();
+        for (i, (bytes, source)) in a.loaded.iter().enumerate() {
+            if let Err(e) = kv.import_block(layers, i, bt, bytes) {
+                tracing::warn!(error = %e, block = i, "unusable KV block; computing from here");
+                break;
+            }
+            sources.push(*source);
+        }
+        let prompt_len = a.req.prompt.len();
+        let role = sh.cfg.role;
+        // Logits need at least one computed token: a fully cached prompt
+        // recomputes its last token only.
+        if role != Role::Prefill && kv.len() >= prompt_len {
+            kv.truncate(prompt_len - 1);
+        }
+        let cached = kv.len();
+        for (i, src) in sources.iter().enumerate() {
+            let n = bt.min(cached.saturating_sub(i * bt));
+            sh.metrics.add_prompt_tokens(*src, n);
+        }
+        // Blocks taken from the warehouse are kept in engine memory too.
+        let from_store: Vec<(BlockHash, Arc<[u8]>)> = a
+            .loaded
+            .iter()
+            .zip(&a.hashes)
+            .take(sources.len())
+            .filter(|((_, s), _)| *s != Source::Memory)
+            .map(|((b, _), h)| (*h, b.clone()))
+            .collect();
+        sh.cache.insert(&a.req.namespace, from_store);
+        let prompt_target = if role == Role::Prefill { prompt_len / bt * bt } else { prompt_len };
+        sh.metrics.add_prompt_tokens(Source::Computed, prompt_target.saturating_sub(cached));
+        let seed = a.req.sampling.seed.unwrap_or_else(rand::random);
+        let seq = Seq {
+            hashes: a.hashes,
+            kv,
+            prompt_done: cached,
+            prompt_target,
+            blocks_known: sources.len(),
+            cached_tokens: cached,
+            generated: 0,
+            input: [0],
+            rng: StdRng::seed_from_u64(seed),
+            arrived: a.arrived,
+            last_token: None,
+            tx: a.tx,
+            req: a.req,
+        };
+        if role == Role::Prefill && seq.prompt_done >= seq.prompt_target {
+            self.finish_prefill_role(seq);
+            return None;
+        }
+        Some(seq)
+    }
+
+    fn usage(s: &Seq) -> Usage {
+        Usage { prompt_tokens: s.req.prompt.len(), completion_tokens: s.generated, cached_tokens: s.cached_tokens }
+    }
+
+    /// Queues a save; a full queue drops it (saving never delays a step).
+    fn queue_save(&mut self, job: SaveJob) {
+        let n = job.blocks.len() as u64;
+        if self.saver.try_send(job).is_err() {
+            self.sh.metrics.save("dropped", n);
+        }
+    }
+
+    /// A prefill-role request is answered once its blocks are written.
+    fn finish_prefill_role(&mut self, mut s: Seq) {
+        let blocks = export_new_blocks(self.sh.cfg.block_tokens, &mut s);
+        self.cache_blocks(&s.req.namespace, &blocks);
+        let usage = Self::usage(&s);
+        self.sh.metrics.outcome("finished");
+        self.sh.metrics.request_seconds.observe(s.arrived.elapsed().as_secs_f64());
+        if self.sh.store.is_none() || blocks.is_empty() {
+            let _ = s.tx.send(Event::Finished { reason: FinishReason::Length, usage });
+            return;
+        }
+        // Awaited, not queued: the caller relies on the blocks being there.
+        let sh = self.sh.clone();
+        let ns = s.req.namespace.clone();
+        let tx = s.tx.clone();
+        self.sh.runtime.spawn(async move {
+            let n = blocks.len() as u64;
+            let hashes: Vec<String> = blocks.iter().map(|(h, _)| h.to_hex()).collect();
+            let store = sh.store.as_ref().expect("checked above");
+            match store.put_many(blocks).await {
+                Ok(()) => {
+                    sh.metrics.save("saved", n);
+                    sh.cache.publish(KvEvent { kind: "stored", namespace: ns, tier: "warehouse", hashes });
+                    let _ = tx.send(Event::Finished { reason: FinishReason::Length, usage });
+                }
+                Err(e) => {
+                    sh.metrics.save("failed", n);
+                    sh.metrics.warehouse_errors.inc();
+                    let _ = tx.send(Event::Failed(format!("writing KV blocks to the warehouse failed: {e}")));
+                }
+            }
+        });
+    }
+
+    fn cache_blocks(&self, namespace: &str, blocks: &[(BlockHash, Bytes)]) {
+        self.sh.cache.insert(namespace, blocks.iter().map(|(h, b)| (*h, Arc::from(b.as_ref()))).collect());
+    }
+
+    fn step(&mut self) -> Result<()> {
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut budget = self.sh.cfg.max_batch_tokens;
+        // (index, start, len, wants logits)
+        let mut plan: Vec<(usize, usize, usize, bool)> = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            if s.prompt_done >= s.prompt_target {
+                plan.push((i, 0, 1, true));
+                budget = budget.saturating_sub(1);
+            }
+        }
+        for (i, s) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if s.prompt_done < s.prompt_target {
+                let take = (s.prompt_target - s.prompt_done).min(budget);
+                let completes = s.prompt_done + take == s.prompt_target;
+                let logits = completes && self.sh.cfg.role != Role::Prefill;
+                plan.push((i, s.prompt_done, take, logits));
+                budget -= take;
+            }
+        }
+        plan.sort_by_key(|p| p.0);
+        let (mut prefill_tokens, mut decode_tokens) = (0usize, 0usize);
+        let logits = {
+            let mut chunks = Vec::with_capacity(plan.len());
+            let mut pi = 0;
+            for (i, s) in self.running.iter_mut().enumerate() {
+                if pi < plan.len() && plan[pi].0 == i {
+                    let (_, start, len, want) = plan[pi];
+                    let tokens: &[u32] = if s.prompt_done < s.prompt_target {
+                        prefill_tokens += len;
+                        &s.req.prompt[start..start + len]
+                    } else {
+                        decode_tokens += 1;
+                        &s.input
+                    };
+                    chunks.push(Chunk { tokens, kv: &mut s.kv, logits: want });
+                    pi += 1;
+                }
+            }
+            self.sh.model.forward(&mut chunks)?
+        };
+        let rows = match logits {
+            Some(t) => t.to_vec2::<f32>()?,
+            None => Vec::new(),
+        };
+        let elapsed = started.elapsed().as_secs_f64().max(1e-9);
+        if prefill_tokens > 0 {
+            self.sh
+                .metrics
+                .tokens_per_second
+                .get_or_create(&vec![("phase", "prefill")])
+                .set(prefill_tokens as f64 / elapsed);
+        }
+        if decode_tokens > 0 {
+            self.sh
+                .metrics
+                .tokens_per_second
+                .get_or_create(&vec![("phase", "decode")])
+                .set(decode_tokens as f64 / elapsed);
+        }
+        // Apply results; remember which sequences end.
+        let mut rows = rows.into_iter();
+        let mut finished: Vec<usize> = Vec::new();
+        let mut prefill_done: Vec<usize> = Vec::new();
+        for &(i, _, len, want) in &plan {
+            let s = &mut self.running[i];
+            let was_prefill = s.prompt_done < s.prompt_target;
+            if was_prefill {
+                s.prompt_done += len;
+                if s.prompt_done >= s.prompt_target {
+                    prefill_done.push(i);
+                }
+            }
+            if !want {
+                continue;
+            }
+            let row = rows.next().expect("a logits row per chunk that asked");
+            let now = Instant::now();
+            let tok = sampler::sample(&row, &s.req.sampling, &mut s.rng);
+            if s.last_token.is_none() {
+                self.sh.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());
+            } else if let Some(prev) = s.last_token {
+                self.sh.metrics.tpot.observe(now.duration_since(prev).as_secs_f64());
+            }
+            s.last_token = Some(now);
+            if s.req.stop_token_ids.contains(&tok) {
+                let _ = s.tx.send(Event::Finished { reason: FinishReason::Stop, usage: Self::usage(s) });
+                finished.push(i);
+                continue;
+            }
+            if s.generated >= s.req.max_tokens {
+                let _ = s.tx.send(Event::Finished { reason: FinishReason::Length, usage: Self::usage(s) });
+                finished.push(i);
+                continue;
+            }
+            s.generated += 1;
+            self.sh.metrics.generated.inc();
+            let _ = s.tx.send(Event::Token(tok));
+            s.input = [tok];
+            let out_of_room = s.kv.len() + 1 > self.sh.model.context_len();
+            if s.generated >= s.req.max_tokens || out_of_room {
+                let _ = s.tx.send(Event::Finished { reason: FinishReason::Length, usage: Self::usage(s) });
+                finished.push(i);
+            }
+        }
+        // Save the blocks of prompts that completed this step.
+        for &i in &prefill_done {
+            if self.sh.cfg.role == Role::Prefill {
+                continue;
+            }
+            let blocks = export_new_blocks(self.sh.cfg.block_tokens, &mut self.running[i]);
+            if blocks.is_empty() {
+                continue;
+            }
+            let ns = self.running[i].req.namespace.clone();
+            self.cache_blocks(&ns, &blocks);
+            if self.sh.store.is_some() {
+                self.queue_save(SaveJob { namespace: ns, blocks });
+            }
+        }
+        // Remove ended sequences (highest index first keeps indices valid).
+        let mut ended: Vec<usize> = finished;
+        if self.sh.cfg.role == Role::Prefill {
+            ended.extend(prefill_done.iter().copied());
+        }
+        ended.sort_unstable();
+        ended.dedup();
+        for &i in ended.iter().rev() {
+            let s = self.running.swap_remove(i);
+            if self.sh.cfg.role == Role::Prefill {
+                self.finish_prefill_role(s);
+            } else {
+                self.sh.metrics.outcome("finished");
+                self.sh.metrics.request_seconds.observe(s.arrived.elapsed().as_secs_f64());
+            }
+        }
+        Ok(())
+    }
+}

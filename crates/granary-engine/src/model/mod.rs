@@ -1,0 +1,476 @@
+//! A Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2) with the engine's
+//! own forward pass: several sequences per step, each with its own KV cache
+//! and its own number of new tokens (a prefill chunk or one decode token).
+//!
+//! Weights are kept twice on CPU: dequantized f32 for multi-row matmuls
+//! (prefill, large decode batches; these run at gemm speed) and Q8_0 for
+//! few-row matmuls (decode, bound by memory bandwidth). Q4_1 and other
+//! formats without fast CPU kernels are therefore never multiplied directly.
+
+mod config;
+mod kv;
+
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor, D};
+
+pub use config::ModelConfig;
+pub use kv::KvCache;
+
+/// Matmuls with at most this many rows use the quantized copy.
+const QUANT_MAX_ROWS: usize = 4;
+
+/// How to hold the weights.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub device: Device,
+    /// Keep a Q8_0 copy for few-row matmuls (CPU decode).
+    pub quantized_decode: bool,
+    /// Cap the context below the model's own (memory per sequence).
+    pub max_context: Option<usize>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { device: Device::Cpu, quantized_decode: true, max_context: None }
+    }
+}
+
+struct Linear {
+    dense: Tensor,
+    quant: Option<QMatMul>,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn new(dense: Tensor, bias: Option<Tensor>, quantize: bool) -> Result<Self> {
+        let quant = if quantize && dense.dim(1)? % GgmlDType::Q8_0.block_size() == 0 {
+            Some(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?)
+        } else {
+            None
+        };
+        Ok(Linear { dense, quant, bias })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match &self.quant {
+            Some(q) if x.dim(0)? <= QUANT_MAX_ROWS => q.forward(x)?,
+            _ => x.matmul(&self.dense.t()?)?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// New tokens of one sequence for one forward step.
+pub struct Chunk<'a> {
+    /// Appended after the tokens already in `kv`.
+    pub tokens: &'a [u32],
+    pub kv: &'a mut KvCache,
+    /// Return logits for the chunk's last token.
+    pub logits: bool,
+}
+
+/// A loaded model.
+pub struct Model {
+    cfg: ModelConfig,
+    device: Device,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Linear,
+    cos: Tensor,
+    sin: Tensor,
+    context_len: usize,
+    fingerprint: String,
+    source: PathBuf,
+}
+
+/// Where weight tensors come from while building a [`Model`].
+trait TensorSource {
+    fn get(&mut self, name: &str) -> Result<Tensor>;
+    fn get_opt(&mut self, name: &str) -> Result<Option<Tensor>>;
+}
+
+struct GgufSource<'a> {
+    ct: &'a gguf_file::Content,
+    file: File,
+    device: Device,
+}
+
+impl TensorSource for GgufSource<'_> {
+    fn get(&mut self, name: &str) -> Result<Tensor> {
+        self.get_opt(name)?.with_context(|| format!("GGUF has no tensor {name}"))
+    }
+    fn get_opt(&mut self, name: &str) -> Result<Option<Tensor>> {
+        if !self.ct.tensor_infos.contains_key(name) {
+            return Ok(None);
+        }
+        let q = self.ct.tensor(&mut self.file, name, &self.device)?;
+        Ok(Some(q.dequantize(&self.device)?))
+    }
+}
+
+struct SafetensorsSource {
+    st: candle_core::safetensors::MmapedSafetensors,
+    device: Device,
+}
+
+impl TensorSource for SafetensorsSource {
+    fn get(&mut self, name: &str) -> Result<Tensor> {
+        self.get_opt(name)?.with_context(|| format!("safetensors have no tensor {name}"))
+    }
+    fn get_opt(&mut self, name: &str) -> Result<Option<Tensor>> {
+        match self.st.load(name, &self.device) {
+            Ok(t) => Ok(Some(t.to_dtype(DType::F32)?)),
+            Err(_) if self.st.get(name).is_err() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// blake3 of the files, in order, streamed.
+fn fingerprint_files(paths: &[PathBuf]) -> Result<String> {
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for p in paths {
+        let mut f = File::open(p).with_context(|| format!("open {}", p.display()))?;
+        loop {
+            let n = f.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+    }
+    Ok(h.finalize().to_hex().to_string())
+}
+
+impl Model {
+    /// Loads a GGUF file.
+    pub fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        let mut file = File::open(path).with_context(|| format!("open {}", path.display()))?;
+        let ct = gguf_file::Content::read(&mut file).with_context(|| format!("read GGUF {}", path.display()))?;
+        let cfg = ModelConfig::from_gguf(&ct)?;
+        let mut src = GgufSource { ct: &ct, file, device: opts.device.clone() };
+        let names = |i: usize, n: &str| format!("blk.{i}.{n}");
+        let fingerprint = fingerprint_files(&[path.to_path_buf()])?;
+        Self::build(cfg, &mut src, opts, fingerprint, path, |i, part| match part {
+            Part::Embed => "token_embd.weight".into(),
+            Part::Norm => "output_norm.weight".into(),
+            Part::LmHead => "output.weight".into(),
+            Part::AttnNorm => names(i, "attn_norm.weight"),
+            Part::Q => names(i, "attn_q"),
+            Part::K => names(i, "attn_k"),
+            Part::V => names(i, "attn_v"),
+            Part::O => names(i, "attn_output"),
+            Part::FfnNorm => names(i, "ffn_norm.weight"),
+            Part::Gate => names(i, "ffn_gate"),
+            Part::Up => names(i, "ffn_up"),
+            Part::Down => names(i, "ffn_down"),
+        })
+    }
+
+    /// Loads a Hugging Face directory: `config.json` and `*.safetensors`.
+    pub fn load_safetensors_dir(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("read {}", cfg_path.display()))?;
+        let cfg = ModelConfig::from_hf_json(&text)?;
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("{} has no .safetensors files", dir.display());
+        }
+        // SAFETY: the files are mapped read-only and not modified while loaded.
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files)? };
+        let mut fp_files = vec![cfg_path];
+        fp_files.extend(files.iter().cloned());
+        let fingerprint = fingerprint_files(&fp_files)?;
+        let mut src = SafetensorsSource { st, device: opts.device.clone() };
+        let names = |i: usize, n: &str| format!("model.layers.{i}.{n}");
+        Self::build(cfg, &mut src, opts, fingerprint, dir, |i, part| match part {
+            Part::Embed => "model.embed_tokens.weight".into(),
+            Part::Norm => "model.norm.weight".into(),
+            Part::LmHead => "lm_head.weight".into(),
+            Part::AttnNorm => names(i, "input_layernorm.weight"),
+            Part::Q => names(i, "self_attn.q_proj"),
+            Part::K => names(i, "self_attn.k_proj"),
+            Part::V => names(i, "self_attn.v_proj"),
+            Part::O => names(i, "self_attn.o_proj"),
+            Part::FfnNorm => names(i, "post_attention_layernorm.weight"),
+            Part::Gate => names(i, "mlp.gate_proj"),
+            Part::Up => names(i, "mlp.up_proj"),
+            Part::Down => names(i, "mlp.down_proj"),
+        })
+    }
+
+    /// A GGUF file, or a directory with `config.json` and safetensors.
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        if path.is_dir() {
+            Self::load_safetensors_dir(path, opts)
+        } else {
+            Self::load_gguf(path, opts)
+        }
+    }
+
+    fn build(
+        cfg: ModelConfig,
+        src: &mut dyn TensorSource,
+        opts: &LoadOptions,
+        fingerprint: String,
+        source: &Path,
+        name: impl Fn(usize, Part) -> String,
+    ) -> Result<Self> {
+        let quantize = opts.quantized_decode && opts.device.is_cpu();
+        // Linear weights: `name` gives the stem, ".weight"/".bias" follow.
+        fn linear(src: &mut dyn TensorSource, base: String, bias: bool, quantize: bool) -> Result<Linear> {
+            let w = src.get(&format!("{base}.weight"))?;
+            let b = if bias { src.get_opt(&format!("{base}.bias"))? } else { None };
+            Linear::new(w, b, quantize)
+        }
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let wq = linear(src, name(i, Part::Q), cfg.qkv_bias, quantize)?;
+            let wk = linear(src, name(i, Part::K), cfg.qkv_bias, quantize)?;
+            let wv = linear(src, name(i, Part::V), cfg.qkv_bias, quantize)?;
+            let wo = linear(src, name(i, Part::O), false, quantize)?;
+            let gate = linear(src, name(i, Part::Gate), false, quantize)?;
+            let up = linear(src, name(i, Part::Up), false, quantize)?;
+            let down = linear(src, name(i, Part::Down), false, quantize)?;
+            layers.push(Layer {
+                attn_norm: src.get(&name(i, Part::AttnNorm))?,
+                ffn_norm: src.get(&name(i, Part::FfnNorm))?,
+                wq,
+                wk,
+                wv,
+                wo,
+                gate,
+                up,
+                down,
+            });
+        }
+        let embed = src.get(&name(0, Part::Embed))?;
+        if embed.dims() != [cfg.vocab_size, cfg.hidden_size] {
+            bail!(
+                "embedding shape {:?} does not match vocab {} x hidden {}",
+                embed.dims(),
+                cfg.vocab_size,
+                cfg.hidden_size
+            );
+        }
+        let lm_head = match src.get_opt(&name(0, Part::LmHead))? {
+            Some(w) => Linear::new(w, None, quantize)?,
+            None => Linear::new(embed.clone(), None, quantize)?,
+        };
+        let norm = src.get(&name(0, Part::Norm))?;
+        let context_len = opts.max_context.map_or(cfg.context_len, |m| m.min(cfg.context_len));
+        let (cos, sin) = rope_tables(&cfg, context_len, &opts.device)?;
+        Ok(Model {
+            cfg,
+            device: opts.device.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+            context_len,
+            fingerprint,
+            source: source.to_path_buf(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Positions a sequence may use (prompt plus generated tokens).
+    pub fn context_len(&self) -> usize {
+        self.context_len
+    }
+
+    /// blake3 of the weight files: part of every KV block's name.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// An empty KV cache for one sequence, grown `granule` tokens at a time.
+    pub fn new_kv(&self, granule: usize) -> KvCache {
+        KvCache::new(&self.cfg, &self.device, granule, self.context_len)
+    }
+
+    /// Runs one step over several sequences. Each chunk's tokens are appended
+    /// to its KV; returns `[chunks wanting logits, vocab]` f32 logits, in
+    /// chunk order.
+    pub fn forward(&self, chunks: &mut [Chunk<'_>]) -> Result<Option<Tensor>> {
+        let cfg = &self.cfg;
+        let mut ids = Vec::new();
+        for c in chunks.iter_mut() {
+            if c.tokens.is_empty() {
+                bail!("empty chunk");
+            }
+            let end = c.kv.len() + c.tokens.len();
+            if end > self.context_len {
+                bail!("sequence of {end} tokens exceeds the context of {}", self.context_len);
+            }
+            c.kv.reserve(cfg.layers, end)?;
+            ids.extend_from_slice(c.tokens);
+        }
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            bail!("token id {bad} is outside the vocabulary of {}", cfg.vocab_size);
+        }
+        let n_rows = ids.len();
+        let ids = Tensor::from_vec(ids, n_rows, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?;
+        let eps = cfg.rms_eps as f32;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let q = layer.wq.forward(&h)?;
+            let k = layer.wk.forward(&h)?;
+            let v = layer.wv.forward(&h)?;
+            let mut outs = Vec::with_capacity(chunks.len());
+            let mut row = 0;
+            for c in chunks.iter() {
+                let n = c.tokens.len();
+                outs.push(self.attention(
+                    li,
+                    &q.narrow(0, row, n)?,
+                    &k.narrow(0, row, n)?,
+                    &v.narrow(0, row, n)?,
+                    c.kv,
+                )?);
+                row += n;
+            }
+            let attn = if outs.len() == 1 { outs.pop().unwrap() } else { Tensor::cat(&outs, 0)? };
+            x = (x + layer.wo.forward(&attn)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let g = layer.gate.forward(&h)?.silu()?;
+            let u = layer.up.forward(&h)?;
+            x = (x + layer.down.forward(&(g * u)?)?)?;
+        }
+        let mut rows = Vec::new();
+        let mut row = 0u32;
+        for c in chunks.iter_mut() {
+            let n = c.tokens.len();
+            row += n as u32;
+            if c.logits {
+                rows.push(row - 1);
+            }
+            let new_len = c.kv.len() + n;
+            c.kv.set_len(new_len);
+        }
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let n = rows.len();
+        let last = x.index_select(&Tensor::from_vec(rows, n, &self.device)?, 0)?;
+        let h = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
+        Ok(Some(self.lm_head.forward(&h)?.to_dtype(DType::F32)?))
+    }
+
+    /// Attention of one sequence's `n` new rows against its whole KV.
+    fn attention(&self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, kv: &KvCache) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (h, kvh, d) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let n = q.dim(0)?;
+        let off = kv.len();
+        let total = off + n;
+        let q = q.reshape((n, h, d))?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
+        let k = k.reshape((n, kvh, d))?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
+        let v = v.reshape((n, kvh, d))?.transpose(0, 1)?.contiguous()?;
+        let cos = self.cos.narrow(0, off, n)?;
+        let sin = self.sin.narrow(0, off, n)?;
+        let (q, k) = if cfg.rope_interleaved {
+            (candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?, candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?)
+        } else {
+            (candle_nn::rotary_emb::rope(&q, &cos, &sin)?, candle_nn::rotary_emb::rope(&k, &cos, &sin)?)
+        };
+        kv.write(layer, off, &k.squeeze(0)?, &v)?;
+        let (kc, vc) = kv.read(layer, total, q.dtype())?;
+        let g = h / kvh;
+        // Query heads sharing a KV head are adjacent: [kvh, g * n, d].
+        let q = q.squeeze(0)?.reshape((kvh, g * n, d))?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut att = (q.matmul(&kc.t()?)? * scale)?;
+        if n > 1 {
+            let mask = causal_mask(n, off, &self.device)?;
+            att = att.reshape((kvh, g, n, total))?.broadcast_add(&mask)?.reshape((kvh, g * n, total))?;
+        }
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let o = att.matmul(&vc)?;
+        Ok(o.reshape((h, n, d))?.transpose(0, 1)?.reshape((n, h * d))?)
+    }
+
+    /// The id with the highest logit (for greedy checks).
+    pub fn argmax(logits: &Tensor) -> Result<Vec<u32>> {
+        Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Part {
+    Embed,
+    Norm,
+    LmHead,
+    AttnNorm,
+    Q,
+    K,
+    V,
+    O,
+    FfnNorm,
+    Gate,
+    Up,
+    Down,
+}
+
+fn rope_tables(cfg: &ModelConfig, len: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = cfg.head_dim / 2;
+    let inv: Vec<f32> = (0..half).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32)).collect();
+    let mut freqs = Vec::with_capacity(len * half);
+    for p in 0..len {
+        freqs.extend(inv.iter().map(|f| p as f32 * f));
+    }
+    let t = Tensor::from_vec(freqs, (len, half), device)?;
+    Ok((t.cos()?, t.sin()?))
+}
+
+/// `[n, off + n]`: 0 where query `i` (position `off + i`) may attend, -inf after.
+fn causal_mask(n: usize, off: usize, device: &Device) -> Result<Tensor> {
+    let total = off + n;
+    let mut m = vec![0f32; n * total];
+    for i in 0..n {
+        for j in (off + i + 1)..total {
+            m[i * total + j] = f32::NEG_INFINITY;
+        }
+    }
+    Ok(Tensor::from_vec(m, (n, total), device)?)
+}
