@@ -6,7 +6,12 @@ use granary_engine::model::{Chunk, LoadOptions, Model};
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let t = Instant::now();
-    let model = Model::load(args[1].as_ref(), &LoadOptions::default())?;
+    let opts = LoadOptions {
+        quantized_decode: std::env::var_os("DENSE").is_none(),
+        native_quant: std::env::var_os("NATIVE").is_some(),
+        ..Default::default()
+    };
+    let model = Model::load(args[1].as_ref(), &opts)?;
     eprintln!("loaded in {:?}", t.elapsed());
     let ids: Vec<u32> = args[2].split(',').map(|s| s.parse().unwrap()).collect();
     let steps: usize = args.get(3).map_or(16, |s| s.parse().unwrap());

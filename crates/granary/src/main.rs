@@ -9,6 +9,7 @@ use granary_core::ByteSize;
 
 mod bench;
 mod config;
+mod engine;
 mod warehouse;
 
 #[derive(Parser)]
@@ -25,6 +26,11 @@ struct Cli {
 enum Cmd {
     /// Run the KV-cache warehouse: a tiered block store behind RESP and HTTP.
     Warehouse(Box<WarehouseArgs>),
+    /// Run the embedded inference engine behind the OpenAI API.
+    Engine(Box<engine::EngineArgs>),
+    /// Engine and warehouse in one process on embedded defaults (the default
+    /// model, 127.0.0.1:8000, KV blocks in memory and under a data directory).
+    Serve(Box<engine::ServeArgs>),
     /// Run a benchmark; each prints a table with its anchor and the ratio.
     Bench {
         #[command(subcommand)]
@@ -76,6 +82,12 @@ struct WarehouseArgs {
 }
 
 fn main() -> Result<()> {
+    // candle's CPU thread pool spins between tasks by default; on a machine
+    // shared with other work that halves throughput. Set before any thread
+    // starts; an explicit setting wins.
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "0");
+    }
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()))
@@ -102,6 +114,8 @@ fn main() -> Result<()> {
             let cfg = config::load_warehouse(a.config.as_deref(), &env, &flags)?;
             rt.block_on(warehouse::run(cfg))
         }
+        Cmd::Engine(a) => rt.block_on(engine::run_engine(*a)),
+        Cmd::Serve(a) => rt.block_on(engine::run_serve(*a)),
         Cmd::Bench { which } => rt.block_on(bench::run(which)),
     }
 }

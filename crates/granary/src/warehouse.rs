@@ -50,7 +50,7 @@ pub async fn run(cfg: WarehouseConfig) -> Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

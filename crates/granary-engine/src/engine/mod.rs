@@ -107,6 +107,19 @@ impl Default for EngineConfig {
     }
 }
 
+/// The KV layout of `model`'s blocks: what the hash chain and block
+/// headers record.
+pub fn layout_of(model: &Model, block_tokens: usize) -> KvLayout {
+    let mc = model.config();
+    KvLayout {
+        dtype: BlockDType::F16,
+        layers: mc.layers as u32,
+        kv_heads: mc.kv_heads as u32,
+        head_dim: mc.head_dim as u32,
+        block_tokens: block_tokens as u32,
+    }
+}
+
 struct Admitted {
     req: GenerateRequest,
     tx: mpsc::UnboundedSender<Event>,
@@ -150,14 +163,7 @@ impl Engine {
     ) -> Result<Self> {
         anyhow::ensure!(cfg.block_tokens > 0, "block_tokens must be positive");
         anyhow::ensure!(cfg.max_batch_tokens > 0, "max_batch_tokens must be positive");
-        let mc = model.config();
-        let layout = KvLayout {
-            dtype: BlockDType::F16,
-            layers: mc.layers as u32,
-            kv_heads: mc.kv_heads as u32,
-            head_dim: mc.head_dim as u32,
-            block_tokens: cfg.block_tokens as u32,
-        };
+        let layout = layout_of(&model, cfg.block_tokens);
         let shared = Arc::new(Shared {
             cache: BlockCache::new(cfg.local_cache_bytes),
             metrics: EngineMetrics::new(),

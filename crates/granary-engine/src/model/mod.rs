@@ -30,18 +30,22 @@ pub struct LoadOptions {
     pub device: Device,
     /// Keep a Q8_0 copy for few-row matmuls (CPU decode).
     pub quantized_decode: bool,
+    /// Multiply by the GGUF's tensors as stored, in every matmul (as
+    /// llama.cpp does), instead of dequantized copies. Slow on CPU for
+    /// formats without SIMD kernels (Q4_1); exact reference behaviour.
+    pub native_quant: bool,
     /// Cap the context below the model's own (memory per sequence).
     pub max_context: Option<usize>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { device: Device::Cpu, quantized_decode: true, max_context: None }
+        LoadOptions { device: Device::Cpu, quantized_decode: true, native_quant: false, max_context: None }
     }
 }
 
 struct Linear {
-    dense: Tensor,
+    dense: Option<Tensor>,
     quant: Option<QMatMul>,
     bias: Option<Tensor>,
 }
@@ -53,13 +57,19 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { dense, quant, bias })
+        Ok(Linear { dense: Some(dense), quant, bias })
+    }
+
+    fn native(q: QTensor, bias: Option<Tensor>) -> Result<Self> {
+        Ok(Linear { dense: None, quant: Some(QMatMul::from_qtensor(q)?), bias })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match &self.quant {
-            Some(q) if x.dim(0)? <= QUANT_MAX_ROWS => q.forward(x)?,
-            _ => x.matmul(&self.dense.t()?)?,
+        let y = match (&self.quant, &self.dense) {
+            (Some(q), Some(_)) if x.dim(0)? <= QUANT_MAX_ROWS => q.forward(x)?,
+            (_, Some(d)) => x.matmul(&d.t()?)?,
+            (Some(q), None) => q.forward(x)?,
+            (None, None) => unreachable!("a linear layer holds weights"),
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
@@ -108,6 +118,10 @@ pub struct Model {
 trait TensorSource {
     fn get(&mut self, name: &str) -> Result<Tensor>;
     fn get_opt(&mut self, name: &str) -> Result<Option<Tensor>>;
+    /// The tensor as stored, when the source is quantized.
+    fn get_quantized(&mut self, _name: &str) -> Result<Option<QTensor>> {
+        Ok(None)
+    }
 }
 
 struct GgufSource<'a> {
@@ -126,6 +140,12 @@ impl TensorSource for GgufSource<'_> {
         }
         let q = self.ct.tensor(&mut self.file, name, &self.device)?;
         Ok(Some(q.dequantize(&self.device)?))
+    }
+    fn get_quantized(&mut self, name: &str) -> Result<Option<QTensor>> {
+        if !self.ct.tensor_infos.contains_key(name) {
+            return Ok(None);
+        }
+        Ok(Some(self.ct.tensor(&mut self.file, name, &self.device)?))
     }
 }
 
@@ -244,11 +264,17 @@ impl Model {
     ) -> Result<Self> {
         let quantize = opts.quantized_decode && opts.device.is_cpu();
         // Linear weights: `name` gives the stem, ".weight"/".bias" follow.
-        fn linear(src: &mut dyn TensorSource, base: String, bias: bool, quantize: bool) -> Result<Linear> {
-            let w = src.get(&format!("{base}.weight"))?;
+        let native = opts.native_quant;
+        let linear = |src: &mut dyn TensorSource, base: String, bias: bool, quantize: bool| -> Result<Linear> {
             let b = if bias { src.get_opt(&format!("{base}.bias"))? } else { None };
+            if native {
+                if let Some(q) = src.get_quantized(&format!("{base}.weight"))? {
+                    return Linear::native(q, b);
+                }
+            }
+            let w = src.get(&format!("{base}.weight"))?;
             Linear::new(w, b, quantize)
-        }
+        };
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let wq = linear(src, name(i, Part::Q), cfg.qkv_bias, quantize)?;
@@ -279,9 +305,16 @@ impl Model {
                 cfg.hidden_size
             );
         }
-        let lm_head = match src.get_opt(&name(0, Part::LmHead))? {
-            Some(w) => Linear::new(w, None, quantize)?,
-            None => Linear::new(embed.clone(), None, quantize)?,
+        let head = name(0, Part::LmHead);
+        let head_native = if native { src.get_quantized(&head)? } else { None };
+        let lm_head = match (head_native, src.get_opt(&head)?) {
+            (Some(q), _) => Linear::native(q, None)?,
+            (None, Some(w)) => Linear::new(w, None, quantize)?,
+            (None, None) if native => match src.get_quantized(&name(0, Part::Embed))? {
+                Some(q) => Linear::native(q, None)?,
+                None => Linear::new(embed.clone(), None, quantize)?,
+            },
+            (None, None) => Linear::new(embed.clone(), None, quantize)?,
         };
         let norm = src.get(&name(0, Part::Norm))?;
         let context_len = opts.max_context.map_or(cfg.context_len, |m| m.min(cfg.context_len));

