@@ -33,6 +33,7 @@
 //! only the value, so the tier is [`Source::Unknown`].
 
 mod embedded;
+mod resp;
 mod spec;
 mod stats;
 
@@ -266,24 +267,28 @@ impl ConnectorConfig {
 /// One transport's raw operations on encoded frames.
 enum Transport {
     Embedded(embedded::Embedded),
+    Resp(resp::RespClient),
 }
 
 impl Transport {
     async fn lookup(&self, keys: &[BlockHash]) -> Result<usize> {
         match self {
             Transport::Embedded(t) => t.lookup(keys).await,
+            Transport::Resp(t) => t.lookup(keys).await,
         }
     }
 
     async fn get_many(&self, keys: &[BlockHash]) -> Result<Vec<Option<(Bytes, Source)>>> {
         match self {
             Transport::Embedded(t) => t.get_many(keys).await,
+            Transport::Resp(t) => t.get_many(keys).await,
         }
     }
 
     async fn put_many(&self, frames: &[(BlockHash, Bytes)]) -> Result<()> {
         match self {
             Transport::Embedded(t) => t.put_many(frames).await,
+            Transport::Resp(t) => t.put_many(frames).await,
         }
     }
 }
@@ -314,9 +319,7 @@ impl Connector {
                 })?;
                 Transport::Embedded(embedded::Embedded::new(store, &cfg))
             }
-            WarehouseSpec::Resp { .. } => {
-                return Err(ConnectorError::Config(format!("the transport of {spec} is not implemented yet")))
-            }
+            WarehouseSpec::Resp { addr } => Transport::Resp(resp::RespClient::new(addr, &cfg)),
             WarehouseSpec::Http { .. } => {
                 return Err(ConnectorError::Config(format!("the transport of {spec} is not implemented yet")))
             }
