@@ -33,6 +33,7 @@
 //! only the value, so the tier is [`Source::Unknown`].
 
 mod embedded;
+mod http;
 mod resp;
 mod spec;
 mod stats;
@@ -180,12 +181,27 @@ pub enum ConnectorError {
     Protocol(String),
     #[error("warehouse refused {op}: {message}")]
     Refused { op: &'static str, message: String },
+    #[error("warehouse request failed: {}", with_causes(.0))]
+    Http(#[from] reqwest::Error),
     #[error("warehouse store: {0}")]
     Store(#[from] WarehouseError),
     #[error("block does not fit its shape: {0}")]
     Block(#[from] BlockError),
     #[error("connector settings: {0}")]
     Config(String),
+}
+
+/// An error and its causes on one line (reqwest's own text omits them:
+/// "error sending request" says nothing of a refused connection).
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 pub type Result<T, E = ConnectorError> = std::result::Result<T, E>;
@@ -268,6 +284,7 @@ impl ConnectorConfig {
 enum Transport {
     Embedded(embedded::Embedded),
     Resp(resp::RespClient),
+    Http(http::HttpClient),
 }
 
 impl Transport {
@@ -275,6 +292,7 @@ impl Transport {
         match self {
             Transport::Embedded(t) => t.lookup(keys).await,
             Transport::Resp(t) => t.lookup(keys).await,
+            Transport::Http(t) => t.lookup(keys).await,
         }
     }
 
@@ -282,6 +300,7 @@ impl Transport {
         match self {
             Transport::Embedded(t) => t.get_many(keys).await,
             Transport::Resp(t) => t.get_many(keys).await,
+            Transport::Http(t) => t.get_many(keys).await,
         }
     }
 
@@ -289,6 +308,7 @@ impl Transport {
         match self {
             Transport::Embedded(t) => t.put_many(frames).await,
             Transport::Resp(t) => t.put_many(frames).await,
+            Transport::Http(t) => t.put_many(frames).await,
         }
     }
 }
@@ -320,9 +340,7 @@ impl Connector {
                 Transport::Embedded(embedded::Embedded::new(store, &cfg))
             }
             WarehouseSpec::Resp { addr } => Transport::Resp(resp::RespClient::new(addr, &cfg)),
-            WarehouseSpec::Http { .. } => {
-                return Err(ConnectorError::Config(format!("the transport of {spec} is not implemented yet")))
-            }
+            WarehouseSpec::Http { addr } => Transport::Http(http::HttpClient::new(addr, &cfg)?),
         };
         Ok(Connector { spec, cfg, transport, stats: ConnectorStats::default() })
     }
