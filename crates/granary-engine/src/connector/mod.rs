@@ -35,6 +35,7 @@
 mod embedded;
 mod http;
 mod resp;
+mod saver;
 mod spec;
 mod stats;
 
@@ -48,6 +49,7 @@ use granary_core::{BlockError, BlockHash, BlockHeader, DType, KvBlock, KvLayout}
 use granary_warehouse::{Store, TierKind, WarehouseError};
 use serde::{Deserialize, Serialize};
 
+pub use saver::{Saver, SaverConfig};
 pub use spec::{SpecError, WarehouseSpec};
 pub use stats::{ConnectorStats, StatsSnapshot};
 
