@@ -3,6 +3,7 @@
 //! batches requests continuously and serves the OpenAI API.
 
 pub mod api;
+pub mod connector;
 pub mod types;
 
 pub use types::*;
