@@ -9,4 +9,6 @@ pub mod types;
 pub use types::*;
 pub mod engine;
 pub mod model;
+pub mod server;
 pub mod source;
+pub mod store;
