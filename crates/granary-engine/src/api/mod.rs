@@ -1,1 +1,3 @@
 //! OpenAI-compatible HTTP API over a [`crate::Backend`].
+
+mod stop;
