@@ -159,7 +159,7 @@ async fn embedded_store(data_dir: Option<&PathBuf>, memory: ByteSize, disk: Byte
         let dir = dir.join("warehouse");
         cfg.disk = Some(DiskConfig { dir, capacity: disk, policy: Default::default() });
     }
-    Store::open(cfg).await.context("opening the embedded warehouse")
+    Ok(Arc::new(Store::open(cfg).await.context("opening the embedded warehouse")?))
 }
 
 async fn serve_http(engine: Engine, listen: &str) -> Result<()> {
