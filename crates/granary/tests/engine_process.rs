@@ -1,0 +1,169 @@
+//! The real `granary` binary with the default model: `granary serve`
+//! answers the official `openai` client, publishes KV events, and two engine
+//! processes sharing one warehouse process split prefill from decode.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Warehouse;
+
+fn default_model() -> Option<std::path::PathBuf> {
+    granary_tokenizer::testing::model_or_skip("engine process test")
+}
+
+/// A running `granary engine|serve` and the address it printed.
+struct EngineProc {
+    child: Child,
+    addr: String,
+}
+
+impl EngineProc {
+    fn start(args: &[&str]) -> EngineProc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_granary"));
+        cmd.args(args).args(["--listen", "127.0.0.1:0"]).env("GRANARY_LOG", "warn");
+        cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("spawn granary");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut addr = None;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = rx.recv_timeout(left).unwrap_or_else(|_| {
+                let _ = child.kill();
+                panic!("granary {args:?} did not print `ready` in time")
+            });
+            if let Some(rest) = line.strip_prefix("granary: OpenAI API on http://") {
+                addr = rest.split('/').next().map(str::to_string);
+            } else if line.trim() == "granary: ready" {
+                break;
+            }
+        }
+        EngineProc { child, addr: addr.expect("address line") }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    fn metric(&self, prefix: &str) -> f64 {
+        let text = reqwest::blocking::get(self.url("/metrics")).unwrap().text().unwrap();
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+}
+
+impl Drop for EngineProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn completion(base: &str, prompt: &[u32], max_tokens: usize) -> serde_json::Value {
+    let body = serde_json::json!({"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let r = reqwest::blocking::Client::new()
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(300))
+        .send()
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().unwrap());
+    r.json().unwrap()
+}
+
+#[test]
+fn serve_answers_the_openai_client_and_publishes_kv_events() {
+    if default_model().is_none() {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    let serve = EngineProc::start(&["serve", "--data-dir", data.path().to_str().unwrap(), "--block-tokens", "16"]);
+
+    // KV events: subscribe before the requests.
+    let mut events = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+        .get(serve.url("/v1/kv/events"))
+        .send()
+        .unwrap();
+    assert_eq!(events.headers()["content-type"], "text/event-stream");
+
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../granary-engine/tests/python/test_openai_api.py");
+    let out = Command::new(std::env::var("GRANARY_PYTHON").unwrap_or_else(|_| "python3".into()))
+        .arg(script)
+        .env("OPENAI_BASE_URL", serve.url("/v1"))
+        .env("OPENAI_API_KEY", "unused")
+        .env("GRANARY_MODEL_ID", "SmolLM2-135M-Instruct")
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("No module named 'openai'") {
+        assert!(std::env::var("GRANARY_REQUIRE_EXTERNAL").as_deref() != Ok("1"), "the openai package is missing");
+        eprintln!("skipping the openai client checks: the openai package is not installed");
+    } else {
+        assert!(out.status.success(), "the openai client checks failed");
+    }
+
+    // A prompt of three blocks was stored: the event stream says so.
+    let prompt: Vec<u32> = (0..50).map(|i| 600 + i).collect();
+    completion(&serve.url(""), &prompt, 1);
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !(seen.contains("event: stored") && seen.contains("\"tier\":\"warehouse\"")) {
+        assert!(Instant::now() < deadline, "no stored events: {seen}");
+        let n = events.read(&mut buf).unwrap();
+        assert!(n > 0, "event stream ended: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert!(seen.contains("\"namespace\":\"default\""), "{seen}");
+    // The second time the prompt's KV comes from memory.
+    let again = completion(&serve.url(""), &prompt, 1);
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 48, "{again}");
+    assert!(serve.metric("granary_engine_ttft_seconds_count") >= 2.0);
+}
+
+#[test]
+fn a_decode_engine_computes_only_the_tail_a_prefill_engine_left() {
+    if default_model().is_none() {
+        return;
+    }
+    let wh = Warehouse::start(&[], &[]);
+    let resp = format!("resp://{}", wh.resp.as_ref().unwrap());
+    let http = format!("http://{}", wh.http.as_ref().unwrap());
+    let prefill = EngineProc::start(&["engine", "--role", "prefill", "--warehouse", &resp]);
+    let decode = EngineProc::start(&["engine", "--role", "decode", "--warehouse", &http]);
+
+    // 600 tokens: two full blocks of 256 and a tail of 88.
+    let prompt: Vec<u32> = (0..600).map(|i| 1000 + (i * 7) % 20000).collect();
+    let p = completion(&prefill.url(""), &prompt, 16);
+    assert_eq!(p["usage"]["completion_tokens"], 0, "a prefill engine generates nothing: {p}");
+    assert_eq!(prefill.metric("granary_engine_prompt_tokens_total{source=\"computed\"}"), 512.0);
+    assert_eq!(prefill.metric("granary_engine_kv_block_saves_total{outcome=\"saved\"}"), 2.0);
+
+    let d = completion(&decode.url(""), &prompt, 8);
+    assert_eq!(d["usage"]["completion_tokens"], 8, "{d}");
+    assert_eq!(d["usage"]["prompt_tokens_details"]["cached_tokens"], 512, "{d}");
+    let computed = decode.metric("granary_engine_prompt_tokens_total{source=\"computed\"}");
+    let loaded: f64 = ["memory", "disk", "remote"]
+        .iter()
+        .map(|s| decode.metric(&format!("granary_engine_prompt_tokens_total{{source=\"{s}\"}}")))
+        .sum();
+    eprintln!("decode engine: computed {computed} prompt tokens, loaded {loaded}");
+    assert_eq!(computed, 88.0, "the decode engine should compute only the unaligned tail");
+    assert_eq!(loaded, 512.0);
+}
