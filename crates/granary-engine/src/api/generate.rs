@@ -22,11 +22,18 @@ use crate::types::{Event, FinishReason};
 /// Turns token ids into text as characters complete.
 pub(crate) trait Detokenize: Send {
     fn push(&mut self, id: u32) -> Result<Option<String>, String>;
+    /// Text still held back when the generation ends.
+    fn finish(&mut self) -> Result<Option<String>, String> {
+        Ok(None)
+    }
 }
 
 impl Detokenize for DecodeStream<'_> {
     fn push(&mut self, id: u32) -> Result<Option<String>, String> {
         DecodeStream::push(self, id).map_err(|e| e.to_string())
+    }
+    fn finish(&mut self) -> Result<Option<String>, String> {
+        DecodeStream::finish(self).map_err(|e| e.to_string())
     }
 }
 
@@ -87,7 +94,23 @@ impl Generation {
                 }
             }
             Some(Event::Finished { reason, usage }) => {
-                Step::Done { text: self.stop.finish(), reason, cached_tokens: usage.cached_tokens }
+                let mut text = String::new();
+                match decoder.finish() {
+                    Ok(Some(tail)) => match self.stop.push(&tail) {
+                        Matched::Pending(t) => text.push_str(&t),
+                        Matched::Stop(t) => {
+                            return Step::Done {
+                                text: t,
+                                reason: FinishReason::Stop,
+                                cached_tokens: usage.cached_tokens,
+                            }
+                        }
+                    },
+                    Ok(None) => {}
+                    Err(e) => return Step::Failed(format!("detokenizing failed: {e}")),
+                }
+                text.push_str(&self.stop.finish());
+                Step::Done { text, reason, cached_tokens: usage.cached_tokens }
             }
             Some(Event::Failed(msg)) => Step::Failed(msg),
             None => Step::Failed("the generation ended without a result".into()),
