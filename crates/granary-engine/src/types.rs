@@ -61,13 +61,21 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
-/// What a running request reports, in order: zero or more `Token`s then
-/// exactly one `Finished` or `Failed`. Dropping the receiver cancels the
-/// request and frees its KV.
+/// What a running request reports, in order: `Started` once its prompt is
+/// admitted (backends may omit it), zero or more `Token`s, then exactly one
+/// `Finished` or `Failed`. Dropping the receiver cancels the request and
+/// frees its KV.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The prompt was admitted; `cached_tokens` of it were loaded, not computed.
+    Started {
+        cached_tokens: usize,
+    },
     Token(u32),
-    Finished { reason: FinishReason, usage: Usage },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
     Failed(String),
 }
 

@@ -34,6 +34,7 @@ async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> (Vec<u3
     loop {
         match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await.expect("engine stalled") {
             Some(Event::Token(t)) => toks.push(t),
+            Some(Event::Started { .. }) => assert!(toks.is_empty(), "Started after tokens"),
             Some(end) => return (toks, end),
             None => panic!("stream closed without a final event"),
         }
@@ -82,6 +83,7 @@ async fn concurrent_requests_match_running_alone() {
 async fn dropping_the_receiver_cancels_and_frees_kv() {
     let Some(engine) = start(EngineConfig::default()) else { return };
     let mut rx = engine.generate(greedy(vec![504, 3575, 282, 4649, 314], 10_000)).unwrap();
+    assert!(matches!(rx.recv().await, Some(Event::Started { cached_tokens: 0 })));
     for _ in 0..3 {
         assert!(matches!(rx.recv().await, Some(Event::Token(_))));
     }

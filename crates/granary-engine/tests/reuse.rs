@@ -70,6 +70,7 @@ async fn run(engine: &Engine, prompt: Vec<u32>) -> (Vec<u32>, usize) {
     loop {
         match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await.unwrap() {
             Some(Event::Token(t)) => toks.push(t),
+            Some(Event::Started { .. }) => {}
             Some(Event::Finished { usage, .. }) => return (toks, usage.cached_tokens),
             other => panic!("{other:?}"),
         }

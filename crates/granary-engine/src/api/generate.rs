@@ -68,17 +68,23 @@ pub(crate) struct Generation {
     stop: StopMatcher,
     /// Tokens received so far.
     pub completion_tokens: usize,
+    /// Prompt tokens loaded instead of computed, once the backend said.
+    cached_tokens: usize,
 }
 
 impl Generation {
     pub fn new(stop: Vec<String>) -> Self {
-        Generation { stop: StopMatcher::new(stop), completion_tokens: 0 }
+        Generation { stop: StopMatcher::new(stop), completion_tokens: 0, cached_tokens: 0 }
     }
 
     /// Takes the next event (`None`: the backend dropped its sender).
     /// After `Done` or `Failed` the caller drops the receiver.
     pub fn step(&mut self, event: Option<Event>, decoder: &mut dyn Detokenize) -> Step {
         match event {
+            Some(Event::Started { cached_tokens }) => {
+                self.cached_tokens = cached_tokens;
+                Step::Text(String::new())
+            }
             Some(Event::Token(id)) => {
                 self.completion_tokens += 1;
                 let piece = match decoder.push(id) {
@@ -88,9 +94,9 @@ impl Generation {
                 };
                 match self.stop.push(&piece) {
                     Matched::Pending(text) => Step::Text(text),
-                    // A stop string says nothing about cached tokens; the
-                    // backend only reports them when it finishes.
-                    Matched::Stop(text) => Step::Done { text, reason: FinishReason::Stop, cached_tokens: 0 },
+                    Matched::Stop(text) => {
+                        Step::Done { text, reason: FinishReason::Stop, cached_tokens: self.cached_tokens }
+                    }
                 }
             }
             Some(Event::Finished { reason, usage }) => {
@@ -279,11 +285,18 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn collect_stops_at_a_stop_string_and_cancels() {
-        let (tx, rx) = scripted(vec![Event::Token(0), Event::Token(6), Event::Token(7), Event::Token(8)]);
+        let (tx, rx) = scripted(vec![
+            Event::Started { cached_tokens: 256 },
+            Event::Token(0),
+            Event::Token(6),
+            Event::Token(7),
+            Event::Token(8),
+        ]);
         let out = collect(rx, &mut BytesDecoder::new(VOCAB), vec!["</s>".into()]).await.unwrap();
+        // Cached tokens come from `Started`: the backend never finishes.
         assert_eq!(
             out,
-            Outcome { text: "Hello".into(), reason: FinishReason::Stop, completion_tokens: 3, cached_tokens: 0 }
+            Outcome { text: "Hello".into(), reason: FinishReason::Stop, completion_tokens: 3, cached_tokens: 256 }
         );
         assert!(tx.is_closed(), "the receiver must be dropped so the backend cancels");
     }

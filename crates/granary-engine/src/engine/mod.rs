@@ -477,6 +477,7 @@ impl StepLoop {
         sh.cache.insert(&a.req.namespace, from_store);
         let prompt_target = if role == Role::Prefill { prompt_len / bt * bt } else { prompt_len };
         sh.metrics.add_prompt_tokens(Source::Computed, prompt_target.saturating_sub(cached));
+        let _ = a.tx.send(Event::Started { cached_tokens: cached });
         let seed = a.req.sampling.seed.unwrap_or_else(rand::random);
         let seq = Seq {
             hashes: a.hashes,
