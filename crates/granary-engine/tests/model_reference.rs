@@ -71,3 +71,30 @@ fn serving_weights_match_llama_cpp_logits() {
     let agree = check(&Model::load(&path, &LoadOptions::default()).unwrap(), "serving");
     assert!(agree.iter().all(|&n| n >= 2), "serving weights part from llama.cpp too early: {agree:?}");
 }
+
+/// One chunk, token by token, and two chunks give the same last logits
+/// (the causal mask, the KV writes and the rotary offsets agree).
+#[test]
+fn chunked_prefill_and_token_by_token_agree() {
+    let Some(path) = common::default_model() else { return };
+    let opts = LoadOptions { quantized_decode: false, ..LoadOptions::default() };
+    let model = Model::load(&path, &opts).unwrap();
+    let ids: Vec<u32> = common::fixture().generate.iter().flat_map(|c| c.prompt_ids.clone()).collect();
+    let last = |chunks: &[&[u32]]| {
+        let mut kv = model.new_kv(16);
+        let mut out = None;
+        for (i, c) in chunks.iter().enumerate() {
+            let want = i + 1 == chunks.len();
+            out = model.forward(&mut [Chunk { tokens: c, kv: &mut kv, logits: want }]).unwrap();
+        }
+        assert_eq!(kv.len(), ids.len());
+        out.unwrap().to_vec2::<f32>().unwrap().remove(0)
+    };
+    let one = last(&[&ids]);
+    let singles: Vec<&[u32]> = ids.chunks(1).collect();
+    let halves: Vec<&[u32]> = ids.chunks(ids.len() / 2 + 1).collect();
+    for (name, other) in [("token by token", last(&singles)), ("two chunks", last(&halves))] {
+        let worst = one.iter().zip(&other).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst < 0.02, "{name}: logits differ from one chunk by {worst}");
+    }
+}
