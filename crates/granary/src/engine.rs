@@ -69,12 +69,8 @@ pub struct EngineArgs {
     /// Data directory of the embedded warehouse's disk tier (none: memory only).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// Memory budget of the embedded warehouse.
-    #[arg(long, default_value = "1GiB")]
-    pub warehouse_memory: ByteSize,
-    /// Disk budget of the embedded warehouse.
-    #[arg(long, default_value = "20GiB")]
-    pub warehouse_disk: ByteSize,
+    #[command(flatten)]
+    pub budgets: WarehouseBudgets,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -84,10 +80,17 @@ pub struct ServeArgs {
     /// Where the warehouse keeps KV blocks on disk [default: $XDG_DATA_HOME/granary or ~/.local/share/granary].
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// Memory budget of the warehouse.
+    #[command(flatten)]
+    pub budgets: WarehouseBudgets,
+}
+
+/// Budgets of the in-process warehouse.
+#[derive(Args, Debug, Clone)]
+pub struct WarehouseBudgets {
+    /// Memory budget of the embedded warehouse.
     #[arg(long, default_value = "1GiB")]
     pub warehouse_memory: ByteSize,
-    /// Disk budget of the warehouse.
+    /// Disk budget of the embedded warehouse.
     #[arg(long, default_value = "20GiB")]
     pub warehouse_disk: ByteSize,
 }
@@ -153,11 +156,11 @@ fn engine_config(a: &ModelArgs, id: String, role: Role) -> EngineConfig {
     }
 }
 
-async fn embedded_store(data_dir: Option<&PathBuf>, memory: ByteSize, disk: ByteSize) -> Result<Arc<Store>> {
-    let mut cfg = StoreConfig { memory, ..Default::default() };
+async fn embedded_store(data_dir: Option<&PathBuf>, b: &WarehouseBudgets) -> Result<Arc<Store>> {
+    let mut cfg = StoreConfig { memory: b.warehouse_memory, ..Default::default() };
     if let Some(dir) = data_dir {
         let dir = dir.join("warehouse");
-        cfg.disk = Some(DiskConfig { dir, capacity: disk, policy: Default::default() });
+        cfg.disk = Some(DiskConfig { dir, capacity: b.warehouse_disk, policy: Default::default() });
     }
     Ok(Arc::new(Store::open(cfg).await.context("opening the embedded warehouse")?))
 }
@@ -173,6 +176,19 @@ async fn serve_http(engine: Engine, listen: &str) -> Result<()> {
     Ok(())
 }
 
+async fn start_and_serve(
+    args: &ModelArgs,
+    cfg: EngineConfig,
+    model: Arc<Model>,
+    tok: Arc<Tokenizer>,
+    connector: Connector,
+) -> Result<()> {
+    let layout = granary_engine::engine::layout_of(&model, cfg.block_tokens);
+    let blocks = Arc::new(ConnectorStore::new(Arc::new(connector), layout));
+    let engine = Engine::start(cfg, model, tok, Some(blocks))?;
+    serve_http(engine, &args.listen).await
+}
+
 pub async fn run_engine(a: EngineArgs) -> Result<()> {
     let spec = WarehouseSpec::parse(&a.warehouse).map_err(|e| anyhow::anyhow!("--warehouse: {e}"))?;
     let (model, tok, id) = tokio::task::block_in_place(|| load(&a.model))?;
@@ -180,17 +196,13 @@ pub async fn run_engine(a: EngineArgs) -> Result<()> {
     let conn_cfg = ConnectorConfig { token: a.warehouse_token.clone(), ..Default::default() };
     let connector = match spec {
         WarehouseSpec::Embedded => {
-            let s = embedded_store(a.data_dir.as_ref(), a.warehouse_memory, a.warehouse_disk).await?;
+            let s = embedded_store(a.data_dir.as_ref(), &a.budgets).await?;
             store = Some(s.clone());
             Connector::embedded(s, conn_cfg)?
         }
         other => Connector::new(other, conn_cfg, None)?,
     };
-    let cfg = engine_config(&a.model, id, a.role);
-    let layout = granary_engine::engine::layout_of(&model, cfg.block_tokens);
-    let blocks = Arc::new(ConnectorStore::new(Arc::new(connector), layout));
-    let engine = Engine::start(cfg, model, tok, Some(blocks))?;
-    serve_http(engine, &a.model.listen).await?;
+    start_and_serve(&a.model, engine_config(&a.model, id, a.role), model, tok, connector).await?;
     if let Some(s) = store {
         s.flush(Duration::from_secs(10)).await?;
     }
@@ -201,14 +213,10 @@ pub async fn run_serve(a: ServeArgs) -> Result<()> {
     let data_dir = a.data_dir.clone().unwrap_or_else(default_data_dir);
     std::fs::create_dir_all(&data_dir).with_context(|| format!("creating data directory {}", data_dir.display()))?;
     let (model, tok, id) = tokio::task::block_in_place(|| load(&a.model))?;
-    let store = embedded_store(Some(&data_dir), a.warehouse_memory, a.warehouse_disk).await?;
+    let store = embedded_store(Some(&data_dir), &a.budgets).await?;
     eprintln!("granary: warehouse in memory + disk at {}", data_dir.join("warehouse").display());
     let connector = Connector::embedded(store.clone(), ConnectorConfig::default())?;
-    let cfg = engine_config(&a.model, id, Role::Both);
-    let layout = granary_engine::engine::layout_of(&model, cfg.block_tokens);
-    let blocks = Arc::new(ConnectorStore::new(Arc::new(connector), layout));
-    let engine = Engine::start(cfg, model, tok, Some(blocks))?;
-    serve_http(engine, &a.model.listen).await?;
+    start_and_serve(&a.model, engine_config(&a.model, id, Role::Both), model, tok, connector).await?;
     store.flush(Duration::from_secs(10)).await?;
     Ok(())
 }
