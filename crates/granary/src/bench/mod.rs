@@ -4,6 +4,7 @@
 use anyhow::Result;
 use clap::Subcommand;
 
+mod engine;
 mod llm;
 mod ttft;
 mod warehouse;
@@ -15,11 +16,14 @@ pub enum BenchCmd {
     /// Time to first token: computed, from engine memory, from disk and from
     /// the remote tier after a restart, next to raw reads of the same bytes.
     Ttft(ttft::Args),
+    /// Prefill and decode tok/s at several concurrencies against llama.cpp.
+    Engine(engine::Args),
 }
 
 pub async fn run(which: BenchCmd) -> Result<()> {
     match which {
         BenchCmd::Warehouse(args) => warehouse::run(args).await,
         BenchCmd::Ttft(args) => ttft::run(args).await,
+        BenchCmd::Engine(args) => engine::run(args).await,
     }
 }
