@@ -1,6 +1,8 @@
-//! Smoke test of `granary bench warehouse --quick`: the real binary runs the
-//! in-process, hit-ratio and disk parts and writes JSON and the chart. No
-//! timing is asserted, only that every figure is there and positive.
+//! Smoke tests of `granary bench`: the real binary runs `warehouse --quick`
+//! (the in-process, hit-ratio and disk parts), `ttft --quick` and a small
+//! `engine` run (both with the default model; skipped without it), and
+//! writes JSON and charts. No timing is asserted, only that every figure is
+//! there and positive and that the warm runs reused what they should.
 
 use std::process::Command;
 
@@ -88,4 +90,118 @@ fn quick_run_writes_json_and_chart() {
         assert!(g["pass"].is_boolean() && g["figures"].is_string(), "{g}");
     }
     assert!(stdout.contains("Goals"), "{stdout}");
+}
+
+/// The default model for the model benchmarks' smoke runs, or `None` after
+/// saying why they are skipped (a failure with GRANARY_REQUIRE_EXTERNAL=1).
+fn model(test: &str) -> Option<std::path::PathBuf> {
+    granary_tokenizer::testing::model_or_skip(test)
+}
+
+fn run_bench(args: &[&str], extra: &[&std::path::Path]) -> String {
+    let run = Command::new(env!("CARGO_BIN_EXE_granary"))
+        .args(args)
+        .args(extra)
+        .env("GRANARY_LOG", "warn")
+        .output()
+        .expect("run granary bench");
+    let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(run.status.success(), "bench failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.starts_with("Run with: "), "{stdout}");
+    stdout
+}
+
+/// `granary bench ttft --sizes 300 --quick`: every warm run (engine memory,
+/// disk after a restart, remote after a restart) reuses the prompt's one
+/// full block, and the JSON and chart are written.
+#[test]
+fn ttft_quick_run_reuses_every_tier() {
+    let Some(model) = model("ttft_quick_run_reuses_every_tier") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let scratch = tmp.path().join("scratch");
+    let stdout = run_bench(
+        &["bench", "ttft", "--sizes", "300", "--quick", "--model", model.to_str().unwrap(), "--out"],
+        &[&out, std::path::Path::new("--dir"), &scratch],
+    );
+    assert!(stdout.contains("Goals"), "{stdout}");
+
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(out.join("ttft.json")).unwrap()).unwrap();
+    assert_eq!(r["quick"], true);
+    assert_eq!(r["block_tokens"], 256);
+    let sizes = r["sizes"].as_array().expect("sizes");
+    assert_eq!(sizes.len(), 1);
+    let s = &sizes[0];
+    assert_eq!(s["tokens"], 300);
+    // One full block is reusable; the 44 tokens past it are computed.
+    assert_eq!(s["expected_cached"], 256);
+    for run in s["runs"].as_array().expect("runs") {
+        assert_eq!(run["problems"].as_array().expect("problems").len(), 0, "{run}");
+        assert_eq!(run["cold_cached_tokens"], 0);
+        positive(&run["cold_ms"], "cold_ms");
+        let tiers = run["tiers"].as_array().expect("tiers");
+        let names: Vec<&str> = tiers.iter().map(|t| t["tier"].as_str().unwrap()).collect();
+        assert_eq!(names, ["memory", "disk", "remote"]);
+        for t in tiers {
+            assert_eq!(t["cached_tokens"], 256, "{t}");
+            assert_eq!(t["loaded_tokens"], 256, "{t}");
+            positive(&t["ttft_ms"], "ttft_ms");
+            positive(&t["raw_read_ms"], "raw_read_ms");
+            let bytes = positive(&t["raw_bytes"], "raw_bytes");
+            assert!(bytes >= 256.0 * 23_040.0, "{t}: fewer bytes read than the block holds");
+        }
+    }
+    assert_eq!(r["goals"].as_array().expect("goals").len(), 4);
+    assert!(std::fs::read_dir(&scratch).unwrap().next().is_none(), "scratch directories left behind");
+    for chart in ["ttft.svg", "ttft.png"] {
+        let len = std::fs::metadata(out.join(chart)).unwrap_or_else(|e| panic!("{chart}: {e}")).len();
+        assert!(len > 1000, "{chart} is only {len} bytes");
+    }
+}
+
+/// `granary bench engine` at concurrency 1 and 2 with a Python that does
+/// not exist: the anchor is reported unavailable and granary's figures
+/// still come out.
+#[test]
+fn engine_quick_run_without_the_anchor() {
+    let Some(model) = model("engine_quick_run_without_the_anchor") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let stdout = run_bench(
+        &[
+            "bench",
+            "engine",
+            "--model",
+            model.to_str().unwrap(),
+            "--concurrency",
+            "1,2",
+            "--gen-tokens",
+            "4",
+            "--prompt-tokens",
+            "64",
+            "--python",
+            "/nonexistent/python3",
+            "--out",
+        ],
+        &[&out],
+    );
+    assert!(stdout.contains("llama.cpp anchor unavailable"), "{stdout}");
+
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(out.join("engine.json")).unwrap()).unwrap();
+    let levels = r["granary"].as_array().expect("granary");
+    assert_eq!(levels.len(), 2);
+    for (l, c) in levels.iter().zip([1, 2]) {
+        assert_eq!(l["concurrency"], c);
+        positive(&l["prefill_tok_s"], "prefill_tok_s");
+        positive(&l["decode_tok_s"], "decode_tok_s");
+        assert_eq!(l["first_stream_ids"].as_array().unwrap().len(), 4);
+    }
+    assert!(r["llama_cpp"]["unavailable"].is_string(), "{}", r["llama_cpp"]);
+    let goals = r["goals"].as_array().expect("goals");
+    assert_eq!(goals.len(), 3);
+    for g in &goals[..2] {
+        assert_eq!(g["pass"], false);
+        assert!(g["figures"].as_str().unwrap().starts_with("not measured"), "{g}");
+    }
+    assert!(std::fs::metadata(out.join("engine.svg")).unwrap().len() > 1000);
 }

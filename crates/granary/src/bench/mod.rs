@@ -4,16 +4,26 @@
 use anyhow::Result;
 use clap::Subcommand;
 
+mod engine;
+mod llm;
+mod ttft;
 mod warehouse;
 
 #[derive(Subcommand)]
 pub enum BenchCmd {
     /// The warehouse against Redis, fio, a plain map and the trace's hit-ratio ceiling.
     Warehouse(warehouse::Args),
+    /// Time to first token: computed, from engine memory, from disk and from
+    /// the remote tier after a restart, next to raw reads of the same bytes.
+    Ttft(ttft::Args),
+    /// Prefill and decode tok/s at several concurrencies against llama.cpp.
+    Engine(engine::Args),
 }
 
 pub async fn run(which: BenchCmd) -> Result<()> {
     match which {
         BenchCmd::Warehouse(args) => warehouse::run(args).await,
+        BenchCmd::Ttft(args) => ttft::run(args).await,
+        BenchCmd::Engine(args) => engine::run(args).await,
     }
 }

@@ -18,10 +18,10 @@ use anyhow::{Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 use serde::Serialize;
 
-mod disk;
+pub(super) mod disk;
 mod hitratio;
 mod inproc;
-mod report;
+pub(super) mod report;
 mod resp;
 
 use report::{command_line, utc_timestamp, Goal, Host, Table};

@@ -220,7 +220,7 @@ fn fs_pass(file: &Path, bs: u64, n: u64, pool: &[Bytes]) -> Result<(f64, f64)> {
     Ok((write, read))
 }
 
-fn files_under(dir: &Path) -> Vec<PathBuf> {
+pub(in crate::bench) fn files_under(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -240,7 +240,7 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
 /// so the read pass measures the disk rather than memory. Per file rather
 /// than `/proc/sys/vm/drop_caches`, which would also empty the cache of
 /// everything else running on the host.
-fn drop_from_page_cache(path: &Path) -> Result<()> {
+pub(in crate::bench) fn drop_from_page_cache(path: &Path) -> Result<()> {
     let f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     f.sync_data().ok();
     // SAFETY: a valid open descriptor; the call only advises the kernel.
@@ -250,7 +250,7 @@ fn drop_from_page_cache(path: &Path) -> Result<()> {
 }
 
 /// Share of the files' pages in the page cache (mincore); 0 when unknown.
-fn resident_share(files: &[PathBuf]) -> f64 {
+pub(in crate::bench) fn resident_share(files: &[PathBuf]) -> f64 {
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
     let (mut resident, mut pages) = (0usize, 0usize);
     for path in files {
