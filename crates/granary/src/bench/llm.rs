@@ -154,6 +154,7 @@ pub async fn run(engine: &Engine, req: GenerateRequest, t0: Instant) -> Result<T
     let mut tokens = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
+            Event::Started { .. } => {}
             Event::Token(t) => tokens.push((t, t0.elapsed())),
             Event::Finished { usage, .. } => {
                 if tokens.is_empty() {
