@@ -10,8 +10,10 @@ and prints one JSON object on stdout with, per concurrency level, the
 prefill and decode throughput of llama.cpp (through llama-cpp-python's
 low-level bindings) on the same GGUF and the same prompt ids, greedy.
 
-Every level gets its own context with `n_seq_max = concurrency` and a
-unified KV cache. Prefill: each sequence's prompt is evaluated in chunks of
+Every level gets its own context with `n_seq_max = concurrency` and one KV
+stream per sequence (`kv_unified = false`, llama-server's default: with a
+unified cache every sequence's attention spans all sequences' cells, and
+prefill at 16 sequences ran at a fifth of its single-sequence speed). Prefill: each sequence's prompt is evaluated in chunks of
 at most `batch` tokens (one `llama_decode` per chunk, sequences one after
 the other), and the first token of each is sampled; the prefill time runs
 from the first chunk to the last first token. Decode: every step is one
@@ -64,7 +66,7 @@ class Context:
         p.n_seq_max = n_seq
         p.n_threads = threads
         p.n_threads_batch = threads
-        p.kv_unified = True
+        p.kv_unified = False
         p.no_perf = False
         self.ctx = llama_cpp.llama_init_from_model(model, p)
         if not self.ctx:

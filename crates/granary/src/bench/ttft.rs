@@ -95,6 +95,11 @@ pub struct Args {
     /// S3 server over HTTP on this host); `auto` takes s3s-fs when it is on PATH.
     #[arg(long, value_enum, default_value = "auto")]
     remote: RemoteKind,
+    /// Deadline of the engine's warehouse reads (one `get_many` per
+    /// prompt), in ms [default: the connector's, as `granary engine` runs].
+    /// Past it the engine computes the prompt instead.
+    #[arg(long)]
+    get_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
@@ -385,6 +390,8 @@ struct Ctx {
     /// Set once a global drop failed: per file from then on.
     global_failed: Option<String>,
     remote: Remote,
+    /// The engine's warehouse client settings (and the connector anchor's).
+    conn: ConnectorConfig,
 }
 
 /// Tokens a warm run takes from cache: every full block, except that a
@@ -453,7 +460,16 @@ pub async fn run(args: Args) -> Result<()> {
     let base = base.canonicalize().with_context(|| format!("resolving {}", base.display()))?;
     let remote = Remote::open(args.remote, &base)?;
     println!("Remote:   {}", remote.describe());
-    let mut ctx = Ctx { block_tokens: args.block_tokens, dir: base, drop, global_failed: None, remote };
+    let mut conn = ConnectorConfig::default();
+    if let Some(t) = args.get_timeout_ms {
+        conn.get_timeout = Duration::from_millis(t.max(1));
+    }
+    println!(
+        "Engine:   warehouse reads time out after {} ms{}",
+        conn.get_timeout.as_millis(),
+        if args.get_timeout_ms.is_some() { " (--get-timeout-ms)" } else { " (the connector's default)" }
+    );
+    let mut ctx = Ctx { block_tokens: args.block_tokens, dir: base, drop, global_failed: None, remote, conn };
 
     warm_up(&m, &ctx).await.context("warm-up request")?;
 
@@ -570,7 +586,7 @@ fn start_engine(m: &Loaded, ctx: &Ctx, store: Option<&Arc<Store>>, local_cache: 
     let cfg = llm::engine_config(&m.id, ctx.block_tokens, 512, local_cache);
     let blocks = match store {
         Some(s) => {
-            let conn = Connector::embedded(s.clone(), ConnectorConfig::default())?;
+            let conn = Connector::embedded(s.clone(), ctx.conn.clone())?;
             let layout = granary_engine::engine::layout_of(&m.model, ctx.block_tokens);
             Some(Arc::new(ConnectorStore::new(Arc::new(conn), layout)) as Arc<dyn BlockStore>)
         }
@@ -748,16 +764,25 @@ async fn one_run(m: &Loaded, ctx: &mut Ctx, tokens: usize, run: usize, pb: &indi
         // and get_many through the same connector, blocks decoded and checked.
         drop_page_cache(ctx, dir)?;
         let store = open().await?;
-        let conn =
-            ConnectorStore::new(Arc::new(Connector::embedded(store.clone(), ConnectorConfig::default())?), layout);
+        let conn = ConnectorStore::new(Arc::new(Connector::embedded(store.clone(), ctx.conn.clone())?), layout);
         let t0 = Instant::now();
-        let n = conn.lookup(&hashes).await?;
-        let fetched = conn.get_many(&hashes[..n]).await?;
+        let fetched = match conn.lookup(&hashes).await {
+            Ok(n) => conn.get_many(&hashes[..n]).await.map(|b| b.iter().filter(|b| b.is_some()).count()),
+            Err(e) => Err(e),
+        };
         let connector_get = ms(t0.elapsed());
-        let fetched = fetched.iter().filter(|b| b.is_some()).count();
-        if fetched != keys.len() {
-            problems.push(format!("{}: the connector fetched {fetched} of {} blocks", tier.name(), keys.len()));
-        }
+        // A timeout here is what made the engine compute instead: say so, go on.
+        let connector_get = match fetched {
+            Ok(n) if n == keys.len() => Some(connector_get),
+            Ok(n) => {
+                problems.push(format!("{}: the connector fetched {n} of {} blocks", tier.name(), keys.len()));
+                Some(connector_get)
+            }
+            Err(e) => {
+                problems.push(format!("{}: the connector failed after {connector_get:.0} ms: {e:#}", tier.name()));
+                None
+            }
+        };
         drop(conn);
         release(store).await;
 
@@ -771,7 +796,7 @@ async fn one_run(m: &Loaded, ctx: &mut Ctx, tokens: usize, run: usize, pb: &indi
             cached_tokens: warm.usage.cached_tokens,
             loaded_tokens: loaded,
             store_get_ms: Some(store_get),
-            connector_get_ms: Some(connector_get),
+            connector_get_ms: connector_get,
             raw_read_ms: raw_ms,
             raw_bytes,
             cached_at_ttft: Some(cached_at_ttft),
