@@ -371,6 +371,7 @@ fn quick() -> ConnectorConfig {
         lookup_timeout: Duration::from_millis(300),
         get_timeout: Duration::from_millis(400),
         put_timeout: Duration::from_millis(400),
+        per_block_timeout: Duration::from_millis(50),
         ..Default::default()
     }
 }
@@ -400,8 +401,9 @@ async fn every_call_fails(c: &Connector) -> [bool; 3] {
     let e3 = c.put(h[0], &shape(), payload(0)).await.unwrap_err();
     let put = t.elapsed();
     assert!(lookup < cfg.lookup_timeout + SLACK, "lookup took {lookup:?}: {e1}");
-    assert!(get < cfg.get_timeout + SLACK, "get took {get:?}: {e2}");
-    assert!(put < cfg.put_timeout + SLACK, "put took {put:?}: {e3}");
+    // A batch's deadline grows by the per-block allowance: 2 blocks, 1 block.
+    assert!(get < cfg.get_timeout + cfg.per_block_timeout * 2 + SLACK, "get took {get:?}: {e2}");
+    assert!(put < cfg.put_timeout + cfg.per_block_timeout + SLACK, "put took {put:?}: {e3}");
     let s = c.stats().snapshot();
     assert_eq!((s.errors, s.hits, s.blocks_saved), (3, 0, 0));
     [e1, e2, e3].map(|e| matches!(e, ConnectorError::Timeout { .. }))

@@ -217,10 +217,16 @@ pub struct ConnectorConfig {
     pub token: Option<String>,
     /// Deadline of a `lookup` call.
     pub lookup_timeout: Duration,
-    /// Deadline of a `get_many` call (the whole batch).
+    /// Deadline of a `get_many` call: this, plus `per_block_timeout` for
+    /// every block in the batch.
     pub get_timeout: Duration,
-    /// Deadline of a `put_many` call (the whole batch).
+    /// Deadline of a `put_many` call: this, plus `per_block_timeout` for
+    /// every block in the batch.
     pub put_timeout: Duration,
+    /// What each block adds to a batch's deadline, so that a long prompt's
+    /// blocks (an 8K-token prompt of a small model is about 180 MB) are not
+    /// abandoned by a deadline sized for one.
+    pub per_block_timeout: Duration,
     /// Most connections open at once to a remote warehouse (and blocks in flight over HTTP).
     pub max_connections: usize,
     /// Largest block accepted from a remote warehouse, frame included.
@@ -235,6 +241,7 @@ impl Default for ConnectorConfig {
             lookup_timeout: Duration::from_millis(500),
             get_timeout: Duration::from_secs(2),
             put_timeout: Duration::from_secs(2),
+            per_block_timeout: Duration::from_millis(100),
             max_connections: 4,
             max_block_bytes: 512 << 20,
         }
@@ -249,6 +256,7 @@ impl fmt::Debug for ConnectorConfig {
             .field("lookup_timeout", &self.lookup_timeout)
             .field("get_timeout", &self.get_timeout)
             .field("put_timeout", &self.put_timeout)
+            .field("per_block_timeout", &self.per_block_timeout)
             .field("max_connections", &self.max_connections)
             .field("max_block_bytes", &self.max_block_bytes)
             .finish()
@@ -279,6 +287,11 @@ impl ConnectorConfig {
             }
         }
         Ok(())
+    }
+
+    /// The deadline of a batch of `blocks` blocks starting from `base`.
+    fn batch_deadline(&self, base: Duration, blocks: usize) -> Duration {
+        base.saturating_add(self.per_block_timeout.saturating_mul(blocks.min(u32::MAX as usize) as u32))
     }
 }
 
@@ -400,7 +413,8 @@ impl Connector {
         if hashes.is_empty() {
             return Ok(Vec::new());
         }
-        let raw = self.timed("get", self.cfg.get_timeout, self.transport.get_many(hashes)).await?;
+        let after = self.cfg.batch_deadline(self.cfg.get_timeout, hashes.len());
+        let raw = self.timed("get", after, self.transport.get_many(hashes)).await?;
         if raw.len() != hashes.len() {
             add(&self.stats.errors, 1);
             return Err(ConnectorError::Protocol(format!(
@@ -467,7 +481,8 @@ impl Connector {
             payload_bytes += payload.len() as u64;
             frames.push((*hash, block.encode()));
         }
-        self.timed("put", self.cfg.put_timeout, self.transport.put_many(&frames)).await?;
+        let after = self.cfg.batch_deadline(self.cfg.put_timeout, frames.len());
+        self.timed("put", after, self.transport.put_many(&frames)).await?;
         add(&self.stats.blocks_saved, blocks.len() as u64);
         add(&self.stats.bytes_saved, payload_bytes);
         Ok(())

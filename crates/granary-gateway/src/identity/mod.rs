@@ -1,0 +1,1 @@
+//! Tenants, API keys, audit records and usage, in SQLite or PostgreSQL.

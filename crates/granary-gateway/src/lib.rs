@@ -1,0 +1,19 @@
+//! Granary's gateway: one OpenAI-compatible endpoint in front of many
+//! engines, for many tenants.
+//!
+//! A request passes, in order: the API key ([`identity`]) which names the
+//! tenant and with it the KV namespace sent upstream; the key's and the
+//! tenant's limits ([`limits`]); a routing policy ([`routing`]) that ranks
+//! the healthy upstreams of the model's pools, KV-aware where engines
+//! publish their blocks; the proxy, which streams the answer back without
+//! buffering and retries only before the first byte; and last an audit
+//! record and the metrics.
+
+pub mod error;
+pub mod identity;
+pub mod limits;
+pub mod routing;
+pub mod types;
+
+pub use error::ApiError;
+pub use types::{KeyId, Limits, Principal, Priority, TenantId};

@@ -1,0 +1,1 @@
+//! Routing policies: which upstream gets a request.
