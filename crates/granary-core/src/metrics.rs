@@ -143,9 +143,73 @@ pub mod engine {
     ];
 }
 
+/// The gateway's metrics. The four `inference_*` names are the ones
+/// inference gateways commonly export (dashboards and autoscalers look for
+/// them); the rest follow the `granary_gateway_` rule.
+pub mod gateway {
+    /// Requests answered (counter; labels `tenant` (capped table), `model`
+    /// (configured or served models, else `unknown`), `status` (HTTP code)).
+    pub const REQUESTS: &str = "inference_requests_total";
+    /// Time from arrival to the last byte sent (histogram; label `model`).
+    pub const LATENCY_SECONDS: &str = "inference_latency_seconds";
+    /// Time from arrival to the upstream's first body byte (histogram; label `model`).
+    pub const TTFT_SECONDS: &str = "inference_ttft_seconds";
+    /// Requests in progress (gauge).
+    pub const ACTIVE_REQUESTS: &str = "inference_active_requests";
+    /// Tokens by kind: prompt, completion, cached (counter; labels `tenant`, `model`, `kind`).
+    pub const TOKENS: &str = "granary_gateway_tokens_total";
+    /// Whether each upstream passed its last health check (gauge 0/1; label `upstream`).
+    pub const UPSTREAM_UP: &str = "granary_gateway_upstream_up";
+    /// Breaker state per upstream: 0 closed, 1 half-open, 2 open (gauge; label `upstream`).
+    pub const BREAKER_STATE: &str = "granary_gateway_upstream_breaker_state";
+    /// Requests in flight per upstream (gauge; label `upstream`).
+    pub const UPSTREAM_ACTIVE: &str = "granary_gateway_upstream_active_requests";
+    /// Attempts per upstream by outcome: ok, connect_error, timeout, status_5xx, status_4xx (counter; labels `upstream`, `outcome`).
+    pub const UPSTREAM_ATTEMPTS: &str = "granary_gateway_upstream_attempts_total";
+    /// Attempts that were retries on another upstream (counter).
+    pub const RETRIES: &str = "granary_gateway_retries_total";
+    /// Requests refused by a limit (counter; labels `scope` = key or tenant, `limit`).
+    pub const RATE_LIMITED: &str = "granary_gateway_rate_limited_total";
+    /// Requests refused before routing: auth, bad request, no access (counter; label `reason`).
+    pub const REJECTED: &str = "granary_gateway_rejected_total";
+    /// Requests waiting for a free upstream slot (gauge; label `priority`).
+    pub const QUEUE_WAITING: &str = "granary_gateway_queue_waiting_requests";
+    /// Time requests waited for a slot (histogram; label `priority`).
+    pub const QUEUE_SECONDS: &str = "granary_gateway_queue_seconds";
+    /// (block, upstream) pairs known from KV events (gauge).
+    pub const KV_INDEX_BLOCKS: &str = "granary_gateway_kv_index_blocks";
+    /// Prompt blocks the chosen upstream held, per routed request (counter; label `policy`).
+    pub const ROUTED_HIT_BLOCKS: &str = "granary_gateway_routed_hit_blocks_total";
+    /// Prompt blocks of routed requests (counter; label `policy`).
+    pub const ROUTED_BLOCKS: &str = "granary_gateway_routed_blocks_total";
+    /// Audit records dropped because the writer fell behind (counter).
+    pub const AUDIT_DROPPED: &str = "granary_gateway_audit_dropped_total";
+
+    pub const ALL: &[&str] = &[
+        REQUESTS,
+        LATENCY_SECONDS,
+        TTFT_SECONDS,
+        ACTIVE_REQUESTS,
+        TOKENS,
+        UPSTREAM_UP,
+        BREAKER_STATE,
+        UPSTREAM_ACTIVE,
+        UPSTREAM_ATTEMPTS,
+        RETRIES,
+        RATE_LIMITED,
+        REJECTED,
+        QUEUE_WAITING,
+        QUEUE_SECONDS,
+        KV_INDEX_BLOCKS,
+        ROUTED_HIT_BLOCKS,
+        ROUTED_BLOCKS,
+        AUDIT_DROPPED,
+    ];
+}
+
 /// Every name in the catalog, for the rule checks.
 pub fn all() -> impl Iterator<Item = &'static str> {
-    warehouse::ALL.iter().chain(engine::ALL).copied()
+    warehouse::ALL.iter().chain(engine::ALL).chain(gateway::ALL).copied()
 }
 
 #[cfg(test)]
@@ -158,7 +222,7 @@ mod tests {
         let mut seen = HashSet::new();
         for name in all() {
             assert!(seen.insert(name), "{name} declared twice");
-            assert!(name.starts_with("granary_"), "{name}");
+            assert!(name.starts_with("granary_") || name.starts_with("inference_"), "{name}");
             assert!(name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'), "{name}");
             let units_ok = name.ends_with("_total")
                 || name.ends_with("_seconds")
@@ -167,7 +231,9 @@ mod tests {
                 || name.ends_with("_connections")
                 || name.ends_with("_requests")
                 || name.ends_with("_blocks")
-                || name.ends_with("_per_second");
+                || name.ends_with("_per_second")
+                || name.ends_with("_up")
+                || name.ends_with("_state");
             assert!(units_ok, "{name} has no unit or _total suffix");
         }
         assert_eq!(warehouse::counter_base(warehouse::HITS), "granary_warehouse_hits");

@@ -14,9 +14,12 @@ use tokio::sync::broadcast::error::RecvError;
 use crate::api::{self, ApiOptions};
 use crate::engine::{Engine, KvEvent};
 
-/// `/v1/*`, `/health`, `/metrics` and `GET /v1/kv/events`.
+/// `/v1/*`, `/health`, `/metrics`, `GET /v1/kv/events` and `GET /v1/kv/config`.
 pub fn router(engine: Engine, opts: ApiOptions) -> Router {
-    let events = Router::new().route("/v1/kv/events", get(kv_events)).with_state(engine.clone());
+    let events = Router::new()
+        .route("/v1/kv/events", get(kv_events))
+        .route("/v1/kv/config", get(kv_config))
+        .with_state(engine.clone());
     events.merge(api::router(Arc::new(engine), opts))
 }
 
@@ -44,6 +47,27 @@ async fn kv_events(State(engine): State<Engine>) -> Sse<impl Stream<Item = Resul
         }
     };
     Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// What a router needs to name this engine's blocks itself: with the
+/// model's tokenizer, `HashChain::for_layout(namespace, fingerprint, layout)`
+/// over the prompt's tokens gives the hashes KV events carry.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvConfig {
+    pub model: String,
+    /// The model fingerprint, hashed into the chain root as its UTF-8 bytes.
+    pub fingerprint: String,
+    pub layout: granary_core::hash::KvLayout,
+    pub role: crate::engine::Role,
+}
+
+async fn kv_config(State(engine): State<Engine>) -> axum::Json<KvConfig> {
+    axum::Json(KvConfig {
+        model: engine.config().model_id.clone(),
+        fingerprint: engine.model().fingerprint().to_string(),
+        layout: engine.layout(),
+        role: engine.config().role,
+    })
 }
 
 fn snapshot(engine: &Engine) -> Vec<KvEvent> {

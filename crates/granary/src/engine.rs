@@ -51,6 +51,13 @@ pub struct ModelArgs {
     /// Device: cpu, or cuda[:N] when built with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Run each request in the KV namespace named by its
+    /// `x-granary-namespace` header. Only for an engine reachable through a
+    /// gateway alone (the gateway sets the header from the tenant's key and
+    /// never passes a client's on): whoever sets it picks whose cached
+    /// prefixes a request may reuse.
+    #[arg(long)]
+    pub trust_namespace_header: bool,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -165,12 +172,16 @@ async fn embedded_store(data_dir: Option<&PathBuf>, b: &WarehouseBudgets) -> Res
     Ok(Arc::new(Store::open(cfg).await.context("opening the embedded warehouse")?))
 }
 
-async fn serve_http(engine: Engine, listen: &str) -> Result<()> {
+async fn serve_http(engine: Engine, listen: &str, trust_namespace_header: bool) -> Result<()> {
     let addr: SocketAddr = listen.parse().with_context(|| format!("--listen {listen:?}: expected HOST:PORT"))?;
     let l = TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
     println!("granary: OpenAI API on http://{}/v1 (model {})", l.local_addr()?, engine.config().model_id);
     println!("granary: ready");
-    let app = granary_engine::server::router(engine.clone(), ApiOptions::default());
+    let mut opts = ApiOptions::default();
+    if trust_namespace_header {
+        opts.namespace_header = Some(axum::http::HeaderName::from_static(granary_engine::api::NAMESPACE_HEADER));
+    }
+    let app = granary_engine::server::router(engine.clone(), opts);
     axum::serve(l, app).with_graceful_shutdown(crate::warehouse::shutdown_signal()).await?;
     engine.close();
     Ok(())
@@ -186,7 +197,7 @@ async fn start_and_serve(
     let layout = granary_engine::engine::layout_of(&model, cfg.block_tokens);
     let blocks = Arc::new(ConnectorStore::new(Arc::new(connector), layout));
     let engine = Engine::start(cfg, model, tok, Some(blocks))?;
-    serve_http(engine, &args.listen).await
+    serve_http(engine, &args.listen, args.trust_namespace_header).await
 }
 
 pub async fn run_engine(a: EngineArgs) -> Result<()> {

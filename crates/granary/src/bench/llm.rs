@@ -40,6 +40,7 @@ pub fn load(source: &str) -> Result<Loaded> {
         kv_cache: ByteSize::mib(512),
         max_context: None,
         device: "cpu".into(),
+        trust_namespace_header: false,
     };
     let (model, tokenizer, id) = tokio::task::block_in_place(|| crate::engine::load(&args))?;
     let path = model.source().to_path_buf();
