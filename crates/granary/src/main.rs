@@ -10,6 +10,7 @@ use granary_core::ByteSize;
 mod bench;
 mod config;
 mod engine;
+mod gateway;
 mod warehouse;
 
 #[derive(Parser)]
@@ -31,6 +32,9 @@ enum Cmd {
     /// Engine and warehouse in one process on embedded defaults (the default
     /// model, 127.0.0.1:8000, KV blocks in memory and under a data directory).
     Serve(Box<engine::ServeArgs>),
+    /// The OpenAI-compatible, multi-tenant gateway in front of engines
+    /// (`granary gateway admin ...` manages its tenants and keys).
+    Gateway(Box<gateway::GatewayArgs>),
     /// Run a benchmark; each prints a table with its anchor and the ratio.
     Bench {
         #[command(subcommand)]
@@ -116,6 +120,7 @@ fn main() -> Result<()> {
         }
         Cmd::Engine(a) => rt.block_on(engine::run_engine(*a)),
         Cmd::Serve(a) => rt.block_on(engine::run_serve(*a)),
+        Cmd::Gateway(a) => rt.block_on(gateway::run(*a)),
         Cmd::Bench { which } => rt.block_on(bench::run(which)),
     }
 }

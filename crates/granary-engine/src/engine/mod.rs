@@ -192,6 +192,10 @@ impl Engine {
         self.shared.layout
     }
 
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.shared.tokenizer
+    }
+
     pub fn config(&self) -> &EngineConfig {
         &self.shared.cfg
     }

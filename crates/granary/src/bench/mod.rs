@@ -5,6 +5,7 @@ use anyhow::Result;
 use clap::Subcommand;
 
 mod engine;
+mod gateway;
 mod llm;
 mod ttft;
 mod warehouse;
@@ -18,6 +19,8 @@ pub enum BenchCmd {
     Ttft(ttft::Args),
     /// Prefill and decode tok/s at several concurrencies against llama.cpp.
     Engine(engine::Args),
+    /// Latency and throughput the gateway adds, against a direct call and nginx proxy_pass.
+    Gateway(gateway::Args),
 }
 
 pub async fn run(which: BenchCmd) -> Result<()> {
@@ -25,5 +28,6 @@ pub async fn run(which: BenchCmd) -> Result<()> {
         BenchCmd::Warehouse(args) => warehouse::run(args).await,
         BenchCmd::Ttft(args) => ttft::run(args).await,
         BenchCmd::Engine(args) => engine::run(args).await,
+        BenchCmd::Gateway(args) => gateway::run(args).await,
     }
 }

@@ -1,0 +1,444 @@
+//! The gateway's configuration file:
+//!
+//! ```toml
+//! [gateway]
+//! listen = "127.0.0.1:8080"
+//! database = "sqlite://gateway.db"      # or postgres://user:pass@host/db
+//! redis = "redis://127.0.0.1:6379"      # shared limits; in-process when absent
+//!
+//! [[upstream]]
+//! name = "engine-a"
+//! url = "http://127.0.0.1:8001"
+//! max_active = 64
+//!
+//! [[pool]]
+//! name = "main"
+//! upstreams = ["engine-a"]
+//! routing = { policy = "kv_aware" }
+//! ```
+//!
+//! Everything but the upstreams has a default. [`GatewayConfig::validate`]
+//! checks references between sections and names the field at fault.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::routing::PolicyConfig;
+
+/// The whole file.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayConfig {
+    #[serde(default)]
+    pub gateway: GatewaySection,
+    #[serde(default, rename = "upstream")]
+    pub upstreams: Vec<UpstreamConfig>,
+    /// Pools of upstreams with a routing policy each; when none is given,
+    /// every upstream forms one `default` pool routed by `kv_aware`.
+    #[serde(default, rename = "pool")]
+    pub pools: Vec<PoolConfig>,
+}
+
+/// `[gateway]`: the front and its shared state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewaySection {
+    /// Where clients connect. Loopback unless configured otherwise.
+    pub listen: SocketAddr,
+    /// Keys, tenants and audit records: `sqlite://PATH`, `sqlite::memory:`
+    /// or `postgres://...`.
+    pub database: String,
+    /// Shared rate-limit counters; in-process counters when absent.
+    pub redis: Option<String>,
+    /// The environment variable holding the admin token (the token itself
+    /// never sits in the file). Without it, the admin API is disabled.
+    pub admin_token_env: String,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// Connecting to an upstream.
+    pub connect_timeout_ms: u64,
+    /// From sending a request upstream to its first response byte.
+    pub first_byte_timeout_s: u64,
+    /// Longest silence between two chunks of a response.
+    pub idle_timeout_s: u64,
+    /// Attempts per request (first try included), on connect errors and
+    /// 5xx answers before the first byte.
+    pub max_attempts: u32,
+    /// Backoff before the second attempt; doubles after each.
+    pub retry_backoff_ms: u64,
+    /// How long a request may wait for capacity when every upstream is full.
+    pub queue_timeout_s: u64,
+    /// How long a verified key is remembered before the database is asked again.
+    pub key_cache_ms: u64,
+    /// Tenants with their own label values in metrics; the rest are `other`.
+    pub metrics_max_tenants: usize,
+    pub health: HealthConfig,
+    pub breaker: BreakerConfig,
+    /// TLS on the front; plain HTTP when absent.
+    pub tls: Option<ServerTls>,
+}
+
+impl Default for GatewaySection {
+    fn default() -> Self {
+        GatewaySection {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            database: "sqlite://gateway.db".into(),
+            redis: None,
+            admin_token_env: "GRANARY_ADMIN_TOKEN".into(),
+            max_body_bytes: 4 << 20,
+            connect_timeout_ms: 2_000,
+            first_byte_timeout_s: 300,
+            idle_timeout_s: 120,
+            max_attempts: 3,
+            retry_backoff_ms: 25,
+            queue_timeout_s: 30,
+            key_cache_ms: 2_000,
+            metrics_max_tenants: 100,
+            health: HealthConfig::default(),
+            breaker: BreakerConfig::default(),
+            tls: None,
+        }
+    }
+}
+
+impl GatewaySection {
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+    pub fn first_byte_timeout(&self) -> Duration {
+        Duration::from_secs(self.first_byte_timeout_s)
+    }
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_secs(self.idle_timeout_s)
+    }
+    pub fn queue_timeout(&self) -> Duration {
+        Duration::from_secs(self.queue_timeout_s)
+    }
+}
+
+/// Active health checks (`GET /health` on every upstream).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig { interval_ms: 1_000, timeout_ms: 1_000 }
+    }
+}
+
+/// The circuit breaker each upstream has: after `failures` consecutive
+/// failures (requests or health checks) it opens and the upstream gets no
+/// traffic for `open_ms`; then one probe decides.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    pub failures: u32,
+    pub open_ms: u64,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig { failures: 3, open_ms: 2_000 }
+    }
+}
+
+/// Certificate and key (PEM) for the front; with `client_ca`, clients must
+/// present a certificate signed by it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+}
+
+/// How the gateway talks TLS to an upstream: the CA that signs its
+/// certificate, and for mTLS the gateway's own certificate and key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamTls {
+    pub ca: PathBuf,
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+}
+
+/// What an upstream does in a disaggregated pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+/// `[[upstream]]`: one OpenAI-compatible engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    pub name: String,
+    /// Base URL (`http://host:port` or `https://...`); `/v1/...` is appended.
+    pub url: String,
+    /// Models it serves; discovered from its `/v1/models` when empty.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Requests in flight at most (0: unbounded). When every upstream of a
+    /// request is full, the request waits (premium first).
+    #[serde(default)]
+    pub max_active: usize,
+    #[serde(default)]
+    pub role: Role,
+    /// Follow its `/v1/kv/events` stream (Granary engines publish one).
+    #[serde(default = "yes")]
+    pub kv_events: bool,
+    /// Send the tenant's KV namespace in `x-granary-namespace`.
+    #[serde(default = "yes")]
+    pub send_namespace: bool,
+    /// The environment variable holding a bearer token for this upstream.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    #[serde(default)]
+    pub tls: Option<UpstreamTls>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl UpstreamConfig {
+    /// An upstream with defaults (for flags and tests).
+    pub fn new(name: impl Into<String>, url: impl Into<String>) -> Self {
+        UpstreamConfig {
+            name: name.into(),
+            url: url.into(),
+            models: vec![],
+            max_active: 0,
+            role: Role::Both,
+            kv_events: true,
+            send_namespace: true,
+            api_key_env: None,
+            tls: None,
+        }
+    }
+}
+
+/// `[[pool]]`: upstreams routed together.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    pub name: String,
+    pub upstreams: Vec<String>,
+    /// Models this pool serves (empty: whatever its upstreams serve).
+    #[serde(default)]
+    pub models: Vec<String>,
+    #[serde(default)]
+    pub routing: PolicyConfig,
+    /// Share of the pool's models' traffic it gets first (e.g. primary 80,
+    /// failover 15, burst 5); the others are tried in descending weight
+    /// when it fails.
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+}
+
+fn default_weight() -> u32 {
+    100
+}
+
+/// A configuration error, naming the field.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{field}: {message}")]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+fn bad(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError { field: field.into(), message: message.into() }
+}
+
+impl GatewayConfig {
+    /// Parses TOML, naming the offending field on error.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let de = toml::Deserializer::new(text);
+        let cfg: GatewayConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            bad(if path == "." { "config".to_string() } else { path }, e.into_inner().message().trim().to_string())
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The pools to route with: the configured ones, or one `default` pool
+    /// of every upstream.
+    pub fn effective_pools(&self) -> Vec<PoolConfig> {
+        if !self.pools.is_empty() {
+            return self.pools.clone();
+        }
+        vec![PoolConfig {
+            name: "default".into(),
+            upstreams: self.upstreams.iter().map(|u| u.name.clone()).collect(),
+            models: vec![],
+            routing: PolicyConfig::KvAware { load_penalty: 1.0, approx_capacity_blocks: 0 },
+            weight: default_weight(),
+        }]
+    }
+
+    /// Checks what serde cannot: names unique, references resolve, numbers
+    /// in range, URLs parse.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let g = &self.gateway;
+        if g.max_body_bytes < 1024 {
+            return Err(bad("gateway.max_body_bytes", "must be at least 1024"));
+        }
+        if g.max_attempts == 0 || g.max_attempts > 10 {
+            return Err(bad("gateway.max_attempts", "must be between 1 and 10"));
+        }
+        if g.breaker.failures == 0 {
+            return Err(bad("gateway.breaker.failures", "must be at least 1"));
+        }
+        if g.health.interval_ms < 50 {
+            return Err(bad("gateway.health.interval_ms", "must be at least 50"));
+        }
+        if g.metrics_max_tenants == 0 {
+            return Err(bad("gateway.metrics_max_tenants", "must be at least 1"));
+        }
+        if g.database.trim().is_empty() {
+            return Err(bad("gateway.database", "must not be empty"));
+        }
+        let mut names = HashSet::new();
+        for (i, u) in self.upstreams.iter().enumerate() {
+            let field = |f: &str| format!("upstream[{i}].{f}");
+            if u.name.is_empty() || !u.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+                return Err(bad(field("name"), "letters, digits, '-', '_' and '.' only, not empty"));
+            }
+            if !names.insert(u.name.as_str()) {
+                return Err(bad(field("name"), format!("duplicate upstream name {:?}", u.name)));
+            }
+            match url::Url::parse(&u.url) {
+                Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {}
+                Ok(_) => return Err(bad(field("url"), "must be an http:// or https:// URL with a host")),
+                Err(e) => return Err(bad(field("url"), e.to_string())),
+            }
+            if u.tls.is_some() && !u.url.starts_with("https://") {
+                return Err(bad(field("tls"), "needs an https:// url"));
+            }
+            if let Some(t) = &u.tls {
+                if t.cert.is_some() != t.key.is_some() {
+                    return Err(bad(field("tls"), "cert and key go together"));
+                }
+            }
+        }
+        let mut pool_names = HashSet::new();
+        for (i, p) in self.pools.iter().enumerate() {
+            let field = |f: &str| format!("pool[{i}].{f}");
+            if !pool_names.insert(p.name.as_str()) {
+                return Err(bad(field("name"), format!("duplicate pool name {:?}", p.name)));
+            }
+            if p.upstreams.is_empty() {
+                return Err(bad(field("upstreams"), "a pool needs at least one upstream"));
+            }
+            for (j, name) in p.upstreams.iter().enumerate() {
+                if !names.contains(name.as_str()) {
+                    return Err(bad(format!("pool[{i}].upstreams[{j}]"), format!("no upstream named {name:?}")));
+                }
+            }
+            if p.weight == 0 {
+                return Err(bad(field("weight"), "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FULL: &str = r#"
+[gateway]
+listen = "127.0.0.1:9000"
+database = "sqlite::memory:"
+redis = "redis://127.0.0.1:6379"
+max_attempts = 2
+
+[gateway.breaker]
+failures = 5
+open_ms = 500
+
+[[upstream]]
+name = "a"
+url = "http://127.0.0.1:8001"
+max_active = 4
+
+[[upstream]]
+name = "b"
+url = "http://127.0.0.1:8002"
+role = "decode"
+kv_events = false
+
+[[pool]]
+name = "main"
+upstreams = ["a"]
+weight = 80
+routing = { policy = "kv_aware", load_penalty = 2.0 }
+
+[[pool]]
+name = "spill"
+upstreams = ["b"]
+weight = 20
+routing = { policy = "session", header = "x-user" }
+"#;
+
+    #[test]
+    fn parses_a_full_file() {
+        let c = GatewayConfig::from_toml(FULL).unwrap();
+        assert_eq!(c.gateway.listen.port(), 9000);
+        assert_eq!(c.gateway.max_attempts, 2);
+        assert_eq!(c.gateway.breaker, BreakerConfig { failures: 5, open_ms: 500 });
+        assert_eq!(c.gateway.first_byte_timeout_s, 300, "defaults fill what is absent");
+        assert_eq!(c.upstreams.len(), 2);
+        assert!(c.upstreams[0].kv_events && !c.upstreams[1].kv_events);
+        assert_eq!(c.upstreams[1].role, Role::Decode);
+        assert_eq!(c.pools[0].weight, 80);
+        assert!(matches!(c.pools[0].routing, PolicyConfig::KvAware { .. }));
+        assert_eq!(c.pools[1].routing.session_header(), Some("x-user"));
+    }
+
+    #[test]
+    fn defaults_listen_on_loopback_and_pool_everything() {
+        let c = GatewayConfig::from_toml("[[upstream]]\nname = \"a\"\nurl = \"http://h:1\"\n").unwrap();
+        assert!(c.gateway.listen.ip().is_loopback());
+        let pools = c.effective_pools();
+        assert_eq!(pools.len(), 1);
+        assert_eq!(pools[0].upstreams, vec!["a".to_string()]);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let err = |s: &str| GatewayConfig::from_toml(s).unwrap_err();
+        assert_eq!(err("[gateway]\nmax_attempts = \"x\"\n").field, "gateway.max_attempts");
+        assert_eq!(err("[gateway]\nlisten = 5\nbogus = 1\n").field, "gateway.listen");
+        assert_eq!(err("[gateway]\nbogus = 1\n").field, "gateway.bogus");
+        assert_eq!(err("[[upstream]]\nname = \"a\"\nurl = \"ftp://x\"\n").field, "upstream[0].url");
+        assert_eq!(
+            err("[[upstream]]\nname = \"a\"\nurl = \"http://x\"\n[[upstream]]\nname = \"a\"\nurl = \"http://y\"\n")
+                .field,
+            "upstream[1].name"
+        );
+        let e = err("[[upstream]]\nname = \"a\"\nurl = \"http://x\"\n[[pool]]\nname = \"p\"\nupstreams = [\"zz\"]\n");
+        assert_eq!(e.field, "pool[0].upstreams[0]");
+        assert!(e.message.contains("zz"));
+        assert_eq!(err("[gateway]\nmax_attempts = 0\n").field, "gateway.max_attempts");
+    }
+}

@@ -1,0 +1,209 @@
+//! The gateway's Prometheus metrics (names from
+//! [`granary_core::metrics::gateway`]).
+//!
+//! Label cardinality is bounded: tenants get their own label value up to a
+//! configured count (later ones are `other`), models only when configured or
+//! served by an upstream (else `unknown`), statuses are HTTP codes,
+//! upstreams come from the configuration.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use granary_core::metrics::gateway as names;
+use granary_core::metrics::warehouse::counter_base as base;
+use parking_lot::RwLock;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Every metric the gateway exports.
+pub struct GatewayMetrics {
+    registry: Registry,
+    pub requests: Family<Labels, Counter>,
+    pub latency: Family<Labels, Histogram>,
+    pub ttft: Family<Labels, Histogram>,
+    pub active: Gauge,
+    pub tokens: Family<Labels, Counter>,
+    pub upstream_up: Family<Labels, Gauge>,
+    pub breaker_state: Family<Labels, Gauge>,
+    pub upstream_active: Family<Labels, Gauge>,
+    pub attempts: Family<Labels, Counter>,
+    pub retries: Counter,
+    pub rate_limited: Family<Labels, Counter>,
+    pub rejected: Family<Labels, Counter>,
+    pub queue_waiting: Family<Labels, Gauge>,
+    pub queue_seconds: Family<Labels, Histogram>,
+    pub kv_index_blocks: Gauge,
+    pub routed_hit_blocks: Family<Labels, Counter>,
+    pub routed_blocks: Family<Labels, Counter>,
+    pub audit_dropped: Counter,
+    tenants: RwLock<HashSet<String>>,
+    max_tenants: usize,
+    models: RwLock<HashSet<String>>,
+}
+
+fn latency_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 20))
+}
+
+impl GatewayMetrics {
+    pub fn new(max_tenants: usize) -> Arc<Self> {
+        let mut registry = Registry::default();
+        let m = GatewayMetrics {
+            requests: Family::default(),
+            latency: Family::new_with_constructor(latency_buckets as fn() -> Histogram),
+            ttft: Family::new_with_constructor(latency_buckets as fn() -> Histogram),
+            active: Gauge::default(),
+            tokens: Family::default(),
+            upstream_up: Family::default(),
+            breaker_state: Family::default(),
+            upstream_active: Family::default(),
+            attempts: Family::default(),
+            retries: Counter::default(),
+            rate_limited: Family::default(),
+            rejected: Family::default(),
+            queue_waiting: Family::default(),
+            queue_seconds: Family::new_with_constructor(latency_buckets as fn() -> Histogram),
+            kv_index_blocks: Gauge::default(),
+            routed_hit_blocks: Family::default(),
+            routed_blocks: Family::default(),
+            audit_dropped: Counter::default(),
+            tenants: RwLock::new(HashSet::new()),
+            max_tenants,
+            models: RwLock::new(HashSet::new()),
+            registry: Registry::default(),
+        };
+        registry.register(
+            base(names::REQUESTS),
+            "Requests answered, by tenant, model and HTTP status",
+            m.requests.clone(),
+        );
+        registry.register(names::LATENCY_SECONDS, "Time from arrival to the last byte sent", m.latency.clone());
+        registry.register(names::TTFT_SECONDS, "Time from arrival to the upstream's first body byte", m.ttft.clone());
+        registry.register(names::ACTIVE_REQUESTS, "Requests in progress", m.active.clone());
+        registry.register(base(names::TOKENS), "Tokens by tenant, model and kind", m.tokens.clone());
+        registry.register(
+            names::UPSTREAM_UP,
+            "Whether the upstream passed its last health check",
+            m.upstream_up.clone(),
+        );
+        registry.register(
+            names::BREAKER_STATE,
+            "Circuit breaker per upstream: 0 closed, 1 half-open, 2 open",
+            m.breaker_state.clone(),
+        );
+        registry.register(names::UPSTREAM_ACTIVE, "Requests in flight per upstream", m.upstream_active.clone());
+        registry.register(base(names::UPSTREAM_ATTEMPTS), "Upstream attempts by outcome", m.attempts.clone());
+        registry.register(base(names::RETRIES), "Attempts that retried on another upstream", m.retries.clone());
+        registry.register(base(names::RATE_LIMITED), "Requests refused by a limit", m.rate_limited.clone());
+        registry.register(base(names::REJECTED), "Requests refused before routing", m.rejected.clone());
+        registry.register(names::QUEUE_WAITING, "Requests waiting for an upstream slot", m.queue_waiting.clone());
+        registry.register(names::QUEUE_SECONDS, "Time requests waited for an upstream slot", m.queue_seconds.clone());
+        registry.register(
+            names::KV_INDEX_BLOCKS,
+            "(block, upstream) pairs known from KV events",
+            m.kv_index_blocks.clone(),
+        );
+        registry.register(
+            base(names::ROUTED_HIT_BLOCKS),
+            "Prompt blocks the chosen upstream held",
+            m.routed_hit_blocks.clone(),
+        );
+        registry.register(base(names::ROUTED_BLOCKS), "Prompt blocks of routed requests", m.routed_blocks.clone());
+        registry.register(base(names::AUDIT_DROPPED), "Audit records dropped", m.audit_dropped.clone());
+        Arc::new(GatewayMetrics { registry, ..m })
+    }
+
+    /// Declares a model as a label value (configured or served models).
+    pub fn know_model(&self, model: &str) {
+        if !self.models.read().contains(model) {
+            self.models.write().insert(model.to_string());
+        }
+    }
+
+    /// The label value for a model: itself when known, else `unknown`.
+    pub fn model_label(&self, model: Option<&str>) -> String {
+        match model {
+            Some(m) if self.models.read().contains(m) => m.to_string(),
+            _ => "unknown".into(),
+        }
+    }
+
+    /// The label value for a tenant: itself while the table has room, else
+    /// `other`; `none` for requests without a verified key.
+    pub fn tenant_label(&self, tenant: Option<&str>) -> String {
+        let Some(t) = tenant else { return "none".into() };
+        if self.tenants.read().contains(t) {
+            return t.to_string();
+        }
+        let mut w = self.tenants.write();
+        if w.len() < self.max_tenants {
+            w.insert(t.to_string());
+            return t.to_string();
+        }
+        "other".into()
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            tracing::error!("metrics encoding failed");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tenant_labels_are_capped() {
+        let m = GatewayMetrics::new(2);
+        assert_eq!(m.tenant_label(Some("a")), "a");
+        assert_eq!(m.tenant_label(Some("b")), "b");
+        assert_eq!(m.tenant_label(Some("c")), "other");
+        assert_eq!(m.tenant_label(Some("a")), "a");
+        assert_eq!(m.tenant_label(None), "none");
+    }
+
+    #[test]
+    fn unknown_models_share_one_label() {
+        let m = GatewayMetrics::new(2);
+        m.know_model("m1");
+        assert_eq!(m.model_label(Some("m1")), "m1");
+        assert_eq!(m.model_label(Some("typo-model")), "unknown");
+        assert_eq!(m.model_label(None), "unknown");
+    }
+
+    #[test]
+    fn renders_every_catalogued_name() {
+        let m = GatewayMetrics::new(2);
+        let labels =
+            |pairs: &[(&'static str, &str)]| -> Labels { pairs.iter().map(|(k, v)| (*k, v.to_string())).collect() };
+        m.requests.get_or_create(&labels(&[("tenant", "a"), ("model", "m"), ("status", "200")])).inc();
+        m.latency.get_or_create(&labels(&[("model", "m")])).observe(0.1);
+        m.ttft.get_or_create(&labels(&[("model", "m")])).observe(0.01);
+        m.tokens.get_or_create(&labels(&[("tenant", "a"), ("model", "m"), ("kind", "prompt")])).inc();
+        m.upstream_up.get_or_create(&labels(&[("upstream", "e")])).set(1);
+        m.breaker_state.get_or_create(&labels(&[("upstream", "e")])).set(0);
+        m.upstream_active.get_or_create(&labels(&[("upstream", "e")])).set(0);
+        m.attempts.get_or_create(&labels(&[("upstream", "e"), ("outcome", "ok")])).inc();
+        m.rate_limited.get_or_create(&labels(&[("scope", "key"), ("limit", "requests_per_minute")])).inc();
+        m.rejected.get_or_create(&labels(&[("reason", "auth")])).inc();
+        m.queue_waiting.get_or_create(&labels(&[("priority", "standard")])).set(0);
+        m.queue_seconds.get_or_create(&labels(&[("priority", "standard")])).observe(0.0);
+        m.routed_hit_blocks.get_or_create(&labels(&[("policy", "kv_aware")])).inc();
+        m.routed_blocks.get_or_create(&labels(&[("policy", "kv_aware")])).inc();
+        let text = m.render();
+        for name in names::ALL {
+            assert!(text.contains(&format!("# TYPE {} ", base(name))), "{name} missing from:\n{text}");
+        }
+    }
+}

@@ -1,0 +1,1007 @@
+//! The request path: key → body → model access → limits → route → attempt
+//! (with retries before the first byte) → stream back → audit and metrics.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use granary_core::hash::BlockHash;
+use granary_tokenizer::{ChatMessage, Tokenizer};
+use parking_lot::RwLock;
+use serde_json::Value;
+
+use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
+use crate::error::ApiError;
+use crate::identity::{AuditRecord, Identity};
+use crate::limits::Limiter;
+use crate::metrics::GatewayMetrics;
+use crate::routing::{build_policy, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
+use crate::types::Principal;
+use crate::upstream::{Slot, SseParser, Upstream, Upstreams};
+
+/// The header carrying the tenant's KV namespace to engines (set by the
+/// gateway from the verified key; a client's own value is dropped).
+pub const NAMESPACE_HEADER: &str = "x-granary-namespace";
+/// The request id header, on every response.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The two generation endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+struct Pool {
+    cfg: PoolConfig,
+    members: Vec<usize>,
+    policy: Arc<dyn Policy>,
+    session_header: Option<HeaderName>,
+    kv_aware: bool,
+}
+
+/// The gateway: everything a request needs, shared by every request.
+pub struct Gateway {
+    pub cfg: GatewaySection,
+    pub identity: Identity,
+    pub limiter: Limiter,
+    pub upstreams: Arc<Upstreams>,
+    pub metrics: Arc<GatewayMetrics>,
+    pools: Vec<Pool>,
+    selector: PoolSelector,
+    admission: Arc<Admission>,
+    tokenizers: RwLock<HashMap<String, TokenizerSlot>>,
+}
+
+#[derive(Clone)]
+enum TokenizerSlot {
+    Loading,
+    Ready(Arc<Tokenizer>),
+    Missing(Instant),
+}
+
+impl Gateway {
+    pub fn new(config: &GatewayConfig, identity: Identity, limiter: Limiter) -> anyhow::Result<Arc<Gateway>> {
+        config.validate()?;
+        let metrics = GatewayMetrics::new(config.gateway.metrics_max_tenants);
+        let upstreams = Arc::new(Upstreams::new(&config.gateway, &config.upstreams, metrics.clone())?);
+        let mut pools = Vec::new();
+        for p in config.effective_pools() {
+            let members = p.upstreams.iter().filter_map(|n| upstreams.by_name(n).map(|u| u.index)).collect::<Vec<_>>();
+            let session_header = match p.routing.session_header() {
+                Some(h) => Some(
+                    HeaderName::try_from(h.to_ascii_lowercase())
+                        .map_err(|_| anyhow::anyhow!("pool {}: bad session header {h:?}", p.name))?,
+                ),
+                None => None,
+            };
+            let kv_aware = matches!(p.routing, PolicyConfig::KvAware { .. });
+            let policy = build_policy(&p.routing, upstreams.index.clone());
+            pools.push(Pool { cfg: p, members, policy, session_header, kv_aware });
+        }
+        let weights: Vec<u32> = pools.iter().map(|p| p.cfg.weight).collect();
+        Ok(Arc::new(Gateway {
+            cfg: config.gateway.clone(),
+            identity,
+            limiter,
+            upstreams,
+            metrics,
+            selector: PoolSelector::new(&weights),
+            pools,
+            admission: Arc::new(Admission::new()),
+            tokenizers: RwLock::new(HashMap::new()),
+        }))
+    }
+
+    /// Models a principal may use: the union of what healthy upstreams serve,
+    /// filtered by the key's allow-list.
+    pub fn models_for(&self, p: &Principal) -> Vec<String> {
+        let mut all: Vec<String> = self.upstreams.list.iter().flat_map(|u| u.models()).collect();
+        all.sort();
+        all.dedup();
+        all.retain(|m| p.may_use(m) && self.pools.iter().any(|pool| pool_serves(pool, m)));
+        all
+    }
+
+    fn serves(&self, model: &str) -> bool {
+        self.pools
+            .iter()
+            .any(|p| pool_serves(p, model) && p.members.iter().any(|&i| self.upstreams.get(i).serves(model)))
+    }
+
+    /// The model's tokenizer, fetched once from an upstream that serves it
+    /// (`GET /v1/kv/tokenizer`); `None` until it has arrived.
+    fn tokenizer(self: &Arc<Self>, model: &str, from: &Arc<Upstream>) -> Option<Arc<Tokenizer>> {
+        match self.tokenizers.read().get(model) {
+            Some(TokenizerSlot::Ready(t)) => return Some(t.clone()),
+            Some(TokenizerSlot::Loading) => return None,
+            Some(TokenizerSlot::Missing(at)) if at.elapsed() < Duration::from_secs(30) => return None,
+            _ => {}
+        }
+        self.tokenizers.write().insert(model.to_string(), TokenizerSlot::Loading);
+        let gw = self.clone();
+        let (model, up) = (model.to_string(), from.clone());
+        tokio::spawn(async move {
+            let slot = match fetch_tokenizer(&up).await {
+                Ok(t) => {
+                    tracing::info!(model = %model, upstream = %up.name(), "tokenizer loaded for KV-aware routing");
+                    TokenizerSlot::Ready(Arc::new(t))
+                }
+                Err(e) => {
+                    tracing::warn!(model = %model, upstream = %up.name(), error = %e, "no tokenizer: KV-aware routing falls back to load");
+                    TokenizerSlot::Missing(Instant::now())
+                }
+            };
+            gw.tokenizers.write().insert(model, slot);
+        });
+        None
+    }
+}
+
+fn pool_serves(pool: &Pool, model: &str) -> bool {
+    pool.cfg.models.is_empty() || pool.cfg.models.iter().any(|m| m == model)
+}
+
+async fn fetch_tokenizer(up: &Upstream) -> anyhow::Result<Tokenizer> {
+    let files: HashMap<String, String> = up
+        .client
+        .get(up.url("/v1/kv/tokenizer"))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let dir = tempfile::tempdir()?;
+    for (name, text) in &files {
+        if !matches!(name.as_str(), "tokenizer.json" | "tokenizer_config.json" | "generation_config.json") {
+            continue;
+        }
+        std::fs::write(dir.path().join(name), text)?;
+    }
+    let path = dir.path().to_path_buf();
+    let tok = tokio::task::spawn_blocking(move || Tokenizer::from_pretrained_dir(&path)).await??;
+    Ok(tok)
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+/// What happened to one request; recorded (audit, metrics, token charge)
+/// exactly once, when it is dropped — also when a client goes away
+/// mid-stream.
+struct Outcome {
+    gw: Arc<Gateway>,
+    start: Instant,
+    rec: AuditRecord,
+    principal: Option<Principal>,
+    ttft: Option<Duration>,
+    armed: bool,
+}
+
+impl Outcome {
+    fn new(gw: Arc<Gateway>, endpoint: Endpoint, request_id: String) -> Outcome {
+        gw.metrics.active.inc();
+        let rec = AuditRecord {
+            time_ms: now_ms(),
+            request_id,
+            endpoint: endpoint.path().to_string(),
+            status: 200,
+            ..Default::default()
+        };
+        Outcome { gw, start: Instant::now(), rec, principal: None, ttft: None, armed: true }
+    }
+
+    /// Moves the record into a new owner (a response stream).
+    fn take(&mut self) -> Outcome {
+        self.armed = false;
+        Outcome {
+            gw: self.gw.clone(),
+            start: self.start,
+            rec: self.rec.clone(),
+            principal: self.principal.clone(),
+            ttft: self.ttft,
+            armed: true,
+        }
+    }
+
+    fn fail(&mut self, e: &ApiError) {
+        self.rec.status = e.status.as_u16();
+        self.rec.error_code = e.code.map(str::to_string);
+    }
+
+    /// A stream that had started broke: the client saw a 200, the record
+    /// says what happened.
+    fn broke(&mut self, status: u16, code: &str) {
+        self.rec.status = status;
+        self.rec.error_code = Some(code.to_string());
+    }
+
+    fn first_byte(&mut self) {
+        if self.ttft.is_none() {
+            self.ttft = Some(self.start.elapsed());
+        }
+    }
+
+    fn usage(&mut self, v: &Value) {
+        let n = |x: &Value| x.as_u64().unwrap_or(0);
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            self.rec.prompt_tokens = n(&u["prompt_tokens"]);
+            self.rec.completion_tokens = n(&u["completion_tokens"]);
+            self.rec.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
+        }
+    }
+}
+
+impl Drop for Outcome {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let m = &self.gw.metrics;
+        m.active.dec();
+        let elapsed = self.start.elapsed();
+        self.rec.latency_ms = elapsed.as_secs_f64() * 1e3;
+        self.rec.ttft_ms = self.ttft.map(|t| t.as_secs_f64() * 1e3);
+        let tenant = m.tenant_label(self.rec.tenant.as_deref());
+        let model = m.model_label(self.rec.model.as_deref());
+        m.requests
+            .get_or_create(&vec![
+                ("tenant", tenant.clone()),
+                ("model", model.clone()),
+                ("status", self.rec.status.to_string()),
+            ])
+            .inc();
+        m.latency.get_or_create(&vec![("model", model.clone())]).observe(elapsed.as_secs_f64());
+        if let Some(t) = self.ttft {
+            m.ttft.get_or_create(&vec![("model", model.clone())]).observe(t.as_secs_f64());
+        }
+        for (kind, n) in [
+            ("prompt", self.rec.prompt_tokens),
+            ("completion", self.rec.completion_tokens),
+            ("cached", self.rec.cached_tokens),
+        ] {
+            if n > 0 {
+                m.tokens
+                    .get_or_create(&vec![("tenant", tenant.clone()), ("model", model.clone()), ("kind", kind.into())])
+                    .inc_by(n);
+            }
+        }
+        let spent = self.rec.prompt_tokens + self.rec.completion_tokens;
+        if let (Some(p), true) = (self.principal.take(), spent > 0) {
+            let limiter = self.gw.limiter.clone();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move { limiter.charge(&p, spent).await });
+            }
+        }
+        self.gw.identity.record(std::mem::take(&mut self.rec));
+        m.audit_dropped.inner().store(self.gw.identity.audit_dropped(), std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// What the gateway read from a request body.
+struct Parsed {
+    body: serde_json::Map<String, Value>,
+    model: String,
+    stream: bool,
+    include_usage: bool,
+    estimate: u64,
+}
+
+fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
+    let v: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request("invalid_json", format!("The request body is not valid JSON: {e}.")))?;
+    let Value::Object(body) = v else {
+        return Err(ApiError::bad_request("invalid_json", "The request body must be a JSON object."));
+    };
+    let model = match body.get("model") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(Value::String(_)) | None | Some(Value::Null) => {
+            return Err(ApiError::invalid(
+                "model",
+                "missing_required_parameter",
+                "Missing required parameter: `model`.",
+            ))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid("model", "invalid_type", "Invalid type for `model`: expected a string."))
+        }
+    };
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::invalid("stream", "invalid_type", "Invalid type for `stream`: expected a boolean."))
+        }
+    };
+    let include_usage = match body.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => match o.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "stream_options.include_usage",
+                    "invalid_type",
+                    "Invalid type for `stream_options.include_usage`: expected a boolean.",
+                ))
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "invalid_type",
+                "Invalid type for `stream_options`: expected an object.",
+            ))
+        }
+    };
+    let mut max_tokens = 0;
+    for field in ["max_tokens", "max_completion_tokens"] {
+        match body.get(field) {
+            None | Some(Value::Null) => {}
+            Some(v) => match v.as_u64() {
+                Some(n) => max_tokens = n,
+                None => {
+                    return Err(ApiError::invalid(
+                        field,
+                        "invalid_type",
+                        format!("Invalid type for `{field}`: expected a non-negative integer."),
+                    ))
+                }
+            },
+        }
+    }
+    let (field, ok) = match endpoint {
+        Endpoint::Chat => ("messages", matches!(body.get("messages"), Some(Value::Array(a)) if !a.is_empty())),
+        Endpoint::Completions => ("prompt", matches!(body.get("prompt"), Some(Value::String(_) | Value::Array(_)))),
+    };
+    if !ok {
+        return Err(match body.get(field) {
+            None | Some(Value::Null) => ApiError::invalid(
+                field,
+                "missing_required_parameter",
+                format!("Missing required parameter: `{field}`."),
+            ),
+            Some(_) => ApiError::invalid(
+                field,
+                "invalid_type",
+                if endpoint == Endpoint::Chat {
+                    "Invalid type for `messages`: expected a non-empty array.".to_string()
+                } else {
+                    "Invalid type for `prompt`: expected a string or an array of token ids.".to_string()
+                },
+            ),
+        });
+    }
+    // A rough token estimate for token limits: ~4 bytes a token.
+    let estimate = bytes.len() as u64 / 4 + max_tokens;
+    Ok(Parsed { body, model, stream, include_usage, estimate })
+}
+
+/// The prompt's tokens as the engine will see them (chat template applied).
+fn prompt_tokens(tok: &Tokenizer, endpoint: Endpoint, body: &serde_json::Map<String, Value>) -> Option<Vec<u32>> {
+    match endpoint {
+        Endpoint::Chat => {
+            let msgs = body.get("messages")?.as_array()?;
+            let mut out = Vec::with_capacity(msgs.len());
+            for m in msgs {
+                let role = match m.get("role")?.as_str()? {
+                    "system" | "developer" => "system",
+                    r => r,
+                };
+                let content = match m.get("content") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Array(parts)) => {
+                        parts.iter().filter_map(|p| p.get("text")?.as_str()).collect::<Vec<_>>().join("\n")
+                    }
+                    _ => String::new(),
+                };
+                out.push(ChatMessage::new(role, content));
+            }
+            let text = tok.apply_chat_template(&out, true).ok()?;
+            tok.encode(&text, true).ok()
+        }
+        Endpoint::Completions => match body.get("prompt")? {
+            Value::String(s) => tok.encode(s, true).ok(),
+            Value::Array(a) if a.iter().all(Value::is_u64) => {
+                Some(a.iter().filter_map(|x| x.as_u64().map(|v| v as u32)).collect())
+            }
+            Value::Array(a) if a.len() == 1 => tok.encode(a[0].as_str()?, true).ok(),
+            _ => None,
+        },
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> &str {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).unwrap_or(v).trim())
+        .unwrap_or("")
+}
+
+/// Serves one generation request.
+pub async fn handle(
+    gw: Arc<Gateway>,
+    endpoint: Endpoint,
+    request_id: String,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let mut out = Outcome::new(gw.clone(), endpoint, request_id);
+    match serve(&gw, &mut out, endpoint, &headers, body).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            out.fail(&e);
+            e.into_response()
+        }
+    }
+}
+
+async fn serve(
+    gw: &Arc<Gateway>,
+    out: &mut Outcome,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let reject = |reason: &str| {
+        gw.metrics.rejected.get_or_create(&vec![("reason", reason.to_string())]).inc();
+    };
+    // 1. Who: the key names the tenant; nothing else the client sends does.
+    let principal = match gw.identity.authenticate(bearer(headers)).await {
+        Ok(p) => p,
+        Err(e) => {
+            reject("auth");
+            return Err(e.to_api_error());
+        }
+    };
+    out.rec.tenant_id = Some(principal.tenant_id);
+    out.rec.tenant = Some(principal.tenant.clone());
+    out.rec.key_id = Some(principal.key_id);
+    // 2. The body, bounded.
+    let bytes = axum::body::to_bytes(body, gw.cfg.max_body_bytes).await.map_err(|_| {
+        reject("too_large");
+        ApiError::too_large(gw.cfg.max_body_bytes)
+    })?;
+    let mut parsed = parse_body(endpoint, &bytes).inspect_err(|_| reject("bad_request"))?;
+    out.rec.model = Some(parsed.model.clone());
+    out.rec.stream = parsed.stream;
+    if principal.log_prompts {
+        out.rec.prompt = Some(match endpoint {
+            Endpoint::Chat => parsed.body.get("messages").map(Value::to_string).unwrap_or_default(),
+            Endpoint::Completions => parsed.body.get("prompt").map(Value::to_string).unwrap_or_default(),
+        });
+    }
+    // 3. May this key use the model, and does anyone serve it?
+    if !principal.may_use(&parsed.model) || !gw.serves(&parsed.model) {
+        reject("model");
+        return Err(ApiError::model_not_found(&parsed.model));
+    }
+    // 4. Limits.
+    if let Err(r) = gw.limiter.admit(&principal, parsed.estimate).await {
+        gw.metrics
+            .rate_limited
+            .get_or_create(&vec![("scope", r.scope.as_str().to_string()), ("limit", r.limit.to_string())])
+            .inc();
+        return Err(r.to_api_error());
+    }
+    out.principal = Some(principal.clone());
+    // 5. Route.
+    if parsed.stream {
+        // Usage arrives in a last chunk; the client sees it only if it asked.
+        let opts = parsed.body.entry("stream_options").or_insert_with(|| Value::Object(Default::default()));
+        if let Value::Object(o) = opts {
+            o.insert("include_usage".into(), Value::Bool(true));
+        }
+    }
+    let plan = route(gw, endpoint, &parsed, &principal, headers);
+    if plan.is_empty() {
+        return Err(ApiError::unavailable(format!("No upstream for model `{}` is available right now.", parsed.model)));
+    }
+    // Disaggregated pools: a prefill engine computes the prompt's KV first.
+    if let Some(prefill) = plan.iter().find(|c| c.prefill.is_some()).and_then(|c| c.prefill.clone()) {
+        prefill_first(gw, endpoint, &parsed, &principal, out, &prefill).await;
+    }
+    let payload = Bytes::from(serde_json::to_vec(&parsed.body).map_err(|e| ApiError::internal(&e))?);
+    attempt_all(gw, out, endpoint, &parsed, &principal, plan, payload).await
+}
+
+/// One routing choice: the upstream to try, and for disaggregated pools the
+/// prefill engines to run first.
+struct Choice {
+    upstream: usize,
+    prefill: Option<Vec<usize>>,
+}
+
+fn route(gw: &Arc<Gateway>, endpoint: Endpoint, parsed: &Parsed, p: &Principal, headers: &HeaderMap) -> Vec<Choice> {
+    let mut plan: Vec<Choice> = Vec::new();
+    let mut blocks_cache: Option<Vec<BlockHash>> = None;
+    for pi in gw.selector.order() {
+        let Some(pool) = gw.pools.get(pi) else { continue };
+        if !pool_serves(pool, &parsed.model) {
+            continue;
+        }
+        let serving: Vec<&Arc<Upstream>> = pool
+            .members
+            .iter()
+            .map(|&i| gw.upstreams.get(i))
+            .filter(|u| u.serves(&parsed.model) && u.is_routable())
+            .collect();
+        let decoders: Vec<&Arc<Upstream>> = serving.iter().copied().filter(|u| u.role() != Role::Prefill).collect();
+        let prefillers: Vec<&Arc<Upstream>> = serving.iter().copied().filter(|u| u.role() == Role::Prefill).collect();
+        if decoders.is_empty() {
+            continue;
+        }
+        let blocks: &[BlockHash] = if pool.kv_aware {
+            if blocks_cache.is_none() {
+                blocks_cache = Some(prompt_blocks(gw, endpoint, parsed, p, &decoders));
+            }
+            blocks_cache.as_deref().unwrap_or(&[])
+        } else {
+            &[]
+        };
+        let session = pool.session_header.as_ref().and_then(|h| headers.get(h)).and_then(|v| v.to_str().ok());
+        let req = RouteRequest { namespace: &p.namespace, session, blocks };
+        let cands = |list: &[&Arc<Upstream>]| -> Vec<Candidate> {
+            list.iter()
+                .map(|u| Candidate {
+                    index: u.index,
+                    active: u.active.load(std::sync::atomic::Ordering::Relaxed),
+                    max_active: u.cfg.max_active,
+                    publishes_events: u.cfg.kv_events && u.kv_info().is_some(),
+                })
+                .collect()
+        };
+        let ranked = pool.policy.rank(&req, &cands(&decoders));
+        let prefill = if prefillers.is_empty() { None } else { Some(pool.policy.rank(&req, &cands(&prefillers))) };
+        if let Some(&first) = ranked.first() {
+            pool.policy.routed(&req, first);
+            let policy = pool.policy.name().to_string();
+            if !blocks.is_empty() {
+                let hit = gw.upstreams.index.prefix_match(first, blocks);
+                gw.metrics.routed_blocks.get_or_create(&vec![("policy", policy.clone())]).inc_by(blocks.len() as u64);
+                gw.metrics.routed_hit_blocks.get_or_create(&vec![("policy", policy)]).inc_by(hit as u64);
+            }
+        }
+        for u in ranked {
+            if !plan.iter().any(|c| c.upstream == u) {
+                plan.push(Choice { upstream: u, prefill: prefill.clone() });
+            }
+        }
+    }
+    plan
+}
+
+/// The prompt's block hashes as the upstreams name them, when the model's
+/// tokenizer and KV layout are known (empty otherwise: the policy then
+/// decides by load).
+fn prompt_blocks(
+    gw: &Arc<Gateway>,
+    endpoint: Endpoint,
+    parsed: &Parsed,
+    p: &Principal,
+    candidates: &[&Arc<Upstream>],
+) -> Vec<BlockHash> {
+    let Some(source) = candidates.iter().find(|u| u.kv_info().is_some()) else { return vec![] };
+    let Some(info) = source.kv_info() else { return vec![] };
+    let Some(tok) = gw.tokenizer(&parsed.model, source) else { return vec![] };
+    match prompt_tokens(&tok, endpoint, &parsed.body) {
+        Some(tokens) => info.chain(&p.namespace).hashes(&tokens),
+        None => vec![],
+    }
+}
+
+/// Takes a slot on the first upstream of `order` with room; waits (by
+/// priority) when all are full.
+async fn acquire(gw: &Arc<Gateway>, order: &[usize], p: &Principal) -> Result<Slot, ApiError> {
+    let try_take = || order.iter().find_map(|&i| gw.upstreams.get(i).try_acquire());
+    let slot = match try_take() {
+        Some(s) => s,
+        None => {
+            let prio = vec![("priority", p.priority.as_str().to_string())];
+            gw.metrics.queue_waiting.get_or_create(&prio).inc();
+            let t0 = Instant::now();
+            let got = gw.admission.acquire(p.priority, gw.cfg.queue_timeout(), try_take).await;
+            gw.metrics.queue_waiting.get_or_create(&prio).dec();
+            gw.metrics.queue_seconds.get_or_create(&prio).observe(t0.elapsed().as_secs_f64());
+            got.ok_or_else(|| {
+                ApiError::unavailable("Every upstream for this model is at capacity; try again later.")
+                    .retry_after(Duration::from_secs(1))
+            })?
+        }
+    };
+    let admission = gw.admission.clone();
+    Ok(slot.on_release(move || admission.released()))
+}
+
+enum AttemptError {
+    /// Worth trying elsewhere: nothing reached the client.
+    Retryable(&'static str, String),
+    /// A final answer to pass on.
+    Final(Response),
+}
+
+fn request_to(
+    up: &Upstream,
+    path: &str,
+    p: &Principal,
+    request_id: &str,
+    payload: Bytes,
+    timeout: Duration,
+) -> reqwest::RequestBuilder {
+    let mut req = up
+        .client
+        .post(up.url(path))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(REQUEST_ID_HEADER, request_id)
+        .timeout(timeout)
+        .body(payload);
+    if up.cfg.send_namespace {
+        req = req.header(NAMESPACE_HEADER, &p.namespace);
+    }
+    if let Some(a) = &up.auth {
+        req = req.header(header::AUTHORIZATION, a);
+    }
+    req
+}
+
+async fn prefill_first(
+    gw: &Arc<Gateway>,
+    endpoint: Endpoint,
+    parsed: &Parsed,
+    p: &Principal,
+    out: &Outcome,
+    order: &[usize],
+) {
+    let mut body = parsed.body.clone();
+    body.insert("stream".into(), Value::Bool(false));
+    body.remove("stream_options");
+    let Ok(payload) = serde_json::to_vec(&body) else { return };
+    let Ok(slot) = acquire(gw, order, p).await else { return };
+    let up = slot.upstream.clone();
+    let res = request_to(&up, endpoint.path(), p, &out.rec.request_id, payload.into(), gw.cfg.first_byte_timeout())
+        .send()
+        .await;
+    match res {
+        Ok(r) if r.status().is_success() => {
+            let _ = r.bytes().await;
+            up.attempt("ok");
+            up.breaker.success();
+        }
+        Ok(r) => {
+            up.attempt(if r.status().is_server_error() { "status_5xx" } else { "status_4xx" });
+            tracing::warn!(upstream = %up.name(), status = %r.status(), "prefill failed; decoding computes the prompt");
+        }
+        Err(e) => {
+            up.attempt("connect_error");
+            up.breaker.failure();
+            tracing::warn!(upstream = %up.name(), error = %e, "prefill failed; decoding computes the prompt");
+        }
+    }
+}
+
+async fn attempt_all(
+    gw: &Arc<Gateway>,
+    out: &mut Outcome,
+    endpoint: Endpoint,
+    parsed: &Parsed,
+    p: &Principal,
+    plan: Vec<Choice>,
+    payload: Bytes,
+) -> Result<Response, ApiError> {
+    let order: Vec<usize> = plan.iter().map(|c| c.upstream).collect();
+    let mut tried: Vec<usize> = Vec::new();
+    let mut backoff = Duration::from_millis(gw.cfg.retry_backoff_ms);
+    let mut last = String::new();
+    for attempt in 0..gw.cfg.max_attempts {
+        // Prefer upstreams not tried yet; come back to tried ones only when
+        // nothing else is left.
+        let fresh: Vec<usize> = order.iter().copied().filter(|i| !tried.contains(i)).collect();
+        let candidates: Vec<usize> = if fresh.is_empty() { order.clone() } else { fresh };
+        let candidates: Vec<usize> =
+            candidates.into_iter().filter(|&i| gw.upstreams.get(i).breaker.is_available()).collect();
+        if candidates.is_empty() {
+            break;
+        }
+        if attempt > 0 {
+            gw.metrics.retries.inc();
+            tokio::time::sleep(backoff).await;
+            backoff *= 2;
+        }
+        let slot = acquire(gw, &candidates, p).await?;
+        let up = slot.upstream.clone();
+        if !up.breaker.allow() {
+            continue;
+        }
+        tried.push(up.index);
+        out.rec.upstream = Some(up.name().to_string());
+        match attempt_one(gw, out, endpoint, parsed, p, slot, payload.clone()).await {
+            Ok(resp) => return Ok(resp),
+            Err(AttemptError::Final(resp)) => return Ok(resp),
+            Err(AttemptError::Retryable(outcome, why)) => {
+                up.attempt(outcome);
+                up.breaker.failure();
+                tracing::warn!(upstream = %up.name(), request_id = %out.rec.request_id, attempt, error = %why, "upstream attempt failed");
+                last = why;
+            }
+        }
+    }
+    let _ = last;
+    Err(ApiError::bad_gateway("The upstream engines failed to answer this request; try again."))
+}
+
+async fn attempt_one(
+    gw: &Arc<Gateway>,
+    out: &mut Outcome,
+    endpoint: Endpoint,
+    parsed: &Parsed,
+    p: &Principal,
+    slot: Slot,
+    payload: Bytes,
+) -> Result<Response, AttemptError> {
+    let up = slot.upstream.clone();
+    let first_byte = gw.cfg.first_byte_timeout();
+    // No total timeout on the request: streams may run long; silence is
+    // bounded per chunk instead.
+    let send = request_to(&up, endpoint.path(), p, &out.rec.request_id, payload, Duration::from_secs(24 * 3600)).send();
+    let resp = match tokio::time::timeout(first_byte, send).await {
+        Err(_) => return Err(AttemptError::Retryable("timeout", "no response headers in time".into())),
+        Ok(Err(e)) if e.is_connect() => return Err(AttemptError::Retryable("connect_error", e.to_string())),
+        Ok(Err(e)) => return Err(AttemptError::Retryable("connect_error", e.to_string())),
+        Ok(Ok(r)) => r,
+    };
+    let status = resp.status();
+    if status.is_server_error() {
+        return Err(AttemptError::Retryable("status_5xx", format!("status {status}")));
+    }
+    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let is_sse =
+        content_type.as_ref().and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
+    let mut body = resp.bytes_stream();
+    // The first body byte: until it arrives, a failure is retried elsewhere.
+    let first = match tokio::time::timeout(first_byte, body.next()).await {
+        Err(_) => return Err(AttemptError::Retryable("timeout", "no first byte in time".into())),
+        Ok(Some(Err(e))) => return Err(AttemptError::Retryable("bad_response", e.to_string())),
+        Ok(None) => Bytes::new(),
+        Ok(Some(Ok(b))) => b,
+    };
+    out.first_byte();
+    let code = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    out.rec.status = code.as_u16();
+    if parsed.stream && is_sse && code.is_success() {
+        up.attempt("ok");
+        up.breaker.success();
+        let owned = out.take();
+        let stream = relay_sse(first, body, owned, slot, parsed.include_usage, gw.cfg.idle_timeout());
+        return Ok(Response::builder()
+            .status(code)
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::from_stream(stream))
+            .unwrap_or_else(|_| ApiError::bad_gateway("bad upstream response").into_response()));
+    }
+    // Whole answers: read to the end (a failure here is still retryable:
+    // the client has received nothing).
+    let mut buf = first.to_vec();
+    loop {
+        match tokio::time::timeout(gw.cfg.idle_timeout(), body.next()).await {
+            Err(_) => return Err(AttemptError::Retryable("timeout", "upstream went silent".into())),
+            Ok(Some(Err(e))) => return Err(AttemptError::Retryable("bad_response", e.to_string())),
+            Ok(Some(Ok(b))) => {
+                if buf.len() + b.len() > 64 << 20 {
+                    return Err(AttemptError::Retryable("bad_response", "answer over 64 MiB".into()));
+                }
+                buf.extend_from_slice(&b);
+            }
+            Ok(None) => break,
+        }
+    }
+    let json: Option<Value> = serde_json::from_slice(&buf).ok();
+    if code.is_success() && json.as_ref().is_none_or(|v| !v.is_object()) {
+        return Err(AttemptError::Retryable("bad_response", "the upstream's answer is not a JSON object".into()));
+    }
+    up.attempt(if code.is_success() { "ok" } else { "status_4xx" });
+    up.breaker.success();
+    drop(slot);
+    if let Some(v) = &json {
+        out.usage(v);
+        if !code.is_success() {
+            out.rec.error_code = v["error"]["code"].as_str().map(str::to_string);
+        }
+    }
+    let mut r = Response::builder().status(code);
+    r = r.header(header::CONTENT_TYPE, content_type.unwrap_or(HeaderValue::from_static("application/json")));
+    Err(AttemptError::Final(
+        r.body(Body::from(buf)).unwrap_or_else(|_| ApiError::bad_gateway("bad upstream response").into_response()),
+    ))
+}
+
+/// Passes an SSE answer through event by event (never the whole answer),
+/// noting usage from the last chunk and hiding that chunk when the client
+/// did not ask for it. A failure mid-stream ends it with an error event:
+/// a stream that has started is never retried.
+fn relay_sse(
+    first: Bytes,
+    mut body: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
+    mut out: Outcome,
+    slot: Slot,
+    include_usage: bool,
+    idle: Duration,
+) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    async_stream::stream! {
+        let _slot = slot;
+        let mut filter = EventFilter::default();
+        let mut next = Some(first);
+        loop {
+            let chunk = match next.take() {
+                Some(c) => c,
+                None => match tokio::time::timeout(idle, body.next()).await {
+                    Ok(Some(Ok(c))) => c,
+                    Ok(None) => break,
+                    Ok(Some(Err(e))) => {
+                        tracing::warn!(request_id = %out.rec.request_id, error = %e, "upstream stream broke");
+                        out.broke(502, "upstream_error");
+                        yield Ok(error_event("The upstream engine failed mid-stream."));
+                        break;
+                    }
+                    Err(_) => {
+                        out.broke(504, "upstream_timeout");
+                        yield Ok(error_event("The upstream engine went silent mid-stream."));
+                        break;
+                    }
+                },
+            };
+            let mut pass = Vec::with_capacity(chunk.len());
+            for ev in filter.push(&chunk) {
+                if let Some(data) = ev.data.as_deref() {
+                    if let Ok(v) = serde_json::from_str::<Value>(data) {
+                        if v.get("usage").is_some_and(|u| u.is_object()) {
+                            out.usage(&v);
+                            let usage_only = v["choices"].as_array().is_some_and(|c| c.is_empty());
+                            if usage_only && !include_usage {
+                                continue;
+                            }
+                        }
+                    }
+                }
+                pass.extend_from_slice(&ev.raw);
+            }
+            if !pass.is_empty() {
+                yield Ok(Bytes::from(pass));
+            }
+        }
+        let rest = filter.finish();
+        if !rest.is_empty() {
+            yield Ok(Bytes::from(rest));
+        }
+    }
+}
+
+fn error_event(message: &str) -> Bytes {
+    let e = ApiError::bad_gateway(message);
+    Bytes::from(format!("data: {}\n\n", e.body()))
+}
+
+/// Splits an SSE byte stream into whole events (raw bytes kept for
+/// passthrough, `data` extracted for inspection).
+#[derive(Default)]
+struct EventFilter {
+    pending: Vec<u8>,
+}
+
+struct RawEvent {
+    raw: Vec<u8>,
+    data: Option<String>,
+}
+
+impl EventFilter {
+    fn push(&mut self, chunk: &[u8]) -> Vec<RawEvent> {
+        self.pending.extend_from_slice(chunk);
+        let mut out = Vec::new();
+        while let Some(end) = find_event_end(&self.pending) {
+            let raw: Vec<u8> = self.pending.drain(..end).collect();
+            let mut parser = SseParser::default();
+            let data = parser.push(&raw).into_iter().next();
+            out.push(RawEvent { raw, data });
+        }
+        out
+    }
+
+    fn finish(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+/// The end (exclusive) of the first complete event: after `\n\n` or `\r\n\r\n`.
+fn find_event_end(buf: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while i + 1 < buf.len() {
+        if buf[i] == b'\n' {
+            if buf[i + 1] == b'\n' {
+                return Some(i + 2);
+            }
+            if buf[i + 1] == b'\r' && buf.get(i + 2) == Some(&b'\n') {
+                return Some(i + 3);
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_checked_field_by_field() {
+        let err = |e: Endpoint, s: &str| parse_body(e, s.as_bytes()).err().unwrap();
+        let e = err(Endpoint::Chat, "{");
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(e.message.contains("not valid JSON"), "{}", e.message);
+        assert_eq!(err(Endpoint::Chat, "[1]").code, Some("invalid_json"));
+        assert_eq!(
+            err(Endpoint::Chat, r#"{"messages": [{"role":"user","content":"x"}]}"#).param.as_deref(),
+            Some("model")
+        );
+        assert_eq!(err(Endpoint::Chat, r#"{"model": 5, "messages": []}"#).param.as_deref(), Some("model"));
+        assert_eq!(err(Endpoint::Chat, r#"{"model": "m"}"#).param.as_deref(), Some("messages"));
+        assert_eq!(err(Endpoint::Chat, r#"{"model": "m", "messages": "hi"}"#).param.as_deref(), Some("messages"));
+        assert_eq!(err(Endpoint::Completions, r#"{"model": "m"}"#).param.as_deref(), Some("prompt"));
+        let m = r#""model": "m", "prompt": "x""#;
+        assert_eq!(err(Endpoint::Completions, &format!("{{{m}, \"stream\": 1}}")).param.as_deref(), Some("stream"));
+        assert_eq!(
+            err(Endpoint::Completions, &format!("{{{m}, \"max_tokens\": -1}}")).param.as_deref(),
+            Some("max_tokens")
+        );
+        assert_eq!(
+            err(Endpoint::Completions, &format!("{{{m}, \"stream_options\": {{\"include_usage\": \"y\"}}}}"))
+                .param
+                .as_deref(),
+            Some("stream_options.include_usage")
+        );
+        let ok =
+            parse_body(Endpoint::Completions, format!("{{{m}, \"stream\": true, \"max_tokens\": 100}}").as_bytes())
+                .ok()
+                .unwrap();
+        assert!(ok.stream && !ok.include_usage);
+        assert_eq!(ok.model, "m");
+        assert!(ok.estimate >= 100);
+    }
+
+    #[test]
+    fn event_filter_splits_whole_events_only() {
+        let mut f = EventFilter::default();
+        assert!(f.push(b"data: {\"a\"").is_empty());
+        let evs = f.push(b":1}\n\ndata: [DONE]\r\n\r\ndata: tail");
+        assert_eq!(evs.len(), 2);
+        assert_eq!(evs[0].raw, b"data: {\"a\":1}\n\n");
+        assert_eq!(evs[0].data.as_deref(), Some("{\"a\":1}"));
+        assert_eq!(evs[1].data.as_deref(), Some("[DONE]"));
+        assert_eq!(f.finish(), b"data: tail");
+    }
+
+    #[test]
+    fn bearer_tokens_are_read_from_the_authorization_header() {
+        let mut h = HeaderMap::new();
+        assert_eq!(bearer(&h), "");
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer gk_abc"));
+        assert_eq!(bearer(&h), "gk_abc");
+    }
+}

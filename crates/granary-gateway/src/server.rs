@@ -1,0 +1,152 @@
+//! The HTTP front: routes, request ids, and the gateway's lifetime.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use serde_json::json;
+
+use crate::error::ApiError;
+use crate::identity::{admin_router, AdminToken};
+use crate::proxy::{handle, Endpoint, Gateway, REQUEST_ID_HEADER};
+
+/// A request's id (`req_` + 24 hex digits), set on every response.
+#[derive(Clone, Debug)]
+pub struct RequestId(pub String);
+
+fn new_request_id() -> String {
+    let n: u128 = rand::random();
+    format!("req_{:024x}", n & ((1u128 << 96) - 1))
+}
+
+async fn request_id(mut req: Request, next: Next) -> Response {
+    let id = new_request_id();
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let mut resp = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert(REQUEST_ID_HEADER, v);
+    }
+    resp
+}
+
+/// The public API, the admin API (when an admin token is set), `/health`,
+/// `/metrics` (admin token) and the OpenAPI description.
+pub fn router(gw: Arc<Gateway>, admin: Option<AdminToken>) -> Router {
+    let mut app = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
+        .with_state(gw.clone());
+    if let Some(token) = admin.clone() {
+        app = app.merge(admin_router(gw.identity.clone(), token));
+    } else {
+        app = app.route("/admin/v1/{*rest}", axum::routing::any(admin_disabled));
+    }
+    app.fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(Extension(AdminGuard(admin)))
+        .layer(middleware::from_fn(request_id))
+}
+
+#[derive(Clone)]
+struct AdminGuard(Option<AdminToken>);
+
+async fn chat(
+    State(gw): State<Arc<Gateway>>,
+    Extension(id): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(gw, Endpoint::Chat, id.0, headers, body).await
+}
+
+async fn completions(
+    State(gw): State<Arc<Gateway>>,
+    Extension(id): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(gw, Endpoint::Completions, id.0, headers, body).await
+}
+
+fn bearer(headers: &HeaderMap) -> &str {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+        .trim()
+}
+
+/// The models the caller's key may use, OpenAI's list shape.
+async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
+    let p = match gw.identity.authenticate(bearer(&headers)).await {
+        Ok(p) => p,
+        Err(e) => return e.to_api_error().into_response(),
+    };
+    let data: Vec<_> = gw
+        .models_for(&p)
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "granary"}))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// 200 while at least one upstream is routable, else 503 (load balancers
+/// in front of gateway replicas use it).
+async fn health(State(gw): State<Arc<Gateway>>) -> Response {
+    let up = gw.upstreams.list.iter().filter(|u| u.is_routable()).count();
+    let total = gw.upstreams.list.len();
+    let status = if up > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"status": if up > 0 { "ok" } else { "no_upstream" }, "upstreams_up": up, "upstreams": total})))
+        .into_response()
+}
+
+async fn metrics(
+    State(gw): State<Arc<Gateway>>,
+    Extension(guard): Extension<AdminGuard>,
+    headers: HeaderMap,
+) -> Response {
+    match &guard.0 {
+        Some(t) if t.verify(bearer(&headers)) => {}
+        Some(_) => {
+            return ApiError::unauthorized("invalid_admin_token", "Metrics need the admin token.").into_response()
+        }
+        None => return ApiError::forbidden("admin_disabled", "No admin token is configured.").into_response(),
+    }
+    for u in &gw.upstreams.list {
+        u.export();
+    }
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], gw.metrics.render())
+        .into_response()
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], include_str!("../openapi.json")).into_response()
+}
+
+async fn admin_disabled() -> Response {
+    ApiError::forbidden("admin_disabled", "The admin API is disabled: no admin token is configured.").into_response()
+}
+
+async fn not_found() -> Response {
+    ApiError::not_found("Unknown path.").into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        crate::error::ErrorType::InvalidRequestError,
+        "method_not_allowed",
+        "Method not allowed for this path.",
+    )
+    .into_response()
+}

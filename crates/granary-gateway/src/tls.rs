@@ -1,0 +1,105 @@
+//! TLS on the front (rustls), with optional client-certificate checks.
+//! (TLS to upstreams, mTLS included, is the HTTP client's: see
+//! [`crate::config::UpstreamTls`].)
+
+use std::future::Future;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::RootCertStore;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tower::ServiceExt;
+
+use crate::config::ServerTls;
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn certs(path: &std::path::Path) -> Result<Vec<CertificateDer<'static>>> {
+    let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let certs: Vec<_> = rustls_pemfile::certs(&mut pem.as_slice())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("parsing certificates in {}", path.display()))?;
+    anyhow::ensure!(!certs.is_empty(), "no certificate in {}", path.display());
+    Ok(certs)
+}
+
+fn key(path: &std::path::Path) -> Result<PrivateKeyDer<'static>> {
+    let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    rustls_pemfile::private_key(&mut pem.as_slice())
+        .with_context(|| format!("parsing the key in {}", path.display()))?
+        .with_context(|| format!("no private key in {}", path.display()))
+}
+
+/// The server's rustls configuration (HTTP/1.1; client certificates
+/// required when `client_ca` is set).
+pub fn server_config(tls: &ServerTls) -> Result<Arc<rustls::ServerConfig>> {
+    let builder = rustls::ServerConfig::builder_with_provider(provider()).with_safe_default_protocol_versions()?;
+    let builder = match &tls.client_ca {
+        Some(ca) => {
+            let mut roots = RootCertStore::empty();
+            for c in certs(ca)? {
+                roots.add(c).context("adding the client CA")?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                .build()
+                .context("building the client certificate verifier")?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut cfg = builder.with_single_cert(certs(&tls.cert)?, key(&tls.key)?).context("loading the certificate")?;
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
+/// Serves `app` over TLS until `shutdown` resolves. A failed handshake
+/// closes that connection only.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    config: Arc<rustls::ServerConfig>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<()> {
+    let acceptor = TlsAcceptor::from(config);
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let app = app.clone();
+        tokio::spawn(async move {
+            let stream = match acceptor.accept(tcp).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+            };
+            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                app.clone().oneshot(req.map(axum::body::Body::new))
+            });
+            if let Err(e) =
+                auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), service).await
+            {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+}

@@ -1,0 +1,575 @@
+//! Upstream engines: their HTTP client, health, circuit breaker, the models
+//! they serve, the KV layout they hash blocks with, and the KV events they
+//! publish (fed into the shared [`KvIndex`]).
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use futures::StreamExt;
+use granary_core::hash::{HashChain, KvLayout};
+use parking_lot::{Mutex, RwLock};
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{BreakerConfig, GatewaySection, Role, UpstreamConfig, UpstreamTls};
+use crate::metrics::GatewayMetrics;
+use crate::routing::{KvEventMsg, KvIndex};
+
+/// A circuit breaker: closed (traffic flows), open (none, until a pause
+/// passes), half-open (one probe decides).
+#[derive(Debug)]
+pub struct Breaker {
+    cfg: BreakerConfig,
+    state: Mutex<BreakerState>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BreakerState {
+    Closed { failures: u32 },
+    Open { until: Instant },
+    HalfOpen { probing: bool },
+}
+
+/// The breaker's state as exported (0 closed, 1 half-open, 2 open).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerView {
+    Closed = 0,
+    HalfOpen = 1,
+    Open = 2,
+}
+
+impl Breaker {
+    pub fn new(cfg: BreakerConfig) -> Self {
+        Breaker { cfg, state: Mutex::new(BreakerState::Closed { failures: 0 }) }
+    }
+
+    /// Whether a request may go to this upstream now. In half-open, the
+    /// first caller becomes the probe and the others are refused.
+    pub fn allow(&self) -> bool {
+        self.allow_at(Instant::now())
+    }
+
+    fn allow_at(&self, now: Instant) -> bool {
+        let mut s = self.state.lock();
+        match *s {
+            BreakerState::Closed { .. } => true,
+            BreakerState::Open { until } if now >= until => {
+                *s = BreakerState::HalfOpen { probing: true };
+                true
+            }
+            BreakerState::Open { .. } => false,
+            BreakerState::HalfOpen { probing: false } => {
+                *s = BreakerState::HalfOpen { probing: true };
+                true
+            }
+            BreakerState::HalfOpen { probing: true } => false,
+        }
+    }
+
+    /// Whether a request could be sent now (without claiming the probe).
+    pub fn is_available(&self) -> bool {
+        match *self.state.lock() {
+            BreakerState::Closed { .. } | BreakerState::HalfOpen { probing: false } => true,
+            BreakerState::Open { until } => Instant::now() >= until,
+            BreakerState::HalfOpen { probing: true } => false,
+        }
+    }
+
+    pub fn success(&self) {
+        *self.state.lock() = BreakerState::Closed { failures: 0 };
+    }
+
+    pub fn failure(&self) {
+        self.failure_at(Instant::now())
+    }
+
+    fn failure_at(&self, now: Instant) {
+        let mut s = self.state.lock();
+        let open = BreakerState::Open { until: now + Duration::from_millis(self.cfg.open_ms) };
+        *s = match *s {
+            BreakerState::Closed { failures } if failures + 1 >= self.cfg.failures => open,
+            BreakerState::Closed { failures } => BreakerState::Closed { failures: failures + 1 },
+            BreakerState::HalfOpen { .. } => open,
+            BreakerState::Open { until } => BreakerState::Open { until },
+        };
+    }
+
+    /// A health check failed: counts like a failed request.
+    pub fn health_failed(&self) {
+        self.failure()
+    }
+
+    /// A health check passed: closes an open breaker once its pause is over
+    /// (the check was the probe), so traffic returns without risking a
+    /// client request on a dead upstream.
+    pub fn health_passed(&self) {
+        let mut s = self.state.lock();
+        match *s {
+            BreakerState::Open { until } if Instant::now() < until => {}
+            _ => *s = BreakerState::Closed { failures: 0 },
+        }
+    }
+
+    pub fn view(&self) -> BreakerView {
+        match *self.state.lock() {
+            BreakerState::Closed { .. } => BreakerView::Closed,
+            BreakerState::HalfOpen { .. } => BreakerView::HalfOpen,
+            BreakerState::Open { .. } => BreakerView::Open,
+        }
+    }
+}
+
+/// How an upstream names KV blocks (`GET /v1/kv/config` on a Granary engine).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct KvInfo {
+    pub model: String,
+    pub fingerprint: String,
+    pub layout: KvLayout,
+    #[serde(default)]
+    pub role: Option<String>,
+}
+
+impl KvInfo {
+    pub fn chain(&self, namespace: &str) -> HashChain {
+        HashChain::for_layout(namespace, self.fingerprint.as_bytes(), &self.layout)
+    }
+}
+
+/// One upstream engine.
+pub struct Upstream {
+    pub index: usize,
+    pub cfg: UpstreamConfig,
+    pub client: reqwest::Client,
+    /// `Authorization` value for requests to it, from `api_key_env`.
+    pub auth: Option<String>,
+    pub breaker: Breaker,
+    pub active: AtomicUsize,
+    up: AtomicBool,
+    checked: AtomicBool,
+    models: RwLock<Vec<String>>,
+    kv: RwLock<Option<KvInfo>>,
+    metrics: Arc<GatewayMetrics>,
+}
+
+impl Upstream {
+    pub fn name(&self) -> &str {
+        &self.cfg.name
+    }
+
+    /// `base/path` (path starting with `/`).
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.cfg.url.trim_end_matches('/'))
+    }
+
+    /// Passed its last health check (true until the first check ran).
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed) || !self.checked.load(Ordering::Relaxed)
+    }
+
+    /// Can take a request now: up and the breaker lets traffic through.
+    pub fn is_routable(&self) -> bool {
+        self.is_up() && self.breaker.is_available()
+    }
+
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.read().iter().any(|m| m == model)
+    }
+
+    pub fn models(&self) -> Vec<String> {
+        self.models.read().clone()
+    }
+
+    pub fn kv_info(&self) -> Option<KvInfo> {
+        self.kv.read().clone()
+    }
+
+    pub fn role(&self) -> Role {
+        self.cfg.role
+    }
+
+    fn labels(&self) -> Vec<(&'static str, String)> {
+        vec![("upstream", self.cfg.name.clone())]
+    }
+
+    /// Publishes health, breaker and load gauges.
+    pub fn export(&self) {
+        self.metrics.upstream_up.get_or_create(&self.labels()).set(i64::from(self.up.load(Ordering::Relaxed)));
+        self.metrics.breaker_state.get_or_create(&self.labels()).set(self.breaker.view() as i64);
+        self.metrics.upstream_active.get_or_create(&self.labels()).set(self.active.load(Ordering::Relaxed) as i64);
+    }
+
+    /// Counts an attempt's outcome (`ok`, `connect_error`, `timeout`, `status_5xx`, `status_4xx`, `bad_response`).
+    pub fn attempt(&self, outcome: &'static str) {
+        self.metrics
+            .attempts
+            .get_or_create(&vec![("upstream", self.cfg.name.clone()), ("outcome", outcome.into())])
+            .inc();
+    }
+
+    /// Takes a slot if the upstream has room (`max_active` 0: unbounded).
+    pub fn try_acquire(self: &Arc<Self>) -> Option<Slot> {
+        let max = self.cfg.max_active;
+        let mut cur = self.active.load(Ordering::Relaxed);
+        loop {
+            if max > 0 && cur >= max {
+                return None;
+            }
+            match self.active.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => {
+                    self.export();
+                    return Some(Slot { upstream: self.clone(), on_release: None });
+                }
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    pub fn has_room(&self) -> bool {
+        self.cfg.max_active == 0 || self.active.load(Ordering::Relaxed) < self.cfg.max_active
+    }
+
+    async fn check_health(&self, timeout: Duration) -> bool {
+        let res = self.client.get(self.url("/health")).timeout(timeout).send().await;
+        matches!(res, Ok(r) if r.status().is_success())
+    }
+
+    async fn refresh_models(&self, timeout: Duration) -> Result<()> {
+        #[derive(Deserialize)]
+        struct List {
+            data: Vec<Item>,
+        }
+        #[derive(Deserialize)]
+        struct Item {
+            id: String,
+        }
+        if !self.cfg.models.is_empty() {
+            *self.models.write() = self.cfg.models.clone();
+        } else {
+            let mut req = self.client.get(self.url("/v1/models")).timeout(timeout);
+            if let Some(a) = &self.auth {
+                req = req.header(reqwest::header::AUTHORIZATION, a);
+            }
+            let list: List = req.send().await?.error_for_status()?.json().await?;
+            *self.models.write() = list.data.into_iter().map(|i| i.id).collect();
+        }
+        for m in self.models.read().iter() {
+            self.metrics.know_model(m);
+        }
+        if self.cfg.kv_events {
+            let info: Option<KvInfo> = match self.client.get(self.url("/v1/kv/config")).timeout(timeout).send().await {
+                Ok(r) if r.status().is_success() => r.json().await.ok(),
+                _ => None,
+            };
+            *self.kv.write() = info;
+        }
+        Ok(())
+    }
+}
+
+/// A request slot on an upstream, released when dropped.
+pub struct Slot {
+    pub upstream: Arc<Upstream>,
+    on_release: Option<Box<dyn FnOnce() + Send + Sync>>,
+}
+
+impl Slot {
+    /// Runs `f` after the slot is released (wakes queued requests).
+    pub fn on_release(mut self, f: impl FnOnce() + Send + Sync + 'static) -> Self {
+        self.on_release = Some(Box::new(f));
+        self
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.upstream.active.fetch_sub(1, Ordering::AcqRel);
+        self.upstream.export();
+        if let Some(f) = self.on_release.take() {
+            f();
+        }
+    }
+}
+
+/// Every upstream, plus the tasks that watch them.
+pub struct Upstreams {
+    pub list: Vec<Arc<Upstream>>,
+    pub index: Arc<KvIndex>,
+    metrics: Arc<GatewayMetrics>,
+}
+
+fn build_client(section: &GatewaySection, tls: Option<&UpstreamTls>) -> Result<reqwest::Client> {
+    let mut b = reqwest::Client::builder()
+        .connect_timeout(section.connect_timeout())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .tcp_nodelay(true);
+    if let Some(t) = tls {
+        let ca = std::fs::read(&t.ca).with_context(|| format!("reading upstream CA {}", t.ca.display()))?;
+        b = b.add_root_certificate(reqwest::Certificate::from_pem(&ca).context("parsing upstream CA")?);
+        if let (Some(cert), Some(key)) = (&t.cert, &t.key) {
+            let mut pem = read(cert)?;
+            pem.extend_from_slice(&read(key)?);
+            b = b.identity(reqwest::Identity::from_pem(&pem).context("parsing the gateway's client certificate")?);
+        }
+    }
+    Ok(b.build()?)
+}
+
+fn read(p: &Path) -> Result<Vec<u8>> {
+    std::fs::read(p).with_context(|| format!("reading {}", p.display()))
+}
+
+impl Upstreams {
+    pub fn new(section: &GatewaySection, configs: &[UpstreamConfig], metrics: Arc<GatewayMetrics>) -> Result<Self> {
+        let mut list = Vec::with_capacity(configs.len());
+        for (index, cfg) in configs.iter().enumerate() {
+            let auth = match &cfg.api_key_env {
+                Some(var) => Some(format!(
+                    "Bearer {}",
+                    std::env::var(var)
+                        .with_context(|| format!("upstream {}: environment variable {var} is not set", cfg.name))?
+                )),
+                None => None,
+            };
+            let client = build_client(section, cfg.tls.as_ref()).with_context(|| format!("upstream {}", cfg.name))?;
+            let u = Upstream {
+                index,
+                cfg: cfg.clone(),
+                client,
+                auth,
+                breaker: Breaker::new(section.breaker.clone()),
+                active: AtomicUsize::new(0),
+                up: AtomicBool::new(false),
+                checked: AtomicBool::new(false),
+                models: RwLock::new(cfg.models.clone()),
+                kv: RwLock::new(None),
+                metrics: metrics.clone(),
+            };
+            for m in &cfg.models {
+                metrics.know_model(m);
+            }
+            u.export();
+            list.push(Arc::new(u));
+        }
+        Ok(Upstreams { list, index: Arc::new(KvIndex::new()), metrics })
+    }
+
+    pub fn get(&self, index: usize) -> &Arc<Upstream> {
+        &self.list[index]
+    }
+
+    pub fn by_name(&self, name: &str) -> Option<&Arc<Upstream>> {
+        self.list.iter().find(|u| u.cfg.name == name)
+    }
+
+    /// Checks every upstream once (models, KV config, health), so the
+    /// gateway starts knowing what it can route.
+    pub async fn probe_all(&self, section: &GatewaySection) {
+        let timeout = Duration::from_millis(section.health.timeout_ms);
+        futures::future::join_all(self.list.iter().map(|u| async move {
+            let ok = u.check_health(timeout).await;
+            u.checked.store(true, Ordering::Relaxed);
+            u.up.store(ok, Ordering::Relaxed);
+            if ok {
+                if let Err(e) = u.refresh_models(timeout).await {
+                    tracing::warn!(upstream = %u.cfg.name, error = %e, "model discovery failed");
+                }
+            } else {
+                tracing::warn!(upstream = %u.cfg.name, "upstream not healthy at start");
+            }
+            u.export();
+        }))
+        .await;
+    }
+
+    /// Starts the health checkers and KV event followers; they stop with `stop`.
+    pub fn spawn_watchers(self: &Arc<Self>, section: &GatewaySection, stop: CancellationToken) {
+        for u in &self.list {
+            let interval = Duration::from_millis(section.health.interval_ms);
+            let timeout = Duration::from_millis(section.health.timeout_ms);
+            tokio::spawn(health_loop(u.clone(), interval, timeout, stop.clone()));
+            if u.cfg.kv_events {
+                tokio::spawn(follow_events(u.clone(), self.index.clone(), self.metrics.clone(), stop.clone()));
+            }
+        }
+    }
+}
+
+async fn health_loop(u: Arc<Upstream>, interval: Duration, timeout: Duration, stop: CancellationToken) {
+    let mut since_refresh = Duration::MAX;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let ok = u.check_health(timeout).await;
+        let was_up = u.up.swap(ok, Ordering::Relaxed);
+        u.checked.store(true, Ordering::Relaxed);
+        if ok {
+            u.breaker.health_passed();
+            // Models and KV layout can change when an engine restarts.
+            since_refresh = since_refresh.saturating_add(interval);
+            if !was_up || since_refresh >= Duration::from_secs(30) || u.models.read().is_empty() {
+                match u.refresh_models(timeout).await {
+                    Ok(()) => since_refresh = Duration::ZERO,
+                    Err(e) => tracing::warn!(upstream = %u.cfg.name, error = %e, "model discovery failed"),
+                }
+            }
+            if !was_up {
+                tracing::info!(upstream = %u.cfg.name, "upstream is up");
+            }
+        } else {
+            u.breaker.health_failed();
+            if was_up {
+                tracing::warn!(upstream = %u.cfg.name, "upstream failed its health check");
+            }
+        }
+        u.export();
+    }
+}
+
+/// Follows `GET /v1/kv/events` (SSE), applying events to the index. When
+/// the stream drops, what the index knew of this upstream is forgotten
+/// (it may have restarted empty) and the follower reconnects with backoff;
+/// the engine sends a snapshot of its blocks on connect.
+async fn follow_events(u: Arc<Upstream>, index: Arc<KvIndex>, metrics: Arc<GatewayMetrics>, stop: CancellationToken) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let started = Instant::now();
+        let run = async {
+            let resp = u.client.get(u.url("/v1/kv/events")).send().await?.error_for_status()?;
+            let mut body = resp.bytes_stream();
+            let mut parser = SseParser::default();
+            while let Some(chunk) = body.next().await {
+                for data in parser.push(&chunk?) {
+                    match serde_json::from_str::<KvEventMsg>(&data) {
+                        Ok(ev) => index.apply(u.index, &ev),
+                        Err(e) => tracing::debug!(upstream = %u.cfg.name, error = %e, "unreadable KV event"),
+                    }
+                }
+                metrics.kv_index_blocks.set(index.blocks(u.index) as i64);
+            }
+            anyhow::Ok(())
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            r = run => {
+                if let Err(e) = r {
+                    tracing::debug!(upstream = %u.cfg.name, error = %e, "KV event stream ended");
+                }
+            }
+        }
+        index.forget(u.index);
+        if started.elapsed() > Duration::from_secs(10) {
+            backoff = Duration::from_millis(200);
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// An incremental parser of `text/event-stream`: feed it chunks as they
+/// come, get the `data` of each complete event.
+#[derive(Default)]
+pub struct SseParser {
+    line: Vec<u8>,
+    data: Vec<String>,
+}
+
+impl SseParser {
+    /// The events completed by `chunk` (their `data` lines joined by `\n`).
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<String> {
+        let mut out = Vec::new();
+        for &b in chunk {
+            if b != b'\n' {
+                self.line.push(b);
+                continue;
+            }
+            if self.line.last() == Some(&b'\r') {
+                self.line.pop();
+            }
+            if self.line.is_empty() {
+                if !self.data.is_empty() {
+                    out.push(self.data.join("\n"));
+                    self.data.clear();
+                }
+            } else if let Some(rest) = self.line.strip_prefix(b"data:") {
+                let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+                self.data.push(String::from_utf8_lossy(rest).into_owned());
+            }
+            self.line.clear();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn breaker() -> Breaker {
+        Breaker::new(BreakerConfig { failures: 3, open_ms: 1_000 })
+    }
+
+    #[test]
+    fn breaker_opens_after_consecutive_failures_and_probes_once() {
+        let b = breaker();
+        let t0 = Instant::now();
+        b.failure_at(t0);
+        b.failure_at(t0);
+        assert!(b.allow_at(t0), "two failures keep it closed");
+        b.failure_at(t0);
+        assert_eq!(b.view(), BreakerView::Open);
+        assert!(!b.allow_at(t0 + Duration::from_millis(500)));
+        let later = t0 + Duration::from_millis(1_001);
+        assert!(b.allow_at(later), "the first caller after the pause is the probe");
+        assert!(!b.allow_at(later), "only one probe");
+        b.failure_at(later);
+        assert_eq!(b.view(), BreakerView::Open, "a failed probe reopens");
+        assert!(b.allow_at(later + Duration::from_millis(1_001)));
+        b.success();
+        assert_eq!(b.view(), BreakerView::Closed);
+        assert!(b.allow_at(later));
+    }
+
+    #[test]
+    fn a_success_resets_the_failure_count() {
+        let b = breaker();
+        b.failure();
+        b.failure();
+        b.success();
+        b.failure();
+        b.failure();
+        assert_eq!(b.view(), BreakerView::Closed);
+    }
+
+    #[test]
+    fn health_checks_open_and_close_it() {
+        let b = Breaker::new(BreakerConfig { failures: 2, open_ms: 0 });
+        b.health_failed();
+        b.health_failed();
+        assert_eq!(b.view(), BreakerView::Open);
+        b.health_passed();
+        assert_eq!(b.view(), BreakerView::Closed, "a passing check after the pause closes it");
+        let b = Breaker::new(BreakerConfig { failures: 1, open_ms: 60_000 });
+        b.health_failed();
+        b.health_passed();
+        assert_eq!(b.view(), BreakerView::Open, "not before the pause is over");
+    }
+
+    #[test]
+    fn sse_parser_handles_split_chunks_and_multiline_data() {
+        let mut p = SseParser::default();
+        assert!(p.push(b"event: stored\ndata: {\"a\"").is_empty());
+        assert_eq!(
+            p.push(b":1}\n\n: comment\n\ndata: x\r\ndata: y\r\n\r\n"),
+            vec!["{\"a\":1}".to_string(), "x\ny".into()]
+        );
+        assert!(p.push(b"data: partial").is_empty());
+    }
+}
