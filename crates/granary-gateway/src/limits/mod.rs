@@ -1,52 +1,374 @@
-//! TEMP STUB
-use crate::{ApiError, Principal};
-#[derive(Clone, Copy, Debug)]
+//! Request and token limits per key and per tenant, in process or shared through Redis.
+//!
+//! Every request must fit both its key's and its tenant's [`Limits`]. Four
+//! fixed windows are counted, each keyed by its start:
+//!
+//! | limit                 | window                 |
+//! |-----------------------|------------------------|
+//! | `requests_per_minute` | the wall-clock minute  |
+//! | `tokens_per_minute`   | the wall-clock minute  |
+//! | `tokens_per_day`      | the UTC day            |
+//! | `tokens_per_month`    | the UTC calendar month |
+//!
+//! Admission ([`Limiter::admit`]) happens before the request is sent
+//! upstream, when only an estimate of its tokens is known. The request
+//! counters are checked and incremented in one atomic step, so a rejected
+//! request costs nothing. A token window admits while the tokens already
+//! spent are under its limit (`used < max`); a request whose estimate alone
+//! is over a token limit is refused outright, as it could never fit. The
+//! real tokens are added afterwards by [`Limiter::charge`].
+//!
+//! With one gateway the counters live in process ([`Limiter::in_process`]).
+//! With several, they live in Redis ([`Limiter::redis`]): one script call
+//! per admission, one pipeline per charge, and every counter expires after
+//! its window. Redis trouble never blocks traffic: the limiter fails open,
+//! counts the error ([`Limiter::backend_errors`]) and reconnects in the
+//! background.
+
+mod memory;
+mod redis_store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Datelike, NaiveDate, Utc};
+
+use crate::{ApiError, Limits, Principal};
+
+pub use self::redis_store::RedisOptions;
+
+/// Whose limit blocked a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Scope {
+    /// The API key's own limits.
     Key,
+    /// The limits of the tenant the key belongs to (shared by all its keys).
     Tenant,
 }
+
 impl Scope {
+    /// `"key"` or `"tenant"`.
     pub fn as_str(self) -> &'static str {
-        "key"
+        match self {
+            Scope::Key => "key",
+            Scope::Tenant => "tenant",
+        }
+    }
+
+    /// The letter that starts a Redis key of this scope.
+    fn tag(self) -> &'static str {
+        match self {
+            Scope::Key => "k",
+            Scope::Tenant => "t",
+        }
     }
 }
-#[derive(Debug)]
+
+/// Why a request was refused: which limit of whom, and when to retry.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
+    /// Whose limit it is.
     pub scope: Scope,
+    /// `"requests_per_minute"`, `"tokens_per_minute"`, `"tokens_per_day"` or `"tokens_per_month"`.
     pub limit: &'static str,
+    /// The limit's value.
     pub max: u64,
+    /// What the window had used when the request came. Under `max` only
+    /// when the request's own estimate was over the limit.
     pub used: u64,
-    pub retry_after: std::time::Duration,
+    /// Time until the blocking window resets.
+    pub retry_after: Duration,
 }
+
 impl Rejection {
+    /// The 429 answer: type `rate_limit_error`, code `rate_limit_exceeded`
+    /// for the per-minute limits and `quota_exceeded` for the daily and
+    /// monthly budgets, and `Retry-After`.
     pub fn to_api_error(&self) -> ApiError {
-        todo!()
+        let secs = retry_secs(self.retry_after);
+        let scope = self.scope.as_str();
+        let message = if self.used < self.max {
+            format!(
+                "the estimated tokens of this request exceed the {scope} limit {} ({}); \
+                 lower max_tokens or shorten the prompt",
+                self.limit, self.max
+            )
+        } else {
+            format!("{scope} limit {} ({}) reached; retry after {secs} s", self.limit, self.max)
+        };
+        let mut err = ApiError::rate_limited(message, self.retry_after);
+        if matches!(self.limit, "tokens_per_day" | "tokens_per_month") {
+            err.code = Some("quota_exceeded");
+        }
+        err
     }
 }
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} limit {} ({}) blocks the request ({} used); retry after {} s",
+            self.scope.as_str(),
+            self.limit,
+            self.max,
+            self.used,
+            retry_secs(self.retry_after)
+        )
+    }
+}
+
+/// Whole seconds, rounded up, at least 1 (what `Retry-After` carries).
+fn retry_secs(after: Duration) -> u64 {
+    (after.as_secs() + u64::from(after.subsec_nanos() > 0)).max(1)
+}
+
+/// The four counted limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum LimitKind {
+    RequestsPerMinute,
+    TokensPerMinute,
+    TokensPerDay,
+    TokensPerMonth,
+}
+
+impl LimitKind {
+    const TOKENS: [LimitKind; 3] = [LimitKind::TokensPerMinute, LimitKind::TokensPerDay, LimitKind::TokensPerMonth];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            LimitKind::RequestsPerMinute => "requests_per_minute",
+            LimitKind::TokensPerMinute => "tokens_per_minute",
+            LimitKind::TokensPerDay => "tokens_per_day",
+            LimitKind::TokensPerMonth => "tokens_per_month",
+        }
+    }
+
+    /// Short name inside Redis keys.
+    fn tag(self) -> &'static str {
+        match self {
+            LimitKind::RequestsPerMinute => "rpm",
+            LimitKind::TokensPerMinute => "tpm",
+            LimitKind::TokensPerDay => "tpd",
+            LimitKind::TokensPerMonth => "tpmo",
+        }
+    }
+
+    fn is_requests(self) -> bool {
+        self == LimitKind::RequestsPerMinute
+    }
+
+    fn max(self, limits: &Limits) -> Option<u64> {
+        match self {
+            LimitKind::RequestsPerMinute => limits.requests_per_minute,
+            LimitKind::TokensPerMinute => limits.tokens_per_minute,
+            LimitKind::TokensPerDay => limits.tokens_per_day,
+            LimitKind::TokensPerMonth => limits.tokens_per_month,
+        }
+    }
+
+    /// The window holding `now_ms`: `(start, end)` in unix milliseconds.
+    fn window(self, now_ms: i64) -> (i64, i64) {
+        const MINUTE: i64 = 60_000;
+        const DAY: i64 = 86_400_000;
+        match self {
+            LimitKind::RequestsPerMinute | LimitKind::TokensPerMinute => fixed_window(now_ms, MINUTE),
+            LimitKind::TokensPerDay => fixed_window(now_ms, DAY),
+            // A time chrono cannot place in the calendar (hundreds of
+            // thousands of years away) falls back to 30-day windows.
+            LimitKind::TokensPerMonth => month_window(now_ms).unwrap_or_else(|| fixed_window(now_ms, 30 * DAY)),
+        }
+    }
+}
+
+fn fixed_window(now_ms: i64, len: i64) -> (i64, i64) {
+    let start = now_ms.div_euclid(len).saturating_mul(len);
+    (start, start.saturating_add(len))
+}
+
+/// The UTC calendar month holding `now_ms`.
+fn month_window(now_ms: i64) -> Option<(i64, i64)> {
+    let now = DateTime::<Utc>::from_timestamp_millis(now_ms)?;
+    let (year, month) = (now.year(), now.month());
+    let (next_year, next_month) = if month == 12 { (year.checked_add(1)?, 1) } else { (year, month + 1) };
+    let start = NaiveDate::from_ymd_opt(year, month, 1)?.and_hms_opt(0, 0, 0)?.and_utc();
+    let end = NaiveDate::from_ymd_opt(next_year, next_month, 1)?.and_hms_opt(0, 0, 0)?.and_utc();
+    Some((start.timestamp_millis(), end.timestamp_millis()))
+}
+
+/// One limited window of one key or tenant, as a request meets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Check {
+    scope: Scope,
+    id: i64,
+    kind: LimitKind,
+    max: u64,
+    start_ms: i64,
+    end_ms: i64,
+}
+
+impl Check {
+    fn rejection(&self, used: u64, now_ms: i64) -> Rejection {
+        let left = u64::try_from(self.end_ms.saturating_sub(now_ms)).unwrap_or(0);
+        Rejection {
+            scope: self.scope,
+            limit: self.kind.as_str(),
+            max: self.max,
+            used,
+            retry_after: Duration::from_millis(left),
+        }
+    }
+
+    /// Whether this window lets a request with `estimate` tokens in, given
+    /// what it has `used`.
+    fn admits(&self, used: u64, estimate: u64) -> bool {
+        if self.kind.is_requests() {
+            used < self.max
+        } else {
+            used < self.max && estimate <= self.max
+        }
+    }
+}
+
+/// The limited windows a principal's request meets at `now_ms`, key first;
+/// `kinds` selects which limits.
+fn checks(who: &Principal, now_ms: i64, kinds: &[LimitKind]) -> Vec<Check> {
+    let mut out = Vec::new();
+    for (scope, id, limits) in
+        [(Scope::Key, who.key_id, &who.key_limits), (Scope::Tenant, who.tenant_id, &who.tenant_limits)]
+    {
+        for &kind in kinds {
+            if let Some(max) = kind.max(limits) {
+                let (start_ms, end_ms) = kind.window(now_ms);
+                out.push(Check { scope, id, kind, max, start_ms, end_ms });
+            }
+        }
+    }
+    out
+}
+
+const ALL_KINDS: [LimitKind; 4] =
+    [LimitKind::RequestsPerMinute, LimitKind::TokensPerMinute, LimitKind::TokensPerDay, LimitKind::TokensPerMonth];
+
+/// Among the failed windows, the one that resets last: retrying earlier
+/// would fail again. `failed` holds `(index into checks, used)`.
+fn blocking(checks: &[Check], failed: &[(usize, u64)], now_ms: i64) -> Option<Rejection> {
+    let mut best: Option<(usize, u64)> = None;
+    for &(i, used) in failed {
+        let Some(check) = checks.get(i) else { continue };
+        if best.is_none_or(|(b, _)| check.end_ms > checks[b].end_ms) {
+            best = Some((i, used));
+        }
+    }
+    best.map(|(i, used)| checks[i].rejection(used, now_ms))
+}
+
+/// The current time in unix milliseconds.
+fn now_ms() -> i64 {
+    Utc::now().timestamp_millis()
+}
+
+enum Backend {
+    Memory(memory::MemoryStore),
+    Redis(redis_store::RedisStore),
+}
+
+/// Counts requests and tokens against the key's and the tenant's limits.
+/// Cheap to clone; clones share their counters.
 #[derive(Clone)]
-pub struct Limiter;
-#[derive(Clone, Debug, Default, serde::Deserialize)]
-pub struct RedisOptions {
-    pub prefix: String,
-    pub timeout_ms: u64,
+pub struct Limiter {
+    backend: Arc<Backend>,
 }
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter").field("backend", &self.backend()).finish()
+    }
+}
+
 impl Limiter {
+    /// Counters in this process only: right for a single gateway.
     pub fn in_process() -> Self {
-        Limiter
+        Limiter { backend: Arc::new(Backend::Memory(memory::MemoryStore::new())) }
     }
-    pub async fn redis(_u: &str, _o: RedisOptions) -> anyhow::Result<Self> {
-        todo!()
+
+    /// Counters in Redis, shared by every gateway configured with the same
+    /// server and prefix.
+    ///
+    /// Fails only on a malformed URL or bad options. A server that cannot be
+    /// reached is not an error: the limiter admits everything (counting
+    /// [`backend_errors`](Self::backend_errors)) and keeps connecting in the
+    /// background. Waits at most about a second for the first connection.
+    pub async fn redis(url: &str, options: RedisOptions) -> anyhow::Result<Self> {
+        let store = redis_store::RedisStore::connect(url, options).await?;
+        Ok(Limiter { backend: Arc::new(Backend::Redis(store)) })
     }
+
+    /// `"memory"` or `"redis"`.
     pub fn backend(&self) -> &'static str {
-        "memory"
+        match &*self.backend {
+            Backend::Memory(_) => "memory",
+            Backend::Redis(_) => "redis",
+        }
     }
-    pub async fn admit(&self, _w: &Principal, _e: u64) -> Result<(), Rejection> {
-        todo!()
+
+    /// Admits a request of `who` or says which limit blocks it.
+    /// `estimated_tokens` is what the request may cost (prompt tokens plus
+    /// `max_tokens`; 0 when unknown). An admitted request counts against
+    /// the request limits; a rejected one does not.
+    pub async fn admit(&self, who: &Principal, estimated_tokens: u64) -> Result<(), Rejection> {
+        self.admit_at(who, estimated_tokens, now_ms()).await
     }
-    pub async fn charge(&self, _w: &Principal, _t: u64) {
-        todo!()
+
+    /// [`admit`](Self::admit) at an explicit time (unix milliseconds).
+    pub async fn admit_at(&self, who: &Principal, estimated_tokens: u64, now_ms: i64) -> Result<(), Rejection> {
+        if who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited() {
+            return Ok(());
+        }
+        let checks = checks(who, now_ms, &ALL_KINDS);
+        if checks.is_empty() {
+            return Ok(());
+        }
+        let failed = match &*self.backend {
+            Backend::Memory(m) => m.admit(who.tenant_id, &checks, estimated_tokens, now_ms),
+            Backend::Redis(r) => r.admit(&checks, estimated_tokens, now_ms).await,
+        };
+        match blocking(&checks, &failed, now_ms) {
+            Some(rejection) => Err(rejection),
+            None => Ok(()),
+        }
     }
+
+    /// Adds the tokens a request really used (prompt plus completion) to
+    /// every token window of its key and tenant.
+    pub async fn charge(&self, who: &Principal, tokens: u64) {
+        self.charge_at(who, tokens, now_ms()).await
+    }
+
+    /// [`charge`](Self::charge) at an explicit time (unix milliseconds).
+    pub async fn charge_at(&self, who: &Principal, tokens: u64, now_ms: i64) {
+        if tokens == 0 || (who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited()) {
+            return;
+        }
+        let checks = checks(who, now_ms, &LimitKind::TOKENS);
+        if checks.is_empty() {
+            return;
+        }
+        match &*self.backend {
+            Backend::Memory(m) => m.charge(who.tenant_id, &checks, tokens, now_ms),
+            Backend::Redis(r) => r.charge(&checks, tokens, now_ms).await,
+        }
+    }
+
+    /// How many Redis calls failed or timed out (each one admitted the
+    /// request or dropped the charge). Always 0 in process.
     pub fn backend_errors(&self) -> u64 {
-        0
+        match &*self.backend {
+            Backend::Memory(_) => 0,
+            Backend::Redis(r) => r.errors(),
+        }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,114 @@
+//! Counters in process: 16 shards, each a mutex over a map of windows.
+//!
+//! A key belongs to exactly one tenant, so the shard is chosen by tenant:
+//! every counter one request touches (its key's and its tenant's) lives in
+//! the same shard, and one lock makes the admission atomic. Each shard
+//! drops the windows that have ended at most every few seconds, so memory
+//! is bounded by the keys and tenants active in the current windows.
+
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
+use super::{Check, LimitKind, Scope};
+use crate::TenantId;
+
+const SHARDS: usize = 16;
+/// How often (at most) a shard looks for ended windows.
+const PRUNE_EVERY_MS: i64 = 10_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct CounterKey {
+    scope: Scope,
+    id: i64,
+    kind: LimitKind,
+    start_ms: i64,
+}
+
+impl CounterKey {
+    fn of(check: &Check) -> Self {
+        CounterKey { scope: check.scope, id: check.id, kind: check.kind, start_ms: check.start_ms }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Counter {
+    used: u64,
+    end_ms: i64,
+}
+
+#[derive(Default)]
+struct Shard {
+    counters: HashMap<CounterKey, Counter>,
+    next_prune_ms: i64,
+}
+
+impl Shard {
+    fn prune(&mut self, now_ms: i64) {
+        if now_ms >= self.next_prune_ms {
+            self.counters.retain(|_, c| c.end_ms > now_ms);
+            self.next_prune_ms = now_ms.saturating_add(PRUNE_EVERY_MS);
+        }
+    }
+
+    fn used(&self, check: &Check) -> u64 {
+        self.counters.get(&CounterKey::of(check)).map_or(0, |c| c.used)
+    }
+
+    fn add(&mut self, check: &Check, n: u64) {
+        let c = self.counters.entry(CounterKey::of(check)).or_insert(Counter { used: 0, end_ms: check.end_ms });
+        c.used = c.used.saturating_add(n);
+    }
+}
+
+pub(super) struct MemoryStore {
+    shards: Box<[Mutex<Shard>]>,
+}
+
+impl MemoryStore {
+    pub(super) fn new() -> Self {
+        MemoryStore { shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect() }
+    }
+
+    fn shard(&self, tenant: TenantId) -> &Mutex<Shard> {
+        // Fibonacci hashing: spreads sequential ids over the shards.
+        let h = (tenant as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60;
+        &self.shards[h as usize % self.shards.len()]
+    }
+
+    /// Checks every window; if all admit, counts the request. Returns the
+    /// failed windows as `(index into checks, used)`.
+    pub(super) fn admit(&self, tenant: TenantId, checks: &[Check], estimate: u64, now_ms: i64) -> Vec<(usize, u64)> {
+        let mut shard = self.shard(tenant).lock();
+        shard.prune(now_ms);
+        let failed: Vec<(usize, u64)> = checks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                let used = shard.used(c);
+                (!c.admits(used, estimate)).then_some((i, used))
+            })
+            .collect();
+        if failed.is_empty() {
+            for c in checks.iter().filter(|c| c.kind.is_requests()) {
+                shard.add(c, 1);
+            }
+        }
+        failed
+    }
+
+    /// Adds `tokens` to every given (token) window.
+    pub(super) fn charge(&self, tenant: TenantId, checks: &[Check], tokens: u64, now_ms: i64) {
+        let mut shard = self.shard(tenant).lock();
+        shard.prune(now_ms);
+        for c in checks.iter().filter(|c| !c.kind.is_requests()) {
+            shard.add(c, tokens);
+        }
+    }
+
+    /// How many windows are held (for tests of the pruning).
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().counters.len()).sum()
+    }
+}

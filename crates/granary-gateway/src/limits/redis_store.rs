@@ -1,0 +1,256 @@
+//! Counters in Redis, shared by every gateway on the same server and prefix.
+//!
+//! Keys: `{prefix}{k|t}:{id}:{rpm|tpm|tpd|tpmo}:{window start, unix seconds}`,
+//! e.g. `granary:limits:k:42:tpd:1735689600`. They name key and tenant ids,
+//! never secrets, and expire a second after their window ends.
+//!
+//! One admission is one script call: the script reads every window of the
+//! key and the tenant and increments the request counters only if all of
+//! them admit. One charge is one pipeline of `INCRBY` + `EXPIRE` per token
+//! window. All keys of one call belong to one tenant; on Redis Cluster they
+//! would need to share a hash slot, which this layout does not arrange.
+//!
+//! Every call is bounded by the configured timeout. On any error or timeout
+//! the limiter fails open (the request is admitted, the charge dropped),
+//! counts the error and logs a warning at most every 10 seconds; the
+//! connection manager reconnects on its own.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use parking_lot::RwLock;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use serde::Deserialize;
+
+use super::Check;
+
+/// Where and how the limiter talks to Redis.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedisOptions {
+    /// Prepended to every key (default `granary:limits:`). Gateways that
+    /// should share limits must use the same prefix.
+    pub prefix: String,
+    /// How long one admission or charge may wait for Redis before the
+    /// limiter gives up and fails open, in milliseconds (default 50).
+    pub timeout_ms: u64,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions { prefix: "granary:limits:".to_string(), timeout_ms: 50 }
+    }
+}
+
+/// Checks every window of one request and counts it if all admit.
+///
+/// `KEYS[i]` is a window; `ARGV[1]` the request's token estimate; then per
+/// window three arguments: `r` (request counter) or `t` (token counter), the
+/// limit, and the key's time to live in seconds. Returns the failed windows
+/// as a flat list `i1, used1, i2, used2, ...` (1-based), empty when admitted.
+const ADMIT_SCRIPT: &str = r#"
+local estimate = tonumber(ARGV[1])
+local failed = {}
+for i = 1, #KEYS do
+  local kind = ARGV[3 * i - 1]
+  local max = tonumber(ARGV[3 * i])
+  local used = tonumber(redis.call('GET', KEYS[i]) or '0') or 0
+  if used >= max or (kind == 't' and estimate > max) then
+    failed[#failed + 1] = i
+    failed[#failed + 1] = used
+  end
+end
+if #failed == 0 then
+  for i = 1, #KEYS do
+    if ARGV[3 * i - 1] == 'r' then
+      redis.call('INCR', KEYS[i])
+      redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
+    end
+  end
+end
+return failed
+"#;
+
+/// Seconds a key outlives its window (absorbs small clock differences
+/// between gateways).
+const GRACE_SECS: i64 = 1;
+/// The most often a Redis failure is logged.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+const NEVER: u64 = u64::MAX;
+
+/// What the background connector and the callers share.
+struct Shared {
+    conn: RwLock<Option<ConnectionManager>>,
+    errors: AtomicU64,
+    /// Milliseconds after `started` of the last warning, or [`NEVER`].
+    last_warn_ms: AtomicU64,
+    started: Instant,
+}
+
+impl Shared {
+    /// Counts a failed call and logs it, at most once per [`WARN_EVERY`].
+    fn failed(&self, what: &str, cause: &dyn std::fmt::Display) {
+        let total = self.errors.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(NEVER - 1);
+        let last = self.last_warn_ms.load(Ordering::Relaxed);
+        let due = last == NEVER || now >= last.saturating_add(WARN_EVERY.as_millis() as u64);
+        if due && self.last_warn_ms.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            tracing::warn!(
+                error = %cause,
+                errors_total = total,
+                "limits: Redis {what} failed; admitting without limits until Redis answers again"
+            );
+        }
+    }
+}
+
+pub(super) struct RedisStore {
+    shared: Arc<Shared>,
+    prefix: String,
+    timeout: Duration,
+    script: redis::Script,
+}
+
+impl RedisStore {
+    /// Parses the URL, starts connecting in the background and waits up to
+    /// about a second for the first connection.
+    pub(super) async fn connect(url: &str, options: RedisOptions) -> anyhow::Result<Self> {
+        if options.timeout_ms == 0 {
+            bail!("limits: redis timeout_ms must be at least 1");
+        }
+        // The URL may hold a password: the error names the field, not the URL.
+        let client = redis::Client::open(url).context("limits: the Redis URL is not valid")?;
+        let shared = Arc::new(Shared {
+            conn: RwLock::new(None),
+            errors: AtomicU64::new(0),
+            last_warn_ms: AtomicU64::new(NEVER),
+            started: Instant::now(),
+        });
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(connect_loop(client, Arc::downgrade(&shared), ready_tx));
+        // Not connected after this is fine: callers fail open meanwhile.
+        let _ = tokio::time::timeout(Duration::from_secs(1), ready_rx).await;
+        Ok(RedisStore {
+            shared,
+            prefix: options.prefix,
+            timeout: Duration::from_millis(options.timeout_ms),
+            script: redis::Script::new(ADMIT_SCRIPT),
+        })
+    }
+
+    pub(super) fn errors(&self) -> u64 {
+        self.shared.errors.load(Ordering::Relaxed)
+    }
+
+    fn key(&self, check: &Check) -> String {
+        format!(
+            "{}{}:{}:{}:{}",
+            self.prefix,
+            check.scope.tag(),
+            check.id,
+            check.kind.tag(),
+            check.start_ms.div_euclid(1000)
+        )
+    }
+
+    /// The connection, or `None` (counted as an error) while the first one
+    /// is still being made.
+    fn connection(&self, what: &str) -> Option<ConnectionManager> {
+        let conn = self.shared.conn.read().clone();
+        if conn.is_none() {
+            self.shared.failed(what, &"not connected yet (connecting in the background)");
+        }
+        conn
+    }
+
+    /// The failed windows as `(index into checks, used)`; empty when
+    /// admitted, and also when Redis failed (fail open).
+    pub(super) async fn admit(&self, checks: &[Check], estimate: u64, now_ms: i64) -> Vec<(usize, u64)> {
+        let Some(mut conn) = self.connection("admission") else { return Vec::new() };
+        let mut call = self.script.prepare_invoke();
+        call.arg(estimate);
+        for c in checks {
+            call.key(self.key(c)).arg(if c.kind.is_requests() { "r" } else { "t" }).arg(c.max).arg(ttl_secs(c, now_ms));
+        }
+        let reply = tokio::time::timeout(self.timeout, call.invoke_async::<Vec<i64>>(&mut conn)).await;
+        let flat = match reply {
+            Ok(Ok(flat)) => flat,
+            Ok(Err(e)) => {
+                self.shared.failed("admission", &e);
+                return Vec::new();
+            }
+            Err(_) => {
+                self.shared.failed("admission", &format_args!("no answer within {} ms", self.timeout.as_millis()));
+                return Vec::new();
+            }
+        };
+        flat.chunks_exact(2)
+            .filter_map(|pair| {
+                let i = usize::try_from(pair[0]).ok()?.checked_sub(1)?;
+                (i < checks.len()).then(|| (i, u64::try_from(pair[1]).unwrap_or(0)))
+            })
+            .collect()
+    }
+
+    /// Adds `tokens` to every given token window.
+    pub(super) async fn charge(&self, checks: &[Check], tokens: u64, now_ms: i64) {
+        let Some(mut conn) = self.connection("charge") else { return };
+        let mut pipe = redis::pipe();
+        for c in checks.iter().filter(|c| !c.kind.is_requests()) {
+            let key = self.key(c);
+            pipe.cmd("INCRBY").arg(&key).arg(tokens).ignore();
+            pipe.cmd("EXPIRE").arg(&key).arg(ttl_secs(c, now_ms)).ignore();
+        }
+        match tokio::time::timeout(self.timeout, pipe.exec_async(&mut conn)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => self.shared.failed("charge", &e),
+            Err(_) => self.shared.failed("charge", &format_args!("no answer within {} ms", self.timeout.as_millis())),
+        }
+    }
+}
+
+/// Seconds from `now_ms` until the window ends, rounded up, plus grace.
+fn ttl_secs(check: &Check, now_ms: i64) -> i64 {
+    let left_ms = check.end_ms.saturating_sub(now_ms).max(0);
+    (left_ms.saturating_add(999) / 1000).saturating_add(GRACE_SECS).max(1)
+}
+
+/// Makes the first connection, retrying with backoff until it succeeds or
+/// the store is dropped. From then on the connection manager reconnects
+/// by itself whenever a call meets a broken connection.
+async fn connect_loop(client: redis::Client, shared: Weak<Shared>, ready: tokio::sync::oneshot::Sender<()>) {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Duration::from_secs(1))
+        .set_number_of_retries(1)
+        .set_factor(50)
+        .set_max_delay(500);
+    let mut delay = Duration::from_millis(100);
+    loop {
+        if shared.strong_count() == 0 {
+            return;
+        }
+        match ConnectionManager::new_with_config(client.clone(), config.clone()).await {
+            Ok(conn) => {
+                if let Some(shared) = shared.upgrade() {
+                    *shared.conn.write() = Some(conn);
+                    tracing::info!("limits: connected to Redis");
+                }
+                let _ = ready.send(());
+                return;
+            }
+            Err(e) => {
+                let Some(s) = shared.upgrade() else { return };
+                if s.last_warn_ms.load(Ordering::Relaxed) == NEVER {
+                    tracing::warn!(error = %e, "limits: cannot reach Redis yet; admitting without limits meanwhile");
+                    s.last_warn_ms
+                        .store(u64::try_from(s.started.elapsed().as_millis()).unwrap_or(0), Ordering::Relaxed);
+                }
+                drop(s);
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! The Redis-backed limiter against a real `redis-server`: two limiters
+//! stand for two gateway processes sharing one server.
+//!
+//! Each test starts its own server on a free port. Without the
+//! `redis-server` binary the tests are skipped with a notice, unless
+//! `GRANARY_REQUIRE_EXTERNAL=1`, which makes them fail instead.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use granary_gateway::limits::{Limiter, RedisOptions, Scope};
+use granary_gateway::{Limits, Principal, Priority};
+
+/// 2025-03-14 15:09:26.500 UTC (a fixed clock keeps the minute from rolling over mid-test).
+const T0: i64 = 1_741_964_966_500;
+
+struct RedisServer {
+    child: Child,
+    port: u16,
+}
+
+impl RedisServer {
+    /// Starts a server, or returns `None` (after a notice) when the binary is missing.
+    fn start() -> Option<Self> {
+        let port = free_port();
+        Self::start_on(port)
+    }
+
+    fn start_on(port: u16) -> Option<Self> {
+        let spawned = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let child = match spawned {
+            Ok(child) => child,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if std::env::var("GRANARY_REQUIRE_EXTERNAL").as_deref() == Ok("1") {
+                    panic!("redis-server is not installed and GRANARY_REQUIRE_EXTERNAL=1");
+                }
+                eprintln!("SKIPPED: redis-server is not installed (set GRANARY_REQUIRE_EXTERNAL=1 to fail instead)");
+                return None;
+            }
+            Err(e) => panic!("cannot start redis-server: {e}"),
+        };
+        let server = RedisServer { child, port };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                use std::io::{Read, Write};
+                let mut buf = [0u8; 7];
+                if s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n" {
+                    return Some(server);
+                }
+            }
+            assert!(Instant::now() < deadline, "redis-server on port {port} did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    async fn client(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url()).unwrap().get_multiplexed_async_connection().await.unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn principal(key_id: i64, tenant_id: i64, key_limits: Limits, tenant_limits: Limits) -> Principal {
+    Principal {
+        key_id,
+        key_prefix: format!("gk_{key_id}"),
+        tenant_id,
+        tenant: format!("tenant{tenant_id}"),
+        namespace: format!("tenant{tenant_id}"),
+        models: None,
+        priority: Priority::Standard,
+        key_limits,
+        tenant_limits,
+        log_prompts: false,
+    }
+}
+
+fn rpm(n: u64) -> Limits {
+    Limits { requests_per_minute: Some(n), ..Limits::default() }
+}
+
+/// Generous timeout: the tests check enforcement, not latency, on a busy machine.
+fn options(prefix: &str) -> RedisOptions {
+    RedisOptions { prefix: prefix.to_string(), timeout_ms: 2_000 }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_gateways_enforce_one_request_limit_together() {
+    let Some(server) = RedisServer::start() else { return };
+    let a = Limiter::redis(&server.url(), options("t1:")).await.unwrap();
+    let b = Limiter::redis(&server.url(), options("t1:")).await.unwrap();
+    assert_eq!(a.backend(), "redis");
+    // The key allows 1000; the tenant allows 25 across both gateways.
+    let p = principal(7, 70, rpm(1000), rpm(25));
+    let mut tasks = Vec::new();
+    for limiter in [a.clone(), b.clone(), a.clone(), b.clone()] {
+        let p = p.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0;
+            for _ in 0..20 {
+                match limiter.admit_at(&p, 0, T0).await {
+                    Ok(()) => admitted += 1,
+                    Err(r) => {
+                        assert_eq!((r.scope, r.limit, r.max), (Scope::Tenant, "requests_per_minute", 25));
+                        assert_eq!(r.retry_after, Duration::from_millis(33_500));
+                    }
+                }
+            }
+            admitted
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert_eq!(admitted, 25, "exactly the tenant's limit across both gateways");
+    assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
+    // Rejected requests were not counted: the counter holds 25, not 80.
+    let mut c = server.client().await;
+    let keys: Vec<String> = redis::cmd("KEYS").arg("t1:t:70:rpm:*").query_async(&mut c).await.unwrap();
+    assert_eq!(keys.len(), 1);
+    let n: u64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
+    assert_eq!(n, 25);
+    // Another limiter with another prefix does not see these counters.
+    let other = Limiter::redis(&server.url(), options("t2:")).await.unwrap();
+    other.admit_at(&p, 0, T0).await.unwrap();
+}
+
+#[tokio::test]
+async fn token_budgets_are_shared_between_gateways() {
+    let Some(server) = RedisServer::start() else { return };
+    let a = Limiter::redis(&server.url(), options("tok:")).await.unwrap();
+    let b = Limiter::redis(&server.url(), options("tok:")).await.unwrap();
+    let p = principal(1, 10, Limits { tokens_per_day: Some(1_000), ..Limits::default() }, Limits::default());
+    a.admit_at(&p, 300, T0).await.unwrap();
+    a.charge_at(&p, 600, T0).await;
+    b.admit_at(&p, 300, T0).await.unwrap();
+    b.charge_at(&p, 400, T0).await;
+    for l in [&a, &b] {
+        let r = l.admit_at(&p, 0, T0).await.unwrap_err();
+        assert_eq!((r.scope, r.limit, r.max, r.used), (Scope::Key, "tokens_per_day", 1_000, 1_000));
+        assert_eq!(r.to_api_error().code, Some("quota_exceeded"));
+    }
+    // An estimate over the limit is refused by the script as well.
+    let q = principal(2, 10, Limits { tokens_per_minute: Some(100), ..Limits::default() }, Limits::default());
+    let r = b.admit_at(&q, 101, T0).await.unwrap_err();
+    assert_eq!((r.limit, r.used), ("tokens_per_minute", 0));
+    b.admit_at(&q, 100, T0).await.unwrap();
+    // The next UTC day starts fresh.
+    let tomorrow = T0 - T0.rem_euclid(86_400_000) + 86_400_000;
+    a.admit_at(&p, 0, tomorrow).await.unwrap();
+    assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
+}
+
+#[tokio::test]
+async fn keys_name_ids_and_expire_after_their_window() {
+    let Some(server) = RedisServer::start() else { return };
+    let l = Limiter::redis(&server.url(), RedisOptions { timeout_ms: 2_000, ..RedisOptions::default() }).await.unwrap();
+    let all = Limits {
+        requests_per_minute: Some(10),
+        tokens_per_minute: Some(1_000),
+        tokens_per_day: Some(10_000),
+        tokens_per_month: Some(100_000),
+    };
+    let p = principal(42, 4, all.clone(), all);
+    let now = wall_ms();
+    l.admit_at(&p, 10, now).await.unwrap();
+    l.charge_at(&p, 10, now).await;
+    let mut c = server.client().await;
+    let mut keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut c).await.unwrap();
+    keys.sort();
+    let shapes: Vec<String> =
+        keys.iter().map(|k| k.rsplit_once(':').map_or(k.clone(), |(head, _)| head.to_string())).collect();
+    assert_eq!(
+        shapes,
+        [
+            "granary:limits:k:42:rpm",
+            "granary:limits:k:42:tpd",
+            "granary:limits:k:42:tpm",
+            "granary:limits:k:42:tpmo",
+            "granary:limits:t:4:rpm",
+            "granary:limits:t:4:tpd",
+            "granary:limits:t:4:tpm",
+            "granary:limits:t:4:tpmo",
+        ]
+    );
+    for key in &keys {
+        let ttl: i64 = redis::cmd("TTL").arg(key).query_async(&mut c).await.unwrap();
+        let most = if key.contains(":rpm:") || key.contains(":tpm:") {
+            61
+        } else if key.contains(":tpd:") {
+            86_401
+        } else {
+            31 * 86_400 + 1
+        };
+        assert!(ttl > 0 && ttl <= most, "{key} has TTL {ttl}, expected 1..={most}");
+    }
+    // A minute counter for a window that is almost over expires within seconds.
+    let minute_end = now - now.rem_euclid(60_000) + 60_000;
+    let q = principal(43, 5, rpm(10), Limits::default());
+    l.admit_at(&q, 0, minute_end - 500).await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("granary:limits:k:43:*").query_async(&mut c).await.unwrap();
+    let ttl: i64 = redis::cmd("TTL").arg(&keys[0]).query_async(&mut c).await.unwrap();
+    assert!((1..=2).contains(&ttl), "TTL {ttl}");
+}
+
+#[tokio::test]
+async fn unlimited_principals_cost_no_round_trip() {
+    let Some(server) = RedisServer::start() else { return };
+    let l = Limiter::redis(&server.url(), options("u:")).await.unwrap();
+    let p = principal(1, 1, Limits::default(), Limits::default());
+    let mut c = server.client().await;
+    let before = commands_processed(&mut c).await;
+    for _ in 0..50 {
+        l.admit(&p, 100).await.unwrap();
+        l.charge(&p, 100).await;
+    }
+    // Only our own INFO calls reach the server.
+    assert_eq!(commands_processed(&mut c).await, before + 1);
+}
+
+async fn commands_processed(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO").arg("stats").query_async(c).await.unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("INFO stats has total_commands_processed")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_admits_and_counts_errors_then_enforces_again() {
+    let Some(server) = RedisServer::start() else { return };
+    let port = server.port;
+    let opts = RedisOptions { prefix: "down:".to_string(), timeout_ms: 300 };
+    let l = Limiter::redis(&server.url(), opts).await.unwrap();
+    let p = principal(1, 10, rpm(3), Limits { tokens_per_day: Some(10), ..Limits::default() });
+    for _ in 0..3 {
+        l.admit_at(&p, 0, T0).await.unwrap();
+    }
+    assert!(l.admit_at(&p, 0, T0).await.is_err());
+    assert_eq!(l.backend_errors(), 0);
+
+    drop(server);
+    // Fail open: every call is admitted and every failure counted.
+    for i in 1..=10 {
+        l.admit_at(&p, 0, T0).await.expect("admitted while Redis is down");
+        assert_eq!(l.backend_errors(), i);
+    }
+    l.charge_at(&p, 5, T0).await;
+    assert_eq!(l.backend_errors(), 11);
+
+    // Redis comes back (empty: no persistence) on the same port.
+    let _server = RedisServer::start_on(port).expect("redis-server ran a moment ago");
+    let probe = principal(99, 99, rpm(1_000_000), Limits::default());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let before = l.backend_errors();
+        l.admit_at(&probe, 0, T0).await.unwrap();
+        if l.backend_errors() == before {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the limiter did not reconnect to Redis");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for _ in 0..3 {
+        l.admit_at(&p, 0, T0).await.unwrap();
+    }
+    let r = l.admit_at(&p, 0, T0).await.unwrap_err();
+    assert_eq!((r.limit, r.used), ("requests_per_minute", 3));
+}
+
+#[tokio::test]
+async fn an_unreachable_server_at_start_is_not_an_error() {
+    let port = free_port();
+    let started = Instant::now();
+    let l = Limiter::redis(&format!("redis://127.0.0.1:{port}/"), RedisOptions::default()).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(l.backend(), "redis");
+    let p = principal(1, 10, rpm(1), Limits::default());
+    for _ in 0..3 {
+        l.admit_at(&p, 0, T0).await.unwrap();
+    }
+    assert_eq!(l.backend_errors(), 3);
+
+    // It connects once the server appears, and then enforces.
+    let Some(_server) = RedisServer::start_on(port) else { return };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let probe = principal(99, 99, rpm(1_000_000), Limits::default());
+    loop {
+        let before = l.backend_errors();
+        l.admit_at(&probe, 0, T0).await.unwrap();
+        if l.backend_errors() == before {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the limiter never connected");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    l.admit_at(&p, 0, T0).await.unwrap();
+    assert!(l.admit_at(&p, 0, T0).await.is_err());
+}
+
+/// The wall clock in unix milliseconds.
+fn wall_ms() -> i64 {
+    let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    i64::try_from(d.as_millis()).unwrap()
+}
