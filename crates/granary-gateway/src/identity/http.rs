@@ -108,9 +108,9 @@ fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(de).map_err(|e| {
         let inner = e.inner().to_string();
         let path = e.path().to_string();
-        // Unknown and missing fields are reported on the object that holds
-        // them; name the field itself.
-        let field = quoted_field(&inner).filter(|_| inner.starts_with("unknown field") || inner.starts_with("missing field"));
+        // A missing field is reported on the object that should hold it;
+        // name the field itself. (Unknown fields are already in the path.)
+        let field = quoted_field(&inner).filter(|_| inner.starts_with("missing field"));
         let param = match (path.as_str(), field) {
             (".", Some(f)) => f.to_string(),
             (p, Some(f)) => format!("{p}.{f}"),

@@ -53,9 +53,13 @@ pub fn hashes_equal(a: &str, b: &str) -> bool {
 }
 
 /// The token in an `Authorization` value: `Bearer <token>` (scheme in any
-/// case) or the bare token; surrounding blanks are ignored.
+/// case) or the bare token; surrounding blanks are ignored, and a lone
+/// `Bearer` is no token at all.
 pub fn strip_bearer(value: &str) -> &str {
     let v = value.trim();
+    if v.eq_ignore_ascii_case("bearer") {
+        return "";
+    }
     match v.split_once(char::is_whitespace) {
         Some((scheme, rest)) if scheme.eq_ignore_ascii_case("bearer") => rest.trim(),
         _ => v,
@@ -104,6 +108,6 @@ mod tests {
         assert_eq!(strip_bearer("bearer   abc "), "abc");
         assert_eq!(strip_bearer("abc"), "abc");
         assert_eq!(strip_bearer("  "), "");
-        assert_eq!(strip_bearer("Bearer"), "Bearer");
+        assert_eq!(strip_bearer("Bearer"), "");
     }
 }
