@@ -6,9 +6,7 @@ use std::io::Write;
 use anyhow::Context as _;
 
 use super::http::{expiry, parse_time};
-use super::{
-    current_month_ms, usage_csv, AuditQuery, Identity, NewKey, NewTenant, Tenant, TenantUpdate, UsageQuery,
-};
+use super::{current_month_ms, usage_csv, AuditQuery, Identity, NewKey, NewTenant, Tenant, TenantUpdate, UsageQuery};
 use crate::{KeyId, Limits, Priority};
 
 /// Admin commands.
@@ -240,7 +238,11 @@ pub(super) async fn run_admin_to(
                     ]
                 })
                 .collect::<Vec<_>>();
-            write_table(out, &["TIME", "STATUS", "TENANT", "MODEL", "ENDPOINT", "TOKENS", "LATENCY_MS", "REQUEST"], &body)?;
+            write_table(
+                out,
+                &["TIME", "STATUS", "TENANT", "MODEL", "ENDPOINT", "TOKENS", "LATENCY_MS", "REQUEST"],
+                &body,
+            )?;
             Ok(())
         }
     }

@@ -25,9 +25,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use subtle::ConstantTimeEq;
 
-use super::{
-    current_month_ms, now_ms, AuditQuery, Identity, NewKey, NewTenant, TenantUpdate, UsageQuery, UsageRow,
-};
+use super::{current_month_ms, now_ms, AuditQuery, Identity, NewKey, NewTenant, TenantUpdate, UsageQuery, UsageRow};
 use crate::{ApiError, KeyId, Limits};
 
 /// The admin API's shared secret, kept only as a blake3 hash and compared in
@@ -89,11 +87,10 @@ async fn require_token(State(state): State<AdminState>, req: Request, next: Next
     match presented {
         Some(token) if state.token.verify(token) => next.run(req).await,
         Some(_) => ApiError::unauthorized("invalid_admin_token", "Incorrect admin token provided.").into_response(),
-        None => ApiError::unauthorized(
-            "invalid_admin_token",
-            "The admin API needs `Authorization: Bearer <admin token>`.",
-        )
-        .into_response(),
+        None => {
+            ApiError::unauthorized("invalid_admin_token", "The admin API needs `Authorization: Bearer <admin token>`.")
+                .into_response()
+        }
     }
 }
 
@@ -257,11 +254,9 @@ struct CreateKeyBody {
 /// `expires_at` (RFC 3339 or unix seconds) or `expires_in_s`, as unix ms.
 pub(super) fn expiry(expires_at: Option<&str>, expires_in_s: Option<u64>) -> Result<Option<i64>, ApiError> {
     match (expires_at, expires_in_s) {
-        (Some(_), Some(_)) => Err(ApiError::invalid(
-            "expires_in_s",
-            "invalid_value",
-            "Give `expires_at` or `expires_in_s`, not both.",
-        )),
+        (Some(_), Some(_)) => {
+            Err(ApiError::invalid("expires_in_s", "invalid_value", "Give `expires_at` or `expires_in_s`, not both."))
+        }
         (Some(at), None) => parse_time("expires_at", at).map(Some),
         (None, Some(secs)) => {
             let ms = i64::try_from(secs).ok().and_then(|s| s.checked_mul(1000)).and_then(|ms| ms.checked_add(now_ms()));
@@ -298,9 +293,9 @@ async fn list_keys(State(s): State<AdminState>, RawQuery(q): RawQuery) -> Result
 }
 
 async fn revoke_key(State(s): State<AdminState>, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let id: KeyId = id.parse().map_err(|_| {
-        ApiError::invalid("id", "invalid_value", format!("Invalid key `id`: {id:?} is not a number."))
-    })?;
+    let id: KeyId = id
+        .parse()
+        .map_err(|_| ApiError::invalid("id", "invalid_value", format!("Invalid key `id`: {id:?} is not a number.")))?;
     s.identity.revoke_key(id).await?;
     Ok(Json(s.identity.get_key(id).await?).into_response())
 }
@@ -328,8 +323,7 @@ async fn usage(State(s): State<AdminState>, RawQuery(q): RawQuery) -> Result<Res
         headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/csv; charset=utf-8"));
         return Ok((headers, usage_csv(&rows)).into_response());
     }
-    Ok(Json(serde_json::json!({ "object": "list", "from_ms": from_ms, "to_ms": to_ms, "data": rows }))
-        .into_response())
+    Ok(Json(serde_json::json!({ "object": "list", "from_ms": from_ms, "to_ms": to_ms, "data": rows })).into_response())
 }
 
 async fn audit(State(s): State<AdminState>, RawQuery(q): RawQuery) -> Result<Response, ApiError> {

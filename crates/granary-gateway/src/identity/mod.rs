@@ -328,7 +328,9 @@ impl From<AdminError> for ApiError {
     fn from(e: AdminError) -> Self {
         match e {
             AdminError::NotFound(m) => ApiError::not_found(m),
-            AdminError::Conflict(m) => ApiError::new(StatusCode::CONFLICT, ErrorType::InvalidRequestError, "conflict", m),
+            AdminError::Conflict(m) => {
+                ApiError::new(StatusCode::CONFLICT, ErrorType::InvalidRequestError, "conflict", m)
+            }
             AdminError::Invalid { field, message } => {
                 ApiError::invalid(field.clone(), "invalid_value", format!("Invalid `{field}`: {message}"))
             }
@@ -918,7 +920,8 @@ impl Identity {
 
     /// One key by id.
     pub async fn get_key(&self, id: KeyId) -> Result<KeyInfo, AdminError> {
-        let row = sqlx::query(&format!("{KEY_SELECT} WHERE k.id = $1")).bind(id).fetch_optional(&self.inner.pool).await?;
+        let row =
+            sqlx::query(&format!("{KEY_SELECT} WHERE k.id = $1")).bind(id).fetch_optional(&self.inner.pool).await?;
         match row {
             Some(r) => Ok(key_from_row(&r)?),
             None => Err(AdminError::NotFound(format!("No API key with id {id}."))),
@@ -993,9 +996,7 @@ fn check_name(field: &str, name: &str) -> Result<(), AdminError> {
     } else {
         Err(AdminError::invalid(
             field,
-            format!(
-                "{name:?} is not a valid name (1 to 63 of a-z, 0-9, '_' and '-', starting with a letter or digit)"
-            ),
+            format!("{name:?} is not a valid name (1 to 63 of a-z, 0-9, '_' and '-', starting with a letter or digit)"),
         ))
     }
 }

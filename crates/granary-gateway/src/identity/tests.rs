@@ -262,7 +262,11 @@ async fn audit_records_are_written_on_flush_and_aggregated_into_usage() {
     };
     assert_eq!(
         rows,
-        vec![row("acme", "llama", 3, 1, 30, 12, 2), row("acme", "qwen", 1, 0, 3, 4, 1), row("beta", "llama", 2, 1, 9, 1, 1)]
+        vec![
+            row("acme", "llama", 3, 1, 30, 12, 2),
+            row("acme", "qwen", 1, 0, 3, 4, 1),
+            row("beta", "llama", 2, 1, 9, 1, 1)
+        ]
     );
     let beta = id.usage(&UsageQuery { from_ms: t0, to_ms: t0 + 10, tenant: Some("beta".into()) }).await.unwrap();
     assert_eq!(beta, vec![row("beta", "llama", 2, 1, 9, 1, 1)]);
@@ -410,7 +414,8 @@ async fn tenant_and_key_created_over_http_authenticate() {
     assert_eq!(t["priority"], "batch");
     assert_eq!(t["limits"]["requests_per_minute"], 5);
 
-    let (status, _, dup, _) = call(&r, Method::POST, "/admin/v1/tenants", Some(ADMIN), Some(r#"{"name":"acme"}"#)).await;
+    let (status, _, dup, _) =
+        call(&r, Method::POST, "/admin/v1/tenants", Some(ADMIN), Some(r#"{"name":"acme"}"#)).await;
     assert_eq!(status, StatusCode::CONFLICT, "{dup}");
     assert_eq!(dup["error"]["code"], "conflict");
 
@@ -497,14 +502,9 @@ async fn bad_bodies_are_400_naming_the_field() {
     let (status, _, json, _) =
         call(&r, Method::PATCH, "/admin/v1/tenants/x", Some(ADMIN), Some(r#"{"disabled": "yes"}"#)).await;
     assert_eq!((status, json["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("disabled")));
-    let (status, _, json, _) = call(
-        &r,
-        Method::POST,
-        "/admin/v1/keys",
-        Some(ADMIN),
-        Some(r#"{"tenant": "x", "expires_at": "tomorrow"}"#),
-    )
-    .await;
+    let (status, _, json, _) =
+        call(&r, Method::POST, "/admin/v1/keys", Some(ADMIN), Some(r#"{"tenant": "x", "expires_at": "tomorrow"}"#))
+            .await;
     assert_eq!((status, json["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("expires_at")));
     let (status, _, json, _) = call(
         &r,
@@ -544,7 +544,10 @@ async fn usage_and_audit_over_http() {
     .await;
     assert_eq!(status, StatusCode::OK);
     assert!(headers[header::CONTENT_TYPE].to_str().unwrap().starts_with("text/csv"));
-    assert_eq!(text, "tenant,model,requests,errors,prompt_tokens,completion_tokens,cached_tokens\nbeta,qwen,1,0,2,2,2\n");
+    assert_eq!(
+        text,
+        "tenant,model,requests,errors,prompt_tokens,completion_tokens,cached_tokens\nbeta,qwen,1,0,2,2,2\n"
+    );
 
     // The default period is the current month: these 2023 records are outside it.
     let (status, _, json, _) = call(&r, Method::GET, "/admin/v1/usage", Some(ADMIN), None).await;
