@@ -113,7 +113,9 @@ pub enum TenantCmd {
     },
     /// Change a tenant; limit flags are merged into its current limits.
     Update {
+        /// The tenant's name.
         name: String,
+        /// batch, standard or premium.
         #[arg(long)]
         priority: Option<Priority>,
         /// true or false.
@@ -129,7 +131,10 @@ pub enum TenantCmd {
         limits: LimitArgs,
     },
     /// Disable a tenant and revoke all its keys.
-    Disable { name: String },
+    Disable {
+        /// The tenant's name.
+        name: String,
+    },
 }
 
 /// `key …` commands.
@@ -165,7 +170,10 @@ pub enum KeyCmd {
         json: bool,
     },
     /// Revoke a key by id.
-    Revoke { id: KeyId },
+    Revoke {
+        /// The key's id (from `key list`).
+        id: KeyId,
+    },
 }
 
 /// Runs an admin command, printing to stdout (and warnings to stderr).

@@ -74,17 +74,21 @@ impl Default for IdentityOptions {
 /// and limits.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Tenant {
+    /// Database id.
     pub id: TenantId,
     /// Unique; `[a-z0-9][a-z0-9_-]{0,62}`.
     pub name: String,
     /// The KV namespace its requests run in.
     pub namespace: String,
+    /// Its priority tier when upstreams are busy.
     pub priority: Priority,
+    /// Limits over all its keys together.
     pub limits: Limits,
     /// Whether its audit records keep the prompt text.
     pub log_prompts: bool,
     /// A disabled tenant's keys are refused with 403.
     pub disabled: bool,
+    /// When it was created, unix milliseconds.
     pub created_ms: i64,
 }
 
@@ -92,6 +96,7 @@ pub struct Tenant {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NewTenant {
+    /// `[a-z0-9][a-z0-9_-]{0,62}`, unique.
     pub name: String,
     /// Defaults to the name.
     #[serde(default)]
@@ -112,13 +117,16 @@ pub struct NewTenant {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantUpdate {
+    /// A new priority tier.
     #[serde(default)]
     pub priority: Option<Priority>,
     /// Replaces the tenant's limits as a whole.
     #[serde(default)]
     pub limits: Option<Limits>,
+    /// Whether audit records keep prompt text.
     #[serde(default)]
     pub log_prompts: Option<bool>,
+    /// Disable (refuse its keys with 403) or enable again.
     #[serde(default)]
     pub disabled: Option<bool>,
 }
@@ -141,17 +149,27 @@ pub struct NewKey {
 /// What is known of a key, without its secret or hash.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KeyInfo {
+    /// Database id (what `revoke` takes).
     pub id: KeyId,
     /// The public prefix (`gk_` + 8 characters).
     pub prefix: String,
+    /// A label for people.
     pub name: Option<String>,
+    /// The owning tenant's id.
     pub tenant_id: TenantId,
+    /// The owning tenant's name.
     pub tenant: String,
+    /// Models the key may use; `None` is all.
     pub models: Option<Vec<String>>,
+    /// Expiry, unix milliseconds; `None` is never.
     pub expires_ms: Option<i64>,
+    /// The key's own limits.
     pub limits: Limits,
+    /// When it was revoked, unix milliseconds.
     pub revoked_ms: Option<i64>,
+    /// When it was created, unix milliseconds.
     pub created_ms: i64,
+    /// Roughly when it was last used (written at most once a minute).
     pub last_used_ms: Option<i64>,
 }
 
@@ -168,22 +186,33 @@ pub struct CreatedKey {
 pub struct AuditRecord {
     /// When the request arrived, unix milliseconds.
     pub time_ms: i64,
+    /// The gateway's id of the request (also in its response headers and logs).
     pub request_id: String,
+    /// The tenant, when the key was verified.
     pub tenant_id: Option<TenantId>,
+    /// The tenant's name; usage is aggregated by it.
     pub tenant: Option<String>,
+    /// The key, when it was verified.
     pub key_id: Option<KeyId>,
     /// `/v1/chat/completions`, ...
     pub endpoint: String,
+    /// The model asked for.
     pub model: Option<String>,
     /// The upstream that answered, if any.
     pub upstream: Option<String>,
     /// The HTTP status returned to the client.
     pub status: u16,
+    /// The error `code` returned, if any.
     pub error_code: Option<String>,
+    /// Whether the answer was streamed.
     pub stream: bool,
+    /// Prompt tokens, as the upstream counted them.
     pub prompt_tokens: u64,
+    /// Completion tokens, as the upstream counted them.
     pub completion_tokens: u64,
+    /// Prompt tokens served from the KV cache.
     pub cached_tokens: u64,
+    /// Time from arrival to the last byte of the answer.
     pub latency_ms: f64,
     /// Time to the first byte of the answer.
     pub ttft_ms: Option<f64>,
@@ -195,7 +224,9 @@ pub struct AuditRecord {
 /// tenant.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UsageQuery {
+    /// Start, unix milliseconds, inclusive.
     pub from_ms: i64,
+    /// End, unix milliseconds, exclusive.
     pub to_ms: i64,
     /// A tenant's name; `None` is all tenants.
     pub tenant: Option<String>,
@@ -216,11 +247,15 @@ pub struct UsageRow {
     pub tenant: String,
     /// Empty for records without a model.
     pub model: String,
+    /// Requests, answered or refused.
     pub requests: u64,
     /// Requests answered with status 400 or above.
     pub errors: u64,
+    /// Sum of prompt tokens.
     pub prompt_tokens: u64,
+    /// Sum of completion tokens.
     pub completion_tokens: u64,
+    /// Sum of prompt tokens served from the KV cache.
     pub cached_tokens: u64,
 }
 
@@ -258,12 +293,24 @@ pub enum AuthError {
     /// Well formed, but no such key.
     #[error("unknown API key")]
     Unknown,
+    /// The key was revoked (401 `invalid_api_key`).
     #[error("API key {prefix} was revoked")]
-    Revoked { prefix: String },
+    Revoked {
+        /// The key's public prefix.
+        prefix: String,
+    },
+    /// The key is past its expiry (401 `expired_api_key`).
     #[error("API key {prefix} has expired")]
-    Expired { prefix: String },
+    Expired {
+        /// The key's public prefix.
+        prefix: String,
+    },
+    /// The key's tenant is disabled (403 `tenant_disabled`).
     #[error("tenant {tenant} is disabled")]
-    TenantDisabled { tenant: String },
+    TenantDisabled {
+        /// The tenant's name.
+        tenant: String,
+    },
     /// The key store could not be asked; the detail went to the log.
     #[error("the key store is unavailable")]
     Unavailable,
@@ -312,7 +359,12 @@ pub enum AdminError {
     Conflict(String),
     /// A field's value is not acceptable.
     #[error("{field}: {message}")]
-    Invalid { field: String, message: String },
+    Invalid {
+        /// The field at fault (`name`, `models[1]`, ...).
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
     /// The database failed (the detail is logged, not shown to clients).
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),

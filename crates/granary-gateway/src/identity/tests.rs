@@ -635,3 +635,51 @@ async fn the_cli_manages_tenants_and_keys() {
     assert!(cli(&id, &["tenant", "create", "Bad Name"]).await.is_err());
     assert!(cli(&id, &["key", "create", "--tenant", "nobody"]).await.is_err());
 }
+
+#[tokio::test]
+async fn last_use_is_recorded_lazily() {
+    let id = mem().await;
+    tenant(&id, "acme").await;
+    let k = key(&id, "acme").await;
+    assert_eq!(id.get_key(k.info.id).await.unwrap().last_used_ms, None);
+    let before = now_ms();
+    id.authenticate(&k.secret).await.unwrap();
+    let mut seen = None;
+    for _ in 0..50 {
+        seen = id.get_key(k.info.id).await.unwrap().last_used_ms;
+        if seen.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let first = seen.expect("last_used_ms written");
+    assert!(first >= before);
+    // Within the minute, a second use writes nothing.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    id.authenticate(&k.secret).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(id.get_key(k.info.id).await.unwrap().last_used_ms, Some(first));
+}
+
+#[tokio::test]
+async fn a_database_failure_is_503_without_detail() {
+    let id = Identity::open("sqlite::memory:", IdentityOptions { key_cache: Duration::ZERO, audit_queue: 16 })
+        .await
+        .unwrap();
+    tenant(&id, "acme").await;
+    let k = key(&id, "acme").await;
+    id.authenticate(&k.secret).await.unwrap();
+    id.pool().close().await;
+    let e = id.authenticate(&k.secret).await.unwrap_err();
+    assert_eq!(e, AuthError::Unavailable);
+    let api = e.to_api_error();
+    assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(api.retry_after.is_some());
+    let api = ApiError::from(id.list_tenants().await.unwrap_err());
+    assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!api.message.to_lowercase().contains("pool"), "{}", api.message);
+    // Records that cannot be written are counted, and flush still returns.
+    id.record(rec("acme", "llama", 200, 1, 1, 0, 1));
+    id.flush().await;
+    assert_eq!(id.audit_dropped(), 1);
+}
