@@ -94,7 +94,7 @@ fn rec(tenant: &str, model: &str, status: u16, prompt: u64, completion: u64, tim
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_on_postgresql() {
     let Some(server) = server() else { return };
-    let opts = IdentityOptions { key_cache: Duration::from_millis(300), audit_queue: 1024 };
+    let opts = IdentityOptions { key_cache: Duration::from_millis(1000), audit_queue: 1024 };
     let id = Identity::open(&server.url, opts.clone()).await.expect("open on PostgreSQL");
     assert_eq!(id.backend(), "postgres");
     // A second process on the same database: migrations are already applied.
@@ -160,16 +160,16 @@ async fn identity_on_postgresql() {
     id.revoke_key(k.info.id).await.unwrap();
     assert!(matches!(id.authenticate(&k.secret).await, Err(AuthError::Revoked { .. })));
     other.authenticate(&k.secret).await.expect("still cached in the other process");
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let e = other.authenticate(&k.secret).await.unwrap_err().to_api_error();
     assert_eq!((e.status, e.code), (StatusCode::UNAUTHORIZED, Some("invalid_api_key")));
 
     let expiring = id
-        .create_key(NewKey { tenant: beta.clone(), expires_ms: Some(now_ms() + 200), ..Default::default() })
+        .create_key(NewKey { tenant: beta.clone(), expires_ms: Some(now_ms() + 1000), ..Default::default() })
         .await
         .unwrap();
     id.authenticate(&expiring.secret).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(id.authenticate(&expiring.secret).await.unwrap_err().to_api_error().code, Some("expired_api_key"));
 
     let b = id.create_key(NewKey { tenant: beta.clone(), ..Default::default() }).await.unwrap();

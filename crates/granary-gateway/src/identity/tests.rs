@@ -141,11 +141,11 @@ async fn revoked_expired_and_disabled_are_refused_with_their_codes() {
     assert!(matches!(id.revoke_key(9999).await, Err(AdminError::NotFound(_))));
 
     let expiring = id
-        .create_key(NewKey { tenant: "acme".into(), expires_ms: Some(now_ms() + 150), ..Default::default() })
+        .create_key(NewKey { tenant: "acme".into(), expires_ms: Some(now_ms() + 1000), ..Default::default() })
         .await
         .unwrap();
     id.authenticate(&expiring.secret).await.expect("not yet expired");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let api = id.authenticate(&expiring.secret).await.unwrap_err().to_api_error();
     assert_eq!((api.status, api.code), (StatusCode::UNAUTHORIZED, Some("expired_api_key")));
 
@@ -199,7 +199,7 @@ async fn the_cache_serves_keys_and_revocation_here_invalidates_it_at_once() {
 async fn revocation_by_another_process_takes_effect_within_the_cache_time() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}/nested/gateway.db", dir.path().display());
-    let opts = IdentityOptions { key_cache: Duration::from_millis(300), audit_queue: 16 };
+    let opts = IdentityOptions { key_cache: Duration::from_millis(1000), audit_queue: 16 };
     let gateway = Identity::open(&url, opts.clone()).await.unwrap();
     assert!(dir.path().join("nested/gateway.db").exists(), "the database file is created");
     let admin = Identity::open(&url, opts).await.unwrap();
@@ -208,7 +208,7 @@ async fn revocation_by_another_process_takes_effect_within_the_cache_time() {
     gateway.authenticate(&k.secret).await.unwrap();
     admin.revoke_key(k.info.id).await.unwrap();
     gateway.authenticate(&k.secret).await.expect("still cached in the other process");
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     assert!(matches!(gateway.authenticate(&k.secret).await, Err(AuthError::Revoked { .. })));
 }
 
