@@ -1,0 +1,258 @@
+//! The identity store against a real PostgreSQL server: the one started by
+//! `scripts/pg-test-server.sh`, or the one `GRANARY_TEST_POSTGRES_URL` names.
+//! Without PostgreSQL the test is skipped with a notice, unless
+//! `GRANARY_REQUIRE_EXTERNAL=1`, which makes it fail.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, Method, Request, StatusCode};
+use granary_gateway::identity::{
+    admin_router, usage_csv, AdminError, AdminToken, AuditQuery, AuditRecord, AuthError, Identity, IdentityOptions,
+    NewKey, NewTenant, TenantUpdate, UsageQuery, UsageRow,
+};
+use granary_gateway::{Limits, Priority};
+use tower::ServiceExt as _;
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/pg-test-server.sh")
+}
+
+fn postgres_installed() -> bool {
+    if std::env::var_os("PG_BIN").is_some() {
+        return true;
+    }
+    std::fs::read_dir("/usr/lib/postgresql")
+        .map(|dirs| dirs.flatten().any(|d| d.path().join("bin/initdb").exists()))
+        .unwrap_or(false)
+}
+
+/// A server started for this test; stopped (and its files removed) on drop.
+struct Server {
+    url: String,
+    dir: Option<String>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.dir {
+            let _ = Command::new("bash").arg(script()).arg("stop").arg(dir).status();
+        }
+    }
+}
+
+/// The server to test against, or `None` (after a notice) to skip.
+fn server() -> Option<Server> {
+    if let Ok(url) = std::env::var("GRANARY_TEST_POSTGRES_URL") {
+        return Some(Server { url, dir: None });
+    }
+    let required = std::env::var("GRANARY_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1");
+    if !postgres_installed() {
+        assert!(!required, "GRANARY_REQUIRE_EXTERNAL=1 but PostgreSQL is not installed");
+        eprintln!(
+            "SKIPPED: PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb); set GRANARY_TEST_POSTGRES_URL"
+        );
+        return None;
+    }
+    let out = Command::new("bash").arg(script()).arg("start").output().expect("running pg-test-server.sh");
+    assert!(out.status.success(), "pg-test-server.sh start failed: {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).expect("utf-8 output");
+    let mut lines = stdout.lines();
+    let url = lines.next().expect("a URL line").to_string();
+    let dir = lines.next().expect("a directory line").to_string();
+    Some(Server { url, dir: Some(dir) })
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
+}
+
+fn rec(tenant: &str, model: &str, status: u16, prompt: u64, completion: u64, time_ms: i64) -> AuditRecord {
+    AuditRecord {
+        time_ms,
+        request_id: format!("{tenant}-{time_ms}"),
+        tenant: Some(tenant.to_string()),
+        tenant_id: Some(1),
+        key_id: None,
+        endpoint: "/v1/completions".into(),
+        model: Some(model.to_string()),
+        upstream: None,
+        status,
+        error_code: None,
+        stream: false,
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        cached_tokens: prompt / 2,
+        latency_ms: 7.5,
+        ttft_ms: None,
+        prompt: Some("hello".into()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identity_on_postgresql() {
+    let Some(server) = server() else { return };
+    let opts = IdentityOptions { key_cache: Duration::from_millis(1000), audit_queue: 1024 };
+    let id = Identity::open(&server.url, opts.clone()).await.expect("open on PostgreSQL");
+    assert_eq!(id.backend(), "postgres");
+    // A second process on the same database: migrations are already applied.
+    let other = Identity::open(&server.url, opts).await.expect("open again");
+
+    // Names unique per run, so a shared server given by URL can be reused.
+    let run = format!("{:x}", now_ms());
+    let acme = format!("acme-{run}");
+    let beta = format!("beta-{run}");
+
+    // Tenants.
+    let t = id
+        .create_tenant(NewTenant {
+            name: acme.clone(),
+            priority: Some(Priority::Premium),
+            limits: Some(Limits { tokens_per_minute: Some(1000), ..Default::default() }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(t.namespace, acme);
+    assert!(matches!(
+        id.create_tenant(NewTenant { name: acme.clone(), ..Default::default() }).await,
+        Err(AdminError::Conflict(_))
+    ));
+    id.create_tenant(NewTenant { name: beta.clone(), ..Default::default() }).await.unwrap();
+    let listed = id.list_tenants().await.unwrap();
+    assert!(listed.iter().any(|t| t.name == beta));
+    let updated = id
+        .update_tenant(
+            &beta,
+            TenantUpdate { log_prompts: Some(true), priority: Some(Priority::Batch), ..Default::default() },
+        )
+        .await
+        .unwrap();
+    assert!(updated.log_prompts);
+    assert_eq!(updated.priority, Priority::Batch);
+
+    // Keys and authentication.
+    let k = id
+        .create_key(NewKey {
+            tenant: acme.clone(),
+            name: Some("ci".into()),
+            models: Some(vec!["llama".into()]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let p = id.authenticate(&format!("Bearer {}", k.secret)).await.unwrap();
+    assert_eq!(p.tenant, acme);
+    assert_eq!(p.priority, Priority::Premium);
+    assert_eq!(p.tenant_limits.tokens_per_minute, Some(1000));
+    assert_eq!(p.models, Some(vec!["llama".to_string()]));
+    let keys = id.list_keys(Some(&acme)).await.unwrap();
+    assert_eq!(keys.len(), 1);
+    assert_eq!(keys[0].prefix, k.info.prefix);
+
+    let (unknown, _) = granary_gateway::identity::keys::generate();
+    assert_eq!(id.authenticate(&unknown).await.unwrap_err(), AuthError::Unknown);
+
+    // Revocation by another process: cached here until the cache time ends.
+    other.authenticate(&k.secret).await.unwrap();
+    id.revoke_key(k.info.id).await.unwrap();
+    assert!(matches!(id.authenticate(&k.secret).await, Err(AuthError::Revoked { .. })));
+    other.authenticate(&k.secret).await.expect("still cached in the other process");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let e = other.authenticate(&k.secret).await.unwrap_err().to_api_error();
+    assert_eq!((e.status, e.code), (StatusCode::UNAUTHORIZED, Some("invalid_api_key")));
+
+    let expiring = id
+        .create_key(NewKey { tenant: beta.clone(), expires_ms: Some(now_ms() + 1000), ..Default::default() })
+        .await
+        .unwrap();
+    id.authenticate(&expiring.secret).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(id.authenticate(&expiring.secret).await.unwrap_err().to_api_error().code, Some("expired_api_key"));
+
+    let b = id.create_key(NewKey { tenant: beta.clone(), ..Default::default() }).await.unwrap();
+    id.update_tenant(&beta, TenantUpdate { disabled: Some(true), ..Default::default() }).await.unwrap();
+    let e = id.authenticate(&b.secret).await.unwrap_err().to_api_error();
+    assert_eq!((e.status, e.code), (StatusCode::FORBIDDEN, Some("tenant_disabled")));
+    id.update_tenant(&beta, TenantUpdate { disabled: Some(false), ..Default::default() }).await.unwrap();
+    id.authenticate(&b.secret).await.unwrap();
+
+    // Audit and usage.
+    let t0 = now_ms() - 60_000;
+    let recs = [
+        rec(&acme, "llama", 200, 10, 4, t0),
+        rec(&acme, "llama", 429, 0, 0, t0 + 1),
+        rec(&acme, "qwen", 200, 6, 6, t0 + 2),
+        rec(&beta, "llama", 200, 2, 1, t0 + 3),
+        rec(&beta, "llama", 500, 2, 0, t0 + 4),
+    ];
+    for r in &recs {
+        id.record(r.clone());
+    }
+    id.flush().await;
+    assert_eq!(id.audit_dropped(), 0);
+    let row = |tenant: &str, model: &str, requests, errors, prompt, completion, cached| UsageRow {
+        tenant: tenant.into(),
+        model: model.into(),
+        requests,
+        errors,
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        cached_tokens: cached,
+    };
+    let usage = id.usage(&UsageQuery { from_ms: t0, to_ms: t0 + 5, tenant: None }).await.unwrap();
+    let ours: Vec<UsageRow> = usage.into_iter().filter(|r| r.tenant == acme || r.tenant == beta).collect();
+    assert_eq!(
+        ours,
+        vec![
+            row(&acme, "llama", 2, 1, 10, 4, 5),
+            row(&acme, "qwen", 1, 0, 6, 6, 3),
+            row(&beta, "llama", 2, 1, 4, 1, 2)
+        ]
+    );
+    let only_beta = id.usage(&UsageQuery { from_ms: t0, to_ms: t0 + 4, tenant: Some(beta.clone()) }).await.unwrap();
+    assert_eq!(only_beta, vec![row(&beta, "llama", 1, 0, 2, 1, 1)]);
+    assert_eq!(usage_csv(&only_beta).lines().nth(1), Some(format!("{beta},llama,1,0,2,1,1").as_str()));
+
+    let newest = id.audit(&AuditQuery { tenant: Some(acme.clone()), limit: 2, since_ms: Some(t0) }).await.unwrap();
+    assert_eq!(newest, vec![recs[2].clone(), recs[1].clone()]);
+
+    // The admin API on PostgreSQL.
+    let router = admin_router(id.clone(), AdminToken::new("pg-admin"));
+    let call = |method: Method, uri: String, body: Option<String>| {
+        let router = router.clone();
+        async move {
+            let mut req = Request::builder().method(method).uri(uri).header(header::AUTHORIZATION, "Bearer pg-admin");
+            if body.is_some() {
+                req = req.header(header::CONTENT_TYPE, "application/json");
+            }
+            let resp =
+                router.oneshot(req.body(body.map(Body::from).unwrap_or_else(Body::empty)).unwrap()).await.unwrap();
+            let status = resp.status();
+            let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+            (status, serde_json::from_slice::<serde_json::Value>(&bytes).unwrap_or_default())
+        }
+    };
+    let gamma = format!("gamma-{run}");
+    let (status, _) = call(Method::POST, "/admin/v1/tenants".into(), Some(format!(r#"{{"name":"{gamma}"}}"#))).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _) = call(Method::POST, "/admin/v1/tenants".into(), Some(format!(r#"{{"name":"{gamma}"}}"#))).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let (status, created) =
+        call(Method::POST, "/admin/v1/keys".into(), Some(format!(r#"{{"tenant":"{gamma}","expires_in_s":60}}"#))).await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let secret = created["key"].as_str().expect("the secret").to_string();
+    assert_eq!(id.authenticate(&secret).await.unwrap().tenant, gamma);
+    let (status, disabled) = call(Method::DELETE, format!("/admin/v1/tenants/{gamma}"), None).await;
+    assert_eq!((status, disabled["disabled"].as_bool()), (StatusCode::OK, Some(true)));
+    assert!(matches!(id.authenticate(&secret).await, Err(AuthError::Revoked { .. })));
+    let (status, usage) =
+        call(Method::GET, format!("/admin/v1/usage?tenant={acme}&from={}&to={}", t0 / 1000, t0 / 1000 + 60), None)
+            .await;
+    assert_eq!(status, StatusCode::OK, "{usage}");
+    assert_eq!(usage["data"].as_array().map(Vec::len), Some(2), "{usage}");
+
+    drop(server);
+}
