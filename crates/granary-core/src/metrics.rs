@@ -212,6 +212,33 @@ pub fn all() -> impl Iterator<Item = &'static str> {
     warehouse::ALL.iter().chain(engine::ALL).chain(gateway::ALL).copied()
 }
 
+/// Rewrites OpenMetrics text (as `prometheus-client` encodes it) in the Prometheus text format
+/// (0.0.4), for scrapers and tools that do not speak OpenMetrics (curl
+/// users, `promtool check metrics`): a counter's HELP and TYPE name its
+/// `_total` series, and the `# EOF` / `# UNIT` lines go.
+pub fn to_prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> =
+        openmetrics.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
+    let mut out = String::with_capacity(openmetrics.len() + 16 * counters.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "].into_iter().find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let sep = if tail.is_empty() { "" } else { " " };
+                let suffix = if counters.contains(name) { "_total" } else { "" };
+                out.push_str(&format!("{prefix}{name}{suffix}{sep}{tail}"));
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -116,6 +116,10 @@ impl GatewayMetrics {
         );
         registry.register(base(names::ROUTED_BLOCKS), "Prompt blocks of routed requests", m.routed_blocks.clone());
         registry.register(base(names::AUDIT_DROPPED), "Audit records dropped", m.audit_dropped.clone());
+        // Queue gauges exist from the start (0 is news too).
+        for p in crate::types::Priority::ALL {
+            m.queue_waiting.get_or_create(&vec![("priority", p.as_str().to_string())]).set(0);
+        }
         Arc::new(GatewayMetrics { registry, ..m })
     }
 

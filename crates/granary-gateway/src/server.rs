@@ -125,7 +125,10 @@ async fn metrics(
     for u in &gw.upstreams.list {
         u.export();
     }
-    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], gw.metrics.render())
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        granary_core::metrics::to_prometheus_text(&gw.metrics.render()),
+    )
         .into_response()
 }
 

@@ -108,7 +108,7 @@ async fn the_front_speaks_tls_and_can_require_client_certificates() {
     let addr = tls_server(app.clone(), &ServerTls { cert: cert.clone(), key: key.clone(), client_ca: None }).await;
     let url = format!("https://localhost:{}/health", addr.port());
     let c = client(&ca_path, None);
-    let r = c.get(&url).resolve("localhost", addr).send().await.unwrap();
+    let r = c.get(&url).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert!(r.headers().contains_key("x-request-id"));
     // Plain HTTP to the TLS port gets no answer.
@@ -116,16 +116,16 @@ async fn the_front_speaks_tls_and_can_require_client_certificates() {
     // A client that does not trust the CA refuses the server.
     let other = Ca::new();
     let other_path = other.write(dir.path(), "other.pem");
-    assert!(client(&other_path, None).get(&url).resolve("localhost", addr).send().await.is_err());
+    assert!(client(&other_path, None).get(&url).send().await.is_err());
 
     // With client_ca: no certificate, no connection; a certificate from the CA works.
     let clients = Ca::new();
     let clients_path = clients.write(dir.path(), "clients.pem");
     let addr = tls_server(app, &ServerTls { cert, key, client_ca: Some(clients_path) }).await;
     let url = format!("https://localhost:{}/health", addr.port());
-    assert!(client(&ca_path, None).get(&url).resolve("localhost", addr).send().await.is_err());
+    assert!(client(&ca_path, None).get(&url).send().await.is_err());
     let id = clients.issue(&["client-1"]);
-    let r = client(&ca_path, Some(&id)).get(&url).resolve("localhost", addr).send().await.unwrap();
+    let r = client(&ca_path, Some(&id)).get(&url).send().await.unwrap();
     assert_eq!(r.status(), 200);
 }
 

@@ -86,12 +86,16 @@ struct Gateway {
 
 impl Gateway {
     fn start(engine_ports: &[u16], extra: &str) -> Gateway {
+        Gateway::start_with_db(engine_ports, extra, "")
+    }
+
+    /// `db` empty: a fresh SQLite file of its own.
+    fn start_with_db(engine_ports: &[u16], extra: &str, db: &str) -> Gateway {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
-        let mut cfg = format!(
-            "[gateway]\nlisten = \"127.0.0.1:{port}\"\ndatabase = \"sqlite://{}\"\n{extra}\n",
-            dir.path().join("gateway.db").display()
-        );
+        let db =
+            if db.is_empty() { format!("sqlite://{}", dir.path().join("gateway.db").display()) } else { db.into() };
+        let mut cfg = format!("[gateway]\nlisten = \"127.0.0.1:{port}\"\ndatabase = \"{db}\"\n{extra}\n");
         for (i, p) in engine_ports.iter().enumerate() {
             cfg.push_str(&format!("[[upstream]]\nname = \"e{i}\"\nurl = \"http://127.0.0.1:{p}\"\n"));
         }
@@ -268,4 +272,73 @@ fn an_engine_killed_under_load_fails_no_request_and_comes_back() {
     eprintln!("{ok} requests succeeded, {failed} failed");
     assert_eq!(failed, 0, "a non-streamed request failed while an engine died");
     assert!(ok > before);
+}
+
+/// A throwaway `redis-server` on a free port.
+struct Redis {
+    child: Child,
+    port: u16,
+}
+
+impl Redis {
+    fn start() -> Option<Redis> {
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+            .stdout(Stdio::null())
+            .spawn();
+        let child = match child {
+            Ok(c) => c,
+            Err(_) => {
+                assert!(std::env::var("GRANARY_REQUIRE_EXTERNAL").as_deref() != Ok("1"), "redis-server not found");
+                eprintln!("skipped: redis-server not found");
+                return None;
+            }
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(Redis { child, port })
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn two_gateway_processes_enforce_one_limit_through_redis() {
+    if default_model().is_none() {
+        return;
+    }
+    let Some(redis) = Redis::start() else { return };
+    let port = free_port();
+    let _engine = engine(port);
+    // Both gateways share the database (keys) and Redis (counters).
+    let shared = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", shared.path().join("gateway.db").display());
+    let extra = format!("redis = \"redis://127.0.0.1:{}\"\n", redis.port);
+    let a = Gateway::start_with_db(&[port], &extra, &db);
+    let b = Gateway::start_with_db(&[port], &extra, &db);
+    let key = a.key("acme", json!({"requests_per_minute": 6}));
+    let mut ok = 0;
+    let mut limited = 0;
+    for i in 0..12 {
+        let gw = if i % 2 == 0 { &a } else { &b };
+        let r = gw.completion(&key, "Hello", 1);
+        match r.status().as_u16() {
+            200 => ok += 1,
+            429 => {
+                assert!(r.headers().contains_key("retry-after"));
+                limited += 1;
+            }
+            s => panic!("unexpected status {s}: {}", r.text().unwrap()),
+        }
+    }
+    assert_eq!((ok, limited), (6, 6), "one limit of 6/min across both gateways");
 }

@@ -1,0 +1,192 @@
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use granary_core::hash::{BlockHash, HashChain};
+
+use super::*;
+use crate::types::Priority;
+
+fn cands(loads: &[(usize, usize)]) -> Vec<Candidate> {
+    loads
+        .iter()
+        .enumerate()
+        .map(|(i, &(active, max_active))| Candidate { index: i, active, max_active, publishes_events: true })
+        .collect()
+}
+
+fn req(blocks: &[BlockHash]) -> RouteRequest<'_> {
+    RouteRequest { namespace: "t", session: None, blocks }
+}
+
+fn blocks(n: usize, seed: u32) -> Vec<BlockHash> {
+    let chain = HashChain::new("t", b"model", b"layout", 4);
+    let tokens: Vec<u32> = (0..n as u32 * 4).map(|i| i + seed * 100_000).collect();
+    chain.hashes(&tokens)
+}
+
+#[test]
+fn round_robin_rotates_and_puts_full_upstreams_last() {
+    let p = RoundRobin::default();
+    let c = cands(&[(0, 0), (0, 0), (0, 0)]);
+    let firsts: Vec<usize> = (0..6).map(|_| p.rank(&req(&[]), &c)[0]).collect();
+    assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
+    let c = cands(&[(1, 1), (0, 1), (0, 0)]);
+    for _ in 0..3 {
+        let r = p.rank(&req(&[]), &c);
+        assert_eq!(r.len(), 3);
+        assert_eq!(*r.last().unwrap(), 0, "the full one goes last: {r:?}");
+    }
+}
+
+#[test]
+fn least_load_picks_the_idlest_relative_to_capacity() {
+    let p = LeastLoad::default();
+    assert_eq!(p.rank(&req(&[]), &cands(&[(3, 0), (1, 0), (2, 0)]))[0], 1);
+    // 4 of 8 is less loaded than 3 of 4.
+    assert_eq!(p.rank(&req(&[]), &cands(&[(3, 4), (4, 8)]))[0], 1);
+    // Ties rotate.
+    let c = cands(&[(0, 0), (0, 0)]);
+    let a = p.rank(&req(&[]), &c)[0];
+    let b = p.rank(&req(&[]), &c)[0];
+    assert_ne!(a, b);
+}
+
+#[test]
+fn sessions_stick_and_move_minimally() {
+    let p = Session::default();
+    let c = cands(&[(0, 0), (5, 0), (0, 0), (0, 0)]);
+    let place =
+        |c: &[Candidate], s: &str| p.rank(&RouteRequest { namespace: "t", session: Some(s), blocks: &[] }, c)[0];
+    let sessions: Vec<String> = (0..200).map(|i| format!("conversation-{i}")).collect();
+    let before: Vec<usize> = sessions.iter().map(|s| place(&c, s)).collect();
+    assert_eq!(before, sessions.iter().map(|s| place(&c, s)).collect::<Vec<_>>(), "stable");
+    let used: HashSet<usize> = before.iter().copied().collect();
+    assert_eq!(used.len(), 4, "sessions spread over every upstream, load aside");
+    // Upstream 2 leaves: only its sessions move.
+    let without: Vec<Candidate> = c.iter().filter(|x| x.index != 2).cloned().collect();
+    for (s, b) in sessions.iter().zip(&before) {
+        let now = place(&without, s);
+        if *b != 2 {
+            assert_eq!(now, *b, "{s} moved although its upstream stayed");
+        }
+    }
+    // No session: by load.
+    assert_ne!(p.rank(&req(&[]), &c)[0], 1);
+}
+
+#[test]
+fn kv_aware_prefers_the_longest_prefix_until_load_outweighs_it() {
+    let index = Arc::new(KvIndex::new());
+    let p = KvAware::new(index.clone(), 1.0, 1000);
+    let prompt = blocks(10, 1);
+    index.insert(1, &prompt[..8]);
+    index.insert(2, &prompt[..3]);
+    index.insert(0, &prompt[5..]); // not a prefix: worth nothing
+    assert_eq!(index.prefix_match(1, &prompt), 8);
+    assert_eq!(index.prefix_match(0, &prompt), 0);
+    assert_eq!(p.rank(&req(&prompt), &cands(&[(0, 0), (0, 0), (0, 0)])), vec![1, 2, 0]);
+    // Upstream 1 is busy: 8 - 6 < 3 - 0.
+    assert_eq!(p.rank(&req(&prompt), &cands(&[(0, 0), (6, 0), (0, 0)]))[0], 2);
+    // Full upstreams go last, whatever they hold.
+    assert_eq!(*p.rank(&req(&prompt), &cands(&[(0, 0), (2, 2), (0, 0)])).last().unwrap(), 1);
+    // Without blocks it goes by load.
+    assert_eq!(p.rank(&req(&[]), &cands(&[(3, 0), (1, 0), (2, 0)]))[0], 1);
+}
+
+#[test]
+fn kv_index_follows_events() {
+    let index = KvIndex::new();
+    let b = blocks(3, 2);
+    let hex: Vec<String> = b.iter().map(BlockHash::to_hex).collect();
+    let ev = |kind: &str, hashes: Vec<String>| KvEventMsg {
+        kind: kind.into(),
+        namespace: "t".into(),
+        tier: "engine".into(),
+        hashes,
+    };
+    index.apply(0, &ev("stored", hex.clone()));
+    assert_eq!(index.prefix_match(0, &b), 3);
+    index.apply(0, &ev("removed", vec![hex[1].clone()]));
+    assert_eq!(index.prefix_match(0, &b), 1);
+    index.apply(0, &ev("stored", vec!["zz-not-hex".into(), hex[1].clone()]));
+    assert_eq!(index.prefix_match(0, &b), 3);
+    assert_eq!(index.bad_hashes(), 1);
+    index.apply(0, &ev("reset", vec![]));
+    assert_eq!(index.blocks(0), 0);
+    index.insert(1, &b);
+    index.forget(1);
+    assert_eq!(index.prefix_match(1, &b), 0);
+}
+
+#[test]
+fn the_approximate_index_learns_from_routing_and_stays_bounded() {
+    let index = Arc::new(KvIndex::new());
+    let p = KvAware::new(index, 1.0, 4);
+    let prompt = blocks(3, 3);
+    let mut c = cands(&[(0, 0), (0, 0)]);
+    for x in &mut c {
+        x.publishes_events = false;
+    }
+    p.routed(&req(&prompt), 1);
+    for _ in 0..4 {
+        assert_eq!(p.rank(&req(&prompt), &c)[0], 1, "sent where the prefix went before");
+    }
+    p.routed(&req(&blocks(3, 4)), 1); // 6 blocks into a capacity of 4: the oldest go
+    assert!(p.approx.prefix_match(1, &prompt) < 3);
+}
+
+#[test]
+fn pools_get_their_weighted_share_and_fail_over_by_weight() {
+    let s = PoolSelector::new(&[80, 15, 5]);
+    let mut firsts = [0usize; 3];
+    for _ in 0..1000 {
+        let order = s.order();
+        assert_eq!(order.len(), 3);
+        firsts[order[0]] += 1;
+        let rest = &order[1..];
+        let mut sorted = rest.to_vec();
+        sorted.sort_by_key(|&i| std::cmp::Reverse([80, 15, 5][i]));
+        assert_eq!(rest, &sorted[..], "failover in descending weight");
+    }
+    assert_eq!(firsts, [800, 150, 50]);
+}
+
+#[tokio::test]
+async fn premium_waiters_get_released_capacity_first() {
+    let adm = Arc::new(Admission::new());
+    let slots = Arc::new(AtomicUsize::new(0));
+    let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (i, prio) in [Priority::Batch, Priority::Batch, Priority::Standard, Priority::Premium].into_iter().enumerate() {
+        let (adm, slots, order) = (adm.clone(), slots.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let take =
+                || slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).ok().map(|_| ());
+            let got = adm.acquire(prio, Duration::from_secs(10), take).await;
+            order.lock().push(i);
+            got
+        }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(adm.waiting(Priority::Batch), 2);
+    for _ in 0..4 {
+        slots.fetch_add(1, Ordering::AcqRel);
+        adm.released();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for t in tasks {
+        assert!(t.await.unwrap().is_some());
+    }
+    assert_eq!(*order.lock(), vec![3, 2, 0, 1], "premium, standard, then batch in arrival order");
+}
+
+#[tokio::test]
+async fn a_waiter_gives_up_at_its_timeout() {
+    let adm = Admission::new();
+    let t0 = std::time::Instant::now();
+    let got: Option<()> = adm.acquire(Priority::Premium, Duration::from_millis(100), || None).await;
+    assert!(got.is_none());
+    assert!(t0.elapsed() >= Duration::from_millis(100));
+    assert_eq!(adm.waiting(Priority::Premium), 0);
+}
