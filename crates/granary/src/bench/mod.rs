@@ -7,6 +7,7 @@ use clap::Subcommand;
 mod engine;
 mod gateway;
 mod llm;
+mod routing;
 mod ttft;
 mod warehouse;
 
@@ -21,6 +22,8 @@ pub enum BenchCmd {
     Engine(engine::Args),
     /// Latency and throughput the gateway adds, against a direct call and nginx proxy_pass.
     Gateway(gateway::Args),
+    /// Routing policies replayed over the Mooncake trace on simulated engines: hit rate and TTFT.
+    Routing(routing::Args),
 }
 
 pub async fn run(which: BenchCmd) -> Result<()> {
@@ -29,5 +32,6 @@ pub async fn run(which: BenchCmd) -> Result<()> {
         BenchCmd::Ttft(args) => ttft::run(args).await,
         BenchCmd::Engine(args) => engine::run(args).await,
         BenchCmd::Gateway(args) => gateway::run(args).await,
+        BenchCmd::Routing(args) => routing::run(args).await,
     }
 }
