@@ -602,3 +602,66 @@ async fn schemathesis_finds_no_server_errors() {
         assert!(text.contains("passed") || text.contains("Passed"), "{text}");
     }
 }
+
+/// A disaggregated pool: the prefill engine computes the prompt first (a
+/// whole, non-streamed call), then the decode engine answers the client.
+#[tokio::test]
+async fn disaggregated_pools_prefill_then_decode() {
+    let p = start_upstream("prefill", Mode::Ok, &["m"]).await;
+    let d = start_upstream("decode", Mode::Ok, &["m"]).await;
+    let g = Gw::start(&named(&[("p", p.addr), ("d", d.addr)]), |c| {
+        c.upstreams[0].role = granary_gateway::config::Role::Prefill;
+        c.upstreams[1].role = granary_gateway::config::Role::Decode;
+    })
+    .await;
+    let key = g.key("acme", json!({})).await;
+    for stream in [false, true] {
+        let resp = g.chat(&key, chat_body(stream)).await;
+        assert_eq!(resp.status(), 200);
+        if stream {
+            d.gate.notify_one();
+            let text = resp.text().await.unwrap();
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        } else {
+            let v: Value = resp.json().await.unwrap();
+            assert_eq!(v["upstream"], "decode", "the decode engine answers: {v}");
+        }
+    }
+    assert_eq!(p.hits.load(Ordering::SeqCst), 2, "each request was prefilled once");
+    assert_eq!(d.hits.load(Ordering::SeqCst), 2);
+    let seen = p.seen.lock();
+    assert!(seen.bodies.iter().all(|b| b["stream"] == json!(false)), "the prefill call is never a stream");
+    assert!(seen.namespaces.iter().all(|n| n == "acme"));
+}
+
+/// curl as the client: a whole answer, a stream, and a bad key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_gets_answers_streams_and_errors() {
+    let up = start_upstream("a", Mode::Ok, &["m"]).await;
+    let g = Gw::start(&named(&[("a", up.addr)]), |_| {}).await;
+    let key = g.key("acme", json!({})).await;
+    let url = format!("{}/v1/chat/completions", g.base);
+    let curl = |key: String, body: Value| {
+        let url = url.clone();
+        async move {
+            tokio::process::Command::new("curl")
+                .args(["-s", "-N", "-w", "\n%{http_code}", "-H", "content-type: application/json"])
+                .args(["-H", &format!("authorization: Bearer {key}"), "-d", &body.to_string(), &url])
+                .output()
+                .await
+        }
+    };
+    let Ok(out) = curl(key.clone(), chat_body(false)).await else {
+        assert!(std::env::var("GRANARY_REQUIRE_EXTERNAL").as_deref() != Ok("1"), "curl not found");
+        return;
+    };
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(text.ends_with("\n200") && text.contains("\"Hello\""), "{text}");
+    up.gate.notify_one();
+    let out = curl(key, chat_body(true)).await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(text.contains("data: [DONE]") && text.ends_with("\n200"), "{text}");
+    let out = curl("gk_wrong".into(), chat_body(false)).await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(text.ends_with("\n401") && text.contains("authentication_error"), "{text}");
+}
