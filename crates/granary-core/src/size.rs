@@ -88,7 +88,7 @@ impl fmt::Display for ByteSize {
         const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
         let mut v = self.0;
         let mut i = 0;
-        while i + 1 < UNITS.len() && v >= 1024 && v % 1024 == 0 {
+        while i + 1 < UNITS.len() && v >= 1024 && v.is_multiple_of(1024) {
             v /= 1024;
             i += 1;
         }

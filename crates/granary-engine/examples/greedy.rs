@@ -1,4 +1,6 @@
-//! Greedy continuation of token ids: `greedy MODEL ID,ID,... STEPS`.
+//! Greedy continuation of token ids: `greedy MODEL ID,ID,... STEPS`
+//! (`DENSE=1`: f32 weights only; `NATIVE=1`: the GGUF's tensors as stored;
+//! `TOPS=1`: print each step's top three logits).
 use std::time::Instant;
 
 use granary_engine::model::{Chunk, LoadOptions, Model};
@@ -29,6 +31,12 @@ fn main() -> anyhow::Result<()> {
     for _ in 1..steps {
         let l = model.forward(&mut [Chunk { tokens: &[next], kv: &mut kv, logits: true }])?.unwrap();
         next = Model::argmax(&l)?[0];
+        if std::env::var_os("TOPS").is_some() {
+            let row = l.to_vec2::<f32>()?.remove(0);
+            let mut top: Vec<(usize, f32)> = row.iter().copied().enumerate().collect();
+            top.sort_by(|a, b| b.1.total_cmp(&a.1));
+            eprintln!("step top3 {:?}", &top[..3]);
+        }
         out.push(next);
     }
     eprintln!("decode {} tokens in {:?}", steps - 1, t.elapsed());

@@ -20,56 +20,106 @@ fn is_chat(prompt: &str) -> bool {
     prompt.starts_with("<|im_start|>")
 }
 
-/// Checks logits and returns, per prompt, how many of the 32 greedy tokens
-/// agree with llama.cpp before the first difference.
-fn check(model: &Model, label: &str) -> Vec<usize> {
+/// Logits this close to the best are a tie. Where two tokens are this
+/// close, which one wins is decided by rounding noise on either side: both
+/// engines quantize activations to int8 before most matmuls, so a change in
+/// the sixth digit of a layer's input can flip one activation's rounding and
+/// move a logit by ~0.1 (seen on "def fibonacci(n):\n", whose top two are
+/// 0.137 apart in llama.cpp).
+const TIE_MARGIN: f32 = 0.25;
+
+/// Per prompt, how the engine's greedy choices compare with llama.cpp's 32.
+#[derive(Debug)]
+struct Greedy {
+    /// Steps where the engine's top token is llama.cpp's.
+    exact: usize,
+    /// Steps where it is not, but llama.cpp's token is within
+    /// [`TIE_MARGIN`] of the engine's top logit.
+    tied: usize,
+    /// Tokens agreeing before the first difference when the engine runs on
+    /// its own choices (informational: one near tie ends the run).
+    free_run: usize,
+    /// The largest lead of the engine's top logit over llama.cpp's token.
+    worst_gap: f32,
+}
+
+/// Checks first-step logits and, step by step, the greedy tokens: llama.cpp's
+/// token is fed back each step (teacher forcing), so every one of the 32
+/// steps is compared on the same context.
+fn check(model: &Model, label: &str) -> Vec<Greedy> {
     let fx = common::fixture();
-    let mut agree = Vec::new();
+    let mut out = Vec::new();
     let mut worst = 0f32;
+    let row_of = |t: candle_core::Tensor| t.to_vec2::<f32>().unwrap().remove(0);
+    let top = |row: &[f32]| row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
     for case in &fx.generate {
         let mut kv = model.new_kv(256);
         let logits = model.forward(&mut [Chunk { tokens: &case.prompt_ids, kv: &mut kv, logits: true }]).unwrap();
-        let row = logits.unwrap().to_vec2::<f32>().unwrap().remove(0);
-        let first = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
-        assert_eq!(first, case.top_logits[0].0, "{label} {:?}: top token differs", case.prompt);
+        let mut row = row_of(logits.unwrap());
         let checked = if is_chat(&case.prompt) { &case.top_logits[..1] } else { &case.top_logits[..] };
         for &(id, want) in checked {
             let d = (row[id as usize] - want).abs();
             worst = worst.max(d);
             assert!(d <= LOGIT_TOLERANCE, "{label} {:?}: logit of {id} is {} vs {want}", case.prompt, row[id as usize]);
         }
-        let mut got = vec![first];
-        while got.len() < case.greedy_ids.len() {
-            let last = [*got.last().unwrap()];
-            let l = model.forward(&mut [Chunk { tokens: &last, kv: &mut kv, logits: true }]).unwrap().unwrap();
-            got.push(Model::argmax(&l).unwrap()[0]);
+        let mut g = Greedy { exact: 0, tied: 0, free_run: 0, worst_gap: 0.0 };
+        let mut free_kv = None;
+        for (step, &want) in case.greedy_ids.iter().enumerate() {
+            let got = top(&row);
+            if got == want {
+                g.exact += 1;
+            } else {
+                let gap = row[got as usize] - row[want as usize];
+                g.worst_gap = g.worst_gap.max(gap);
+                g.tied += 1;
+                if free_kv.is_none() {
+                    free_kv = Some(step);
+                }
+            }
+            let l = model.forward(&mut [Chunk { tokens: &[want], kv: &mut kv, logits: true }]).unwrap();
+            row = row_of(l.unwrap());
         }
-        agree.push(got.iter().zip(&case.greedy_ids).take_while(|(a, b)| a == b).count());
+        g.free_run = free_kv.unwrap_or(case.greedy_ids.len());
+        if is_chat(&case.prompt) {
+            // llama.cpp's own logits on this prompt move by over 2.0 with
+            // its batch size (see `is_chat`): only the count of exact steps
+            // is checked.
+            assert!(g.exact >= 24, "{label} {:?}: {g:?}", case.prompt);
+        } else {
+            assert!(
+                g.worst_gap <= TIE_MARGIN,
+                "{label} {:?}: a step's top token beats llama.cpp's by more than a tie: {g:?}",
+                case.prompt
+            );
+            assert!(g.exact >= 28, "{label} {:?}: {g:?}", case.prompt);
+        }
+        out.push(g);
     }
-    eprintln!("{label}: worst logit difference {worst:.3} (tolerance {LOGIT_TOLERANCE}); greedy tokens agreeing per prompt {agree:?} of 32");
-    agree
+    eprintln!("{label}: worst first-step logit difference {worst:.3} (tolerance {LOGIT_TOLERANCE}); greedy steps per prompt (exact, near tie, agreeing before the first difference): {:?}",
+        out.iter().map(|g| (g.exact, g.tied, g.free_run, g.worst_gap)).collect::<Vec<_>>());
+    out
 }
 
 /// With the GGUF's own tensors in every matmul (what llama.cpp multiplies),
-/// the continuation of "The capital of France is" is llama.cpp's for all 32
-/// tokens; the other prompts agree until a near tie (llama.cpp's own top two
-/// there are closer than its batch-size noise).
+/// every greedy step of the plain-text prompts is llama.cpp's token or a near
+/// tie with it, and at least 28 of their 32 steps are exact.
 #[test]
 fn native_weights_match_llama_cpp_logits_and_greedy_tokens() {
     let Some(path) = common::default_model() else { return };
     let opts = LoadOptions { native_quant: true, ..LoadOptions::default() };
-    let agree = check(&Model::load(&path, &opts).unwrap(), "native");
-    assert_eq!(agree[0], 32, "\"The capital of France is\" must continue exactly as llama.cpp");
-    assert!(agree.iter().all(|&n| n >= 2), "{agree:?}");
+    let g = check(&Model::load(&path, &opts).unwrap(), "native");
+    let exact: usize = g.iter().map(|g| g.exact).sum();
+    assert!(exact * 10 >= 9 * 4 * 32, "only {exact} of 128 greedy steps are exact: {g:?}");
 }
 
-/// The serving layout (dequantized prefill, Q8_0 decode) keeps the same
-/// logit tolerance; greedy text parts from llama.cpp at the first near tie.
+/// The serving layout (int8 or dequantized weights, see `model`) keeps the
+/// same tolerances.
 #[test]
 fn serving_weights_match_llama_cpp_logits() {
     let Some(path) = common::default_model() else { return };
-    let agree = check(&Model::load(&path, &LoadOptions::default()).unwrap(), "serving");
-    assert!(agree.iter().all(|&n| n >= 2), "serving weights part from llama.cpp too early: {agree:?}");
+    let g = check(&Model::load(&path, &LoadOptions::default()).unwrap(), "serving");
+    let exact: usize = g.iter().map(|g| g.exact).sum();
+    assert!(exact * 10 >= 8 * 4 * 32, "only {exact} of 128 greedy steps are exact: {g:?}");
 }
 
 /// One chunk, token by token, and two chunks give the same last logits

@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use granary_core::hash::BlockHash;
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -22,7 +23,7 @@ pub struct KvEvent {
 }
 
 struct Entry {
-    bytes: Arc<[u8]>,
+    bytes: Bytes,
     tick: u64,
     namespace: Arc<str>,
 }
@@ -73,7 +74,7 @@ impl BlockCache {
     }
 
     /// The longest run of `hashes` held here, from the first; touched as used.
-    pub fn prefix(&self, hashes: &[BlockHash]) -> Vec<Arc<[u8]>> {
+    pub fn prefix(&self, hashes: &[BlockHash]) -> Vec<Bytes> {
         let mut g = self.inner.lock();
         let mut out = Vec::new();
         for h in hashes {
@@ -95,7 +96,7 @@ impl BlockCache {
 
     /// Keeps `blocks` (in prompt order) and evicts the least recently used
     /// past the capacity; publishes what was stored and removed.
-    pub fn insert(&self, namespace: &str, blocks: Vec<(BlockHash, Arc<[u8]>)>) {
+    pub fn insert(&self, namespace: &str, blocks: Vec<(BlockHash, Bytes)>) {
         if self.capacity == 0 || blocks.is_empty() {
             return;
         }
@@ -145,7 +146,7 @@ mod tests {
     fn prefix_stops_at_a_gap_and_lru_evicts_with_events() {
         let c = BlockCache::new(30);
         let mut rx = c.subscribe();
-        let b = |n: u8| -> Arc<[u8]> { vec![n; 10].into() };
+        let b = |n: u8| -> Bytes { vec![n; 10].into() };
         c.insert("t", vec![(h(1), b(1)), (h(2), b(2)), (h(3), b(3))]);
         assert_eq!(c.prefix(&[h(1), h(2), h(9), h(3)]).len(), 2);
         // 3 is now the least recently used; a fourth block evicts it.

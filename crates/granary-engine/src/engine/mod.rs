@@ -124,7 +124,7 @@ struct Admitted {
     req: GenerateRequest,
     tx: mpsc::UnboundedSender<Event>,
     hashes: Vec<BlockHash>,
-    loaded: Vec<(Arc<[u8]>, Source)>,
+    loaded: Vec<(Bytes, Source)>,
     arrived: Instant,
 }
 
@@ -256,9 +256,9 @@ impl Engine {
     }
 
     /// The longest prefix of `hashes` in engine memory, then the warehouse.
-    async fn fetch_prefix(&self, hashes: &[BlockHash]) -> Vec<(Arc<[u8]>, Source)> {
+    async fn fetch_prefix(&self, hashes: &[BlockHash]) -> Vec<(Bytes, Source)> {
         let sh = &self.shared;
-        let mut loaded: Vec<(Arc<[u8]>, Source)> =
+        let mut loaded: Vec<(Bytes, Source)> =
             sh.cache.prefix(hashes).into_iter().map(|b| (b, Source::Memory)).collect();
         let Some(store) = &sh.store else { return loaded };
         let rest = &hashes[loaded.len()..];
@@ -280,7 +280,7 @@ impl Engine {
             Ok(blocks) => {
                 for b in blocks {
                     let Some(b) = b else { break };
-                    loaded.push((Arc::from(b.payload.as_ref()), b.source));
+                    loaded.push((b.payload, b.source));
                 }
             }
             Err(e) => {
@@ -449,6 +449,13 @@ impl StepLoop {
         let bt = sh.cfg.block_tokens;
         let layers = sh.model.config().layers;
         let mut kv = sh.model.new_kv(bt);
+        let prompt_len = a.req.prompt.len();
+        // Room for the prompt and a first stretch of generation at once, so
+        // imported blocks are copied once.
+        let room = (prompt_len + bt).min(sh.model.context_len());
+        if let Err(e) = kv.reserve(layers, room) {
+            tracing::warn!(error = %e, "reserving KV memory failed");
+        }
         let mut sources = Vec::new();
         for (i, (bytes, source)) in a.loaded.iter().enumerate() {
             if let Err(e) = kv.import_block(layers, i, bt, bytes) {
@@ -457,7 +464,6 @@ impl StepLoop {
             }
             sources.push(*source);
         }
-        let prompt_len = a.req.prompt.len();
         let role = sh.cfg.role;
         // Logits need at least one computed token: a fully cached prompt
         // recomputes its last token only.
@@ -470,7 +476,7 @@ impl StepLoop {
             sh.metrics.add_prompt_tokens(*src, n);
         }
         // Blocks taken from the warehouse are kept in engine memory too.
-        let from_store: Vec<(BlockHash, Arc<[u8]>)> = a
+        let from_store: Vec<(BlockHash, Bytes)> = a
             .loaded
             .iter()
             .zip(&a.hashes)
@@ -552,7 +558,7 @@ impl StepLoop {
     }
 
     fn cache_blocks(&self, namespace: &str, blocks: &[(BlockHash, Bytes)]) {
-        self.sh.cache.insert(namespace, blocks.iter().map(|(h, b)| (*h, Arc::from(b.as_ref()))).collect());
+        self.sh.cache.insert(namespace, blocks.to_vec());
     }
 
     fn step(&mut self) -> Result<()> {

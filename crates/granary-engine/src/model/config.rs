@@ -37,10 +37,10 @@ impl ModelConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
-        if self.heads == 0 || self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+        if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             bail!("attention heads ({}) must be a positive multiple of KV heads ({})", self.heads, self.kv_heads);
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             bail!("head dimension {} must be even and positive", self.head_dim);
         }
         if self.layers == 0 || self.vocab_size == 0 || self.hidden_size == 0 {

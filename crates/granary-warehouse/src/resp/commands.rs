@@ -292,7 +292,7 @@ impl<'a> Session<'a> {
                 }
             }
             "MSET" => {
-                arity(!a.is_empty() && a.len() % 2 == 0)?;
+                arity(!a.is_empty() && a.len().is_multiple_of(2))?;
                 for kv in a.chunks_exact(2) {
                     let key = Bytes::copy_from_slice(&kv[0]);
                     self.ctx.store.put(&self.ns, key, own(kv[1].clone()), PutOptions::default()).await?;
@@ -726,7 +726,7 @@ impl<'a> Session<'a> {
                 }
             }
             "SET" => {
-                if a.len() < 3 || a.len() % 2 == 0 {
+                if a.len() < 3 || a.len().is_multiple_of(2) {
                     return Err(CmdError::Arity("config|set".into()));
                 }
                 out.ok();

@@ -1,0 +1,276 @@
+//! Causal attention on the CPU, straight from the engine's f16 KV cache.
+//!
+//! One call covers every sequence of a forward step (decode rows and
+//! prefill chunks alike). Work is cut into items of (sequence, KV head,
+//! up to [`ROW_TILE`] query rows) and spread over candle's CPU thread pool.
+//! Each item walks the keys in tiles of [`KEY_TILE`]: it converts the tile's
+//! K and V to f32 once for all the query heads sharing that KV head, then
+//! keeps a running softmax (maximum, sum, weighted values), so the score
+//! matrix is never materialised and a long prompt costs memory linear in its
+//! length. Nothing is converted for positions a row may not see.
+
+use std::cell::RefCell;
+
+use half::f16;
+
+use super::simd::{self, Level};
+
+/// Query rows one work item handles (prefill); decode items have one.
+const ROW_TILE: usize = 16;
+/// Keys converted and scored together.
+const KEY_TILE: usize = 64;
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Heads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// One sequence's rows in a step.
+pub(crate) struct SeqRows<'a> {
+    /// Rotated queries of the new rows, `[n, heads, head_dim]`.
+    pub q: &'a [f32],
+    /// K and V, `[kv_heads, cap, head_dim]`, positions `0..off + n` filled
+    /// (the new rows already written).
+    pub k: &'a [f16],
+    pub v: &'a [f16],
+    pub cap: usize,
+    /// Positions before the first new row.
+    pub off: usize,
+    pub n: usize,
+    /// Index of the sequence's first row in the output.
+    pub out_row: usize,
+}
+
+struct OutPtr(*mut f32);
+// SAFETY: items write disjoint parts of the output (their own rows' heads).
+unsafe impl Sync for OutPtr {}
+
+#[derive(Default)]
+struct Scratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    o: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    s: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Computes softmax(q kᵀ · scale) v for every row of every sequence into
+/// `out` (`[rows, heads, head_dim]`, rows in `out_row` order).
+pub(crate) fn attend(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32]) {
+    let row_len = h.heads * h.head_dim;
+    debug_assert!(h.heads.is_multiple_of(h.kv_heads));
+    for s in seqs {
+        debug_assert_eq!(s.q.len(), s.n * row_len);
+        debug_assert!(s.off + s.n <= s.cap && s.k.len() >= s.cap * h.kv_heads * h.head_dim);
+        debug_assert!(out.len() >= (s.out_row + s.n) * row_len);
+    }
+    // (sequence, kv head, first row, end row), longest first so that the
+    // long items start early and short ones fill the gaps.
+    let mut items: Vec<(usize, usize, usize, usize)> = Vec::new();
+    for (si, s) in seqs.iter().enumerate() {
+        let tile = if s.n == 1 { 1 } else { ROW_TILE };
+        let mut r = 0;
+        while r < s.n {
+            let end = (r + tile).min(s.n);
+            for kh in 0..h.kv_heads {
+                items.push((si, kh, r, end));
+            }
+            r = end;
+        }
+    }
+    items.sort_by_key(|&(si, _, _, end)| std::cmp::Reverse(seqs[si].off + end));
+    let lv = simd::level();
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let run = |i: usize| {
+        let (si, kh, r0, r1) = items[i];
+        SCRATCH.with(|sc| tile(lv, h, &seqs[si], kh, r0, r1, scale, &out_ptr, &mut sc.borrow_mut()));
+    };
+    if items.len() == 1 {
+        run(0);
+        return;
+    }
+    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| range.for_each(run));
+}
+
+#[allow(clippy::too_many_arguments)]
+fn tile(
+    lv: Level,
+    h: Heads,
+    s: &SeqRows<'_>,
+    kh: usize,
+    r0: usize,
+    r1: usize,
+    scale: f32,
+    out: &OutPtr,
+    sc: &mut Scratch,
+) {
+    let d = h.head_dim;
+    let g = h.heads / h.kv_heads;
+    let rows = r1 - r0;
+    let nq = rows * g;
+    // Scores are kept in base 2: q is scaled by log2(e) so exp becomes exp2.
+    let qscale = scale * std::f32::consts::LOG2_E;
+    sc.q.clear();
+    for r in r0..r1 {
+        let base = (r * h.heads + kh * g) * d;
+        sc.q.extend(s.q[base..base + g * d].iter().map(|x| x * qscale));
+    }
+    sc.o.clear();
+    sc.o.resize(nq * d, 0.0);
+    sc.m.clear();
+    sc.m.resize(nq, f32::NEG_INFINITY);
+    sc.l.clear();
+    sc.l.resize(nq, 0.0);
+    sc.k.resize(KEY_TILE * d, 0.0);
+    sc.v.resize(KEY_TILE * d, 0.0);
+    sc.s.resize(KEY_TILE, 0.0);
+    let last = s.off + r1; // keys 0..last are visible to the tile's last row
+    let mut t0 = 0;
+    while t0 < last {
+        let tl = KEY_TILE.min(last - t0);
+        let src = (kh * s.cap + t0) * d;
+        simd::f16_to_f32(lv, &s.k[src..src + tl * d], &mut sc.k[..tl * d]);
+        simd::f16_to_f32(lv, &s.v[src..src + tl * d], &mut sc.v[..tl * d]);
+        for qi in 0..nq {
+            let pos = s.off + r0 + qi / g;
+            if pos < t0 {
+                continue;
+            }
+            let vis = tl.min(pos + 1 - t0);
+            let scores = &mut sc.s[..vis];
+            simd::dots(lv, &sc.q[qi * d..(qi + 1) * d], &sc.k[..vis * d], scores);
+            let m_old = sc.m[qi];
+            let m_new = m_old.max(simd::max(scores));
+            let sum = simd::exp2_shifted_sum(lv, scores, m_new);
+            let o = &mut sc.o[qi * d..(qi + 1) * d];
+            if m_old != f32::NEG_INFINITY && m_old != m_new {
+                let c = (m_old - m_new).exp2();
+                sc.l[qi] *= c;
+                o.iter_mut().for_each(|x| *x *= c);
+            }
+            sc.l[qi] += sum;
+            sc.m[qi] = m_new;
+            simd::weighted_sum(lv, scores, &sc.v[..vis * d], o);
+        }
+        t0 += tl;
+    }
+    for qi in 0..nq {
+        let r = r0 + qi / g;
+        let head = kh * g + qi % g;
+        let inv = 1.0 / sc.l[qi];
+        let dst = ((s.out_row + r) * h.heads + head) * d;
+        for c in 0..d {
+            // SAFETY: (row, head) pairs are unique to this item; `attend`
+            // checked that the rows lie inside `out`.
+            unsafe { *out.0.add(dst + c) = sc.o[qi * d + c] * inv };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 11) % 20001) as f32 / 5000.0 - 2.0
+            })
+            .collect()
+    }
+
+    /// Plain f64 attention for one sequence: the reference.
+    fn reference(h: Heads, s: &SeqRows<'_>, scale: f64) -> Vec<f64> {
+        let (q, k, v, off, n, cap) = (s.q, s.k, s.v, s.off, s.n, s.cap);
+        let (d, g) = (h.head_dim, h.heads / h.kv_heads);
+        let mut out = vec![0.0; n * h.heads * d];
+        for r in 0..n {
+            for hd in 0..h.heads {
+                let kh = hd / g;
+                let qv = &q[(r * h.heads + hd) * d..][..d];
+                let vis = off + r + 1;
+                let scores: Vec<f64> = (0..vis)
+                    .map(|j| {
+                        let kr = &k[(kh * cap + j) * d..][..d];
+                        qv.iter().zip(kr).map(|(a, b)| *a as f64 * b.to_f64()).sum::<f64>() * scale
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for c in 0..d {
+                    out[(r * h.heads + hd) * d + c] =
+                        (0..vis).map(|j| e[j] * v[(kh * cap + j) * d + c].to_f64()).sum::<f64>() / z;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_plain_attention_for_decode_and_prefill_rows() {
+        // (heads, kv_heads, head_dim, [(off, n)]): GQA and MHA, decode rows,
+        // chunks crossing key tiles, several sequences in one call.
+        type Case = (usize, usize, usize, Vec<(usize, usize)>);
+        let cases: Vec<Case> = vec![
+            (9, 3, 64, vec![(0, 1)]),
+            (9, 3, 64, vec![(300, 1), (0, 70), (130, 33)]),
+            (4, 4, 32, vec![(63, 2), (64, 1), (5, 17)]),
+            (8, 2, 16, vec![(0, 200)]),
+            (6, 3, 12, vec![(10, 9), (0, 1)]),
+        ];
+        for (heads, kv_heads, head_dim, shapes) in cases {
+            let h = Heads { heads, kv_heads, head_dim };
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let seeds: Vec<(Vec<f32>, Vec<f16>, Vec<f16>)> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, &(off, n))| {
+                    let kvn = (off + n + 3) * kv_heads * head_dim;
+                    let f = |v: Vec<f32>| v.into_iter().map(f16::from_f32).collect::<Vec<_>>();
+                    (
+                        data(n * heads * head_dim, 10 + i as u64),
+                        f(data(kvn, 20 + i as u64)),
+                        f(data(kvn, 30 + i as u64)),
+                    )
+                })
+                .collect();
+            let mut out_row = 0;
+            let seqs: Vec<SeqRows> = shapes
+                .iter()
+                .zip(&seeds)
+                .map(|(&(off, n), (q, k, v))| {
+                    let s = SeqRows { q, k, v, cap: off + n + 3, off, n, out_row };
+                    out_row += n;
+                    s
+                })
+                .collect();
+            let mut out = vec![f32::NAN; out_row * heads * head_dim];
+            attend(h, &seqs, scale, &mut out);
+            for s in &seqs {
+                let want = reference(h, s, scale as f64);
+                let got = &out[s.out_row * heads * head_dim..][..want.len()];
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (*g as f64 - w).abs() < 2e-4,
+                        "heads {heads}/{kv_heads} d {head_dim} off {} n {}: element {i}: {g} vs {w}",
+                        s.off,
+                        s.n
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! Int8 matrix multiplication with AVX-512 VNNI: the CPU engine's matmul for
+//! every row count, decode and prefill alike.
+//!
+//! Weights are quantized like GGML's Q8_0 (blocks of 32 values along the
+//! input dimension, one f32 scale per block, values in -127..=127) and laid
+//! out in tiles of 16 output rows: for each block, 8 groups of 4 input
+//! positions, each group holding 4 bytes for each of the 16 rows. One
+//! `vpdpbusd` then multiplies 4 input positions into 16 output rows at once,
+//! so an output tile is accumulated in one register and no horizontal sums
+//! are needed. Weights are stored offset by +128 (the instruction takes
+//! unsigned by signed bytes); the offset is taken back out with each
+//! activation block's sum. Activations are quantized per row and block of
+//! 32 the same way (what llama.cpp does for its quantized matmuls).
+//!
+//! Without AVX-512 VNNI the engine keeps candle's kernels instead
+//! ([`Q8Matrix::supported`]).
+
+use anyhow::{ensure, Result};
+
+/// Output rows per tile.
+const TILE: usize = 16;
+/// Input positions per quantization block.
+const BLOCK: usize = 32;
+/// Bytes of one (tile, block): 32 positions × 16 rows.
+const TILE_BLOCK_BYTES: usize = BLOCK * TILE;
+
+/// A weight matrix `[n, k]` (output, input) in int8 tiles.
+pub(crate) struct Q8Matrix {
+    n: usize,
+    k: usize,
+    /// `[n / 16][k / 32][8 groups][16 rows][4]`, value + 128.
+    qs: Vec<u8>,
+    /// `[n / 16][k / 32][16 rows]`.
+    scales: Vec<f32>,
+}
+
+/// Activations `[m, k]` quantized per row and block.
+pub(crate) struct Q8Rows {
+    m: usize,
+    k: usize,
+    qs: Vec<i8>,
+    scales: Vec<f32>,
+    /// Sum of each block's quantized values, times 128 (the weights' offset).
+    offsets: Vec<i32>,
+}
+
+impl Q8Matrix {
+    /// Whether this CPU runs the kernel.
+    pub(crate) fn supported() -> bool {
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                std::env::var_os("GRANARY_PORTABLE_KERNELS").is_none_or(|v| v != "1")
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            false
+        })
+    }
+
+    /// Whether a `[n, k]` matrix fits the tile layout.
+    pub(crate) fn fits(n: usize, k: usize) -> bool {
+        n > 0 && k > 0 && n.is_multiple_of(TILE) && k.is_multiple_of(BLOCK)
+    }
+
+    /// Quantizes a row-major f32 matrix of `n` rows and `k` columns.
+    pub(crate) fn quantize(w: &[f32], n: usize, k: usize) -> Result<Self> {
+        ensure!(Self::fits(n, k), "a {n}x{k} matrix does not fit 16-row int8 tiles");
+        ensure!(w.len() == n * k, "matrix data of {} values, expected {n}x{k}", w.len());
+        let kb = k / BLOCK;
+        let tiles = n / TILE;
+        let mut qs = vec![0u8; tiles * kb * TILE_BLOCK_BYTES];
+        let mut scales = vec![0f32; tiles * kb * TILE];
+        for row in 0..n {
+            let (t, r) = (row / TILE, row % TILE);
+            for b in 0..kb {
+                let vals = &w[row * k + b * BLOCK..][..BLOCK];
+                let amax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                scales[(t * kb + b) * TILE + r] = d;
+                let base = (t * kb + b) * TILE_BLOCK_BYTES;
+                for (i, v) in vals.iter().enumerate() {
+                    let q = (v * inv).round().clamp(-127.0, 127.0) as i32;
+                    let (g, j) = (i / 4, i % 4);
+                    qs[base + g * TILE * 4 + r * 4 + j] = (q + 128) as u8;
+                }
+            }
+        }
+        Ok(Q8Matrix { n, k, qs, scales })
+    }
+
+    pub(crate) fn out_features(&self) -> usize {
+        self.n
+    }
+
+    pub(crate) fn in_features(&self) -> usize {
+        self.k
+    }
+
+    /// `y = x wᵀ` for `x` quantized by [`Q8Rows::quantize`]; `y` is `[m, n]`.
+    pub(crate) fn matmul(&self, x: &Q8Rows, y: &mut [f32]) {
+        assert_eq!(x.k, self.k, "activation width {} vs weight input {}", x.k, self.k);
+        assert_eq!(y.len(), x.m * self.n);
+        assert!(Self::supported(), "int8 matmul without AVX-512 VNNI");
+        let tiles = self.n / TILE;
+        // Several tiles per work unit for few rows (decode), one otherwise.
+        let per_unit = if x.m < 8 { 8 } else { 1 };
+        let units = tiles.div_ceil(per_unit);
+        let out = OutPtr(y.as_mut_ptr());
+        let run = |u: usize| {
+            for t in u * per_unit..((u + 1) * per_unit).min(tiles) {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `supported()` checked the CPU; each tile writes only
+                // its own 16 columns of every output row.
+                unsafe {
+                    x86::tile(self, x, t, &out)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = (t, &out);
+            }
+        };
+        if units == 1 {
+            run(0);
+        } else {
+            candle_core::utils::barrier_pool().execute_chunked(units, |r| r.for_each(run));
+        }
+    }
+}
+
+struct OutPtr(*mut f32);
+// SAFETY: work units write disjoint columns of the output.
+unsafe impl Sync for OutPtr {}
+
+impl Q8Rows {
+    /// Quantizes `m` rows of `k` values.
+    pub(crate) fn quantize(x: &[f32], m: usize, k: usize) -> Self {
+        assert_eq!(x.len(), m * k);
+        assert!(k.is_multiple_of(BLOCK));
+        let kb = k / BLOCK;
+        let mut qs = vec![0i8; m * k];
+        let mut scales = vec![0f32; m * kb];
+        let mut offsets = vec![0i32; m * kb];
+        for (bi, (vals, q)) in x.chunks_exact(BLOCK).zip(qs.chunks_exact_mut(BLOCK)).enumerate() {
+            let amax = vals.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (o, v) in q.iter_mut().zip(vals) {
+                let v = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                *o = v;
+                sum += v as i32;
+            }
+            scales[bi] = d;
+            offsets[bi] = 128 * sum;
+        }
+        Q8Rows { m, k, qs, scales, offsets }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{OutPtr, Q8Matrix, Q8Rows, BLOCK, TILE, TILE_BLOCK_BYTES};
+
+    /// Rows of activations sharing each load of a weight tile.
+    const ROWS: usize = 4;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn tile(w: &Q8Matrix, x: &Q8Rows, t: usize, out: &OutPtr) {
+        let kb = w.k / BLOCK;
+        let wq = w.qs.as_ptr().add(t * kb * TILE_BLOCK_BYTES);
+        let ws = w.scales.as_ptr().add(t * kb * TILE);
+        let mut r0 = 0;
+        while r0 < x.m {
+            let rows = ROWS.min(x.m - r0);
+            let mut acc = [_mm512_setzero_ps(); ROWS];
+            for b in 0..kb {
+                let wb = wq.add(b * TILE_BLOCK_BYTES);
+                let scale_w = _mm512_loadu_ps(ws.add(b * TILE));
+                for (r, a) in acc.iter_mut().enumerate().take(rows) {
+                    let row = r0 + r;
+                    let xq = x.qs.as_ptr().add(row * x.k + b * BLOCK) as *const i32;
+                    let mut s = _mm512_setzero_si512();
+                    for g in 0..BLOCK / 4 {
+                        let wv = _mm512_loadu_si512(wb.add(g * TILE * 4) as *const _);
+                        s = _mm512_dpbusd_epi32(s, wv, _mm512_set1_epi32(xq.add(g).read_unaligned()));
+                    }
+                    let s = _mm512_sub_epi32(s, _mm512_set1_epi32(x.offsets[row * kb + b]));
+                    let scale = _mm512_mul_ps(scale_w, _mm512_set1_ps(x.scales[row * kb + b]));
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, *a);
+                }
+            }
+            for (r, a) in acc.iter().enumerate().take(rows) {
+                _mm512_storeu_ps(out.0.add((r0 + r) * w.n + t * TILE), *a);
+            }
+            r0 += rows;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 11) % 20001) as f32 / 10000.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn int8_matmul_matches_f64_within_quantization_error() {
+        if !Q8Matrix::supported() {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI (the engine uses candle's kernels here)");
+            return;
+        }
+        for (m, n, k) in [(1, 16, 32), (3, 48, 96), (4, 32, 576), (9, 64, 64), (17, 160, 1536)] {
+            let w = data(n * k, 1 + m as u64);
+            let x = data(m * k, 2 + n as u64);
+            let q = Q8Matrix::quantize(&w, n, k).unwrap();
+            let xq = Q8Rows::quantize(&x, m, k);
+            let mut y = vec![f32::NAN; m * n];
+            q.matmul(&xq, &mut y);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
+                    // Each product carries up to ~1/127 relative error from
+                    // each side; the sum's error grows with sqrt(k).
+                    let tol = 0.02 * (k as f64).sqrt();
+                    assert!(
+                        (y[i * n + j] as f64 - want).abs() < tol,
+                        "m={m} n={n} k={k} ({i},{j}): {} vs {want}",
+                        y[i * n + j]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn exact_on_values_that_quantize_exactly() {
+        if !Q8Matrix::supported() {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+            return;
+        }
+        // Integers in -127..=127 with a 127 in every block quantize without
+        // error, so the product is exact: checks the layout and the offset.
+        let (m, n, k) = (5, 32, 64);
+        let int = |i: usize, salt: usize| -> f32 {
+            if i.is_multiple_of(32) {
+                127.0
+            } else {
+                ((i * 37 + salt * 11) % 255) as f32 - 127.0
+            }
+        };
+        let w: Vec<f32> = (0..n * k).map(|i| int(i, 1)).collect();
+        let x: Vec<f32> = (0..m * k).map(|i| int(i, 2)).collect();
+        let q = Q8Matrix::quantize(&w, n, k).unwrap();
+        let mut y = vec![0.0; m * n];
+        q.matmul(&Q8Rows::quantize(&x, m, k), &mut y);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|c| x[i * k + c] * w[j * k + c]).sum();
+                assert_eq!(y[i * n + j], want, "({i},{j})");
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_shapes_outside_the_tiles() {
+        assert!(!Q8Matrix::fits(15, 32));
+        assert!(!Q8Matrix::fits(16, 33));
+        assert!(Q8Matrix::quantize(&[0.0; 16 * 33], 16, 33).is_err());
+    }
+}
