@@ -7,10 +7,24 @@
 //! cache; sha256 is checked on import and on every fetch.
 //!
 //! - [`api`]: the wire types and the naming rules.
-//! - [`client`]: [`client::RegistryClient`], the HTTP API from Rust.
+//! - [`client`]: [`RegistryClient`], the HTTP API from Rust.
+//! - [`server`]: the HTTP API ([`server::serve`] starts one on a listener).
+//! - [`Registry`] and [`RegistryConfig`]: the operations behind it.
+//! - [`catalog`], [`blobs`], [`import`]: the catalog database, the
+//!   content-addressed store, the import sources.
 
 pub mod api;
+pub mod blobs;
+pub mod catalog;
 pub mod client;
+pub mod error;
+pub mod import;
+pub mod metrics;
+pub mod server;
+mod service;
 
-pub use api::{FileEntry, FileUrl, ImportRequest, Model, ModelList, ModelSummary, Revision};
+pub use api::{FileEntry, FileUrl, GcReport, ImportRequest, Model, ModelList, ModelSummary, Revision};
 pub use client::{ClientError, RegistryClient};
+pub use error::{ApiError, RegistryError};
+pub use import::ImportOptions;
+pub use service::{content_revision, Registry, RegistryConfig};
