@@ -33,6 +33,8 @@ impl Registry {
             .arg("--data-dir")
             .arg(data_dir)
             .env("GRANARY_REGISTRY_ADMIN_TOKEN", ADMIN)
+            .env_remove("GRANARY_REGISTRY_DATABASE")
+            .env_remove("GRANARY_REGISTRY_STORE")
             .env("GRANARY_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
