@@ -11,6 +11,7 @@ mod bench;
 mod config;
 mod engine;
 mod gateway;
+mod registry;
 mod warehouse;
 
 #[derive(Parser)]
@@ -35,6 +36,8 @@ enum Cmd {
     /// The OpenAI-compatible, multi-tenant gateway in front of engines
     /// (`granary gateway admin ...` manages its tenants and keys).
     Gateway(Box<gateway::GatewayArgs>),
+    /// The model registry: `serve` it, or `list`, `show`, `import`, `delete` against one.
+    Registry(registry::RegistryArgs),
     /// Run a benchmark; each prints a table with its anchor and the ratio.
     Bench {
         #[command(subcommand)]
@@ -121,6 +124,7 @@ fn main() -> Result<()> {
         Cmd::Engine(a) => rt.block_on(engine::run_engine(*a)),
         Cmd::Serve(a) => rt.block_on(engine::run_serve(*a)),
         Cmd::Gateway(a) => rt.block_on(gateway::run(*a)),
+        Cmd::Registry(a) => rt.block_on(registry::run(a)),
         Cmd::Bench { which } => rt.block_on(bench::run(which)),
     }
 }
