@@ -7,6 +7,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use granary_core::ByteSize;
 
+mod agent;
 mod bench;
 mod config;
 mod engine;
@@ -35,6 +36,8 @@ enum Cmd {
     /// The OpenAI-compatible, multi-tenant gateway in front of engines
     /// (`granary gateway admin ...` manages its tenants and keys).
     Gateway(Box<gateway::GatewayArgs>),
+    /// The node agent: weight cache tiers, engine processes, heartbeats to the gateway.
+    Agent(Box<agent::AgentArgs>),
     /// Run a benchmark; each prints a table with its anchor and the ratio.
     Bench {
         #[command(subcommand)]
@@ -121,6 +124,7 @@ fn main() -> Result<()> {
         Cmd::Engine(a) => rt.block_on(engine::run_engine(*a)),
         Cmd::Serve(a) => rt.block_on(engine::run_serve(*a)),
         Cmd::Gateway(a) => rt.block_on(gateway::run(*a)),
+        Cmd::Agent(a) => rt.block_on(agent::run(*a)),
         Cmd::Bench { which } => rt.block_on(bench::run(which)),
     }
 }
