@@ -207,9 +207,46 @@ pub mod gateway {
     ];
 }
 
+/// The model registry's metrics.
+pub mod registry {
+    /// HTTP requests answered (counter; labels `method`, `route` = the route
+    /// template or `unmatched`, `status` = class such as `2xx`).
+    pub const HTTP_REQUESTS: &str = "granary_registry_http_requests_total";
+    /// Blob bytes sent to clients (counter).
+    pub const BLOB_SENT_BYTES: &str = "granary_registry_blob_sent_bytes_total";
+    /// Stored blobs found missing, of the wrong size, or not matching their
+    /// sha256 when fetched; the transfer was refused or aborted (counter).
+    pub const INTEGRITY_FAILURES: &str = "granary_registry_integrity_failures_total";
+    /// Imports by outcome: ok, conflict, invalid, failed (counter; label `outcome`).
+    pub const IMPORTS: &str = "granary_registry_imports_total";
+    /// Bytes of imported files, by whether they were uploaded or already
+    /// stored (counter; label `stored` = uploaded or deduplicated).
+    pub const IMPORTED_BYTES: &str = "granary_registry_imported_bytes_total";
+    /// Blobs deleted because no revision referenced them any more (counter).
+    pub const BLOBS_DELETED: &str = "granary_registry_blobs_deleted_total";
+    /// Presigned download URLs handed out (counter).
+    pub const PRESIGNED_URLS: &str = "granary_registry_presigned_urls_total";
+    /// Catalog rows (gauge; label `kind` = models, revisions or files).
+    pub const CATALOG_ENTRIES: &str = "granary_registry_catalog_entries";
+    /// Sum of the revisions' sizes (gauge).
+    pub const CATALOG_BYTES: &str = "granary_registry_catalog_bytes";
+
+    pub const ALL: &[&str] = &[
+        HTTP_REQUESTS,
+        BLOB_SENT_BYTES,
+        INTEGRITY_FAILURES,
+        IMPORTS,
+        IMPORTED_BYTES,
+        BLOBS_DELETED,
+        PRESIGNED_URLS,
+        CATALOG_ENTRIES,
+        CATALOG_BYTES,
+    ];
+}
+
 /// Every name in the catalog, for the rule checks.
 pub fn all() -> impl Iterator<Item = &'static str> {
-    warehouse::ALL.iter().chain(engine::ALL).chain(gateway::ALL).copied()
+    warehouse::ALL.iter().chain(engine::ALL).chain(gateway::ALL).chain(registry::ALL).copied()
 }
 
 /// Rewrites OpenMetrics text (as `prometheus-client` encodes it) in the Prometheus text format
