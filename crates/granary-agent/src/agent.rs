@@ -66,25 +66,20 @@ pub struct Agent {
     stop: CancellationToken,
 }
 
-pub(crate) fn now_unix() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Model names and revisions become file and directory names: plain
-/// characters only.
+/// Model names and revisions become file and directory names: the
+/// registry's naming rules (`[A-Za-z0-9][A-Za-z0-9._-]*`, at most 128 bytes)
+/// apply here too, and `latest` is a revision.
 pub fn check_name(field: &str, s: &str) -> Result<(), AgentError> {
-    let ok = !s.is_empty()
-        && s.len() <= 128
-        && !s.starts_with('.')
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-    if ok {
-        Ok(())
-    } else {
-        Err(AgentError::invalid(
-            field,
-            format!("`{field}` must be 1-128 of A-Z a-z 0-9 . _ - and not start with a dot; got {s:?}"),
-        ))
-    }
+    let checked = match field {
+        "revision" if s == "latest" => Ok(()),
+        "revision" => granary_registry::api::check_revision(s),
+        _ => granary_registry::api::check_name(s),
+    };
+    checked.map_err(|why| AgentError::invalid(field, format!("Invalid `{field}`: {why}.")))
 }
 
 impl Agent {
@@ -216,7 +211,8 @@ impl Agent {
         }
         let revision = self.registry.revision(name, rev).await?;
         for f in &revision.files {
-            crate::tiers::safe_relative(&f.path)?;
+            granary_registry::api::check_file_path(&f.path)
+                .map_err(|why| AgentError::Registry(format!("{name}@{}: {why}", revision.revision)))?;
         }
         let downloaded = self.fetch_files(name, &revision).await?;
         let shas: Vec<String> = revision.files.iter().map(|f| f.sha256.to_ascii_lowercase()).collect();
@@ -280,7 +276,7 @@ impl Agent {
             if self.tiers.locate(&sha).is_some() {
                 return Ok(false);
             }
-            let (url, bearer) = self.registry.file_source(name, &revision.revision, &f.path, &sha).await?;
+            let (url, bearer) = self.registry.file_source(name, &revision.revision, &f.path).await?;
             let dest = self.tiers.begin_download(&sha, f.size, &f.path)?;
             let req = FileRequest { url, bearer, size: f.size, sha256: sha.clone(), label: f.path.clone() };
             let r = self.downloader.fetch(&req, &dest).await;
@@ -320,7 +316,6 @@ impl Agent {
                 _ = tokio::time::sleep(self.cfg.idle_poll) => {}
             }
             self.tiers.demote_idle();
-            let now = now_unix();
             for st in self.sup.list() {
                 if st.state != EngineState::Ready {
                     continue;
@@ -335,15 +330,15 @@ impl Agent {
                     }
                     continue;
                 };
+                let now = now_ms();
                 let moved = seen.insert(st.model.clone(), a.requests).is_some_and(|before| before != a.requests);
-                let mut last = st.last_request_unix.unwrap_or(st.started_unix);
                 if moved || a.in_flight > 0.0 {
                     self.sup.mark_active(&st.model, now);
-                    last = now;
                 }
+                let last = self.sup.last_active_ms(&st.model).unwrap_or(now);
                 if let Some(idle) = self.cfg.idle_unload {
-                    if now.saturating_sub(last) >= idle.as_secs().max(1) {
-                        tracing::info!(model = %st.model, idle_s = now - last, "unloading an idle model");
+                    if now.saturating_sub(last) >= idle.as_millis() as u64 {
+                        tracing::info!(model = %st.model, idle_ms = now - last, "unloading an idle model");
                         seen.remove(&st.model);
                         if let Err(e) = self.unload(&st.model).await {
                             tracing::warn!(model = %st.model, error = %e, "idle unload failed");
@@ -376,6 +371,7 @@ mod tests {
     fn names_are_plain() {
         check_name("name", "SmolLM2-135M-Instruct").unwrap();
         check_name("revision", "0.1.2").unwrap();
+        check_name("revision", "latest").unwrap();
         for bad in ["", "..", ".hidden", "a/b", "a b", &"x".repeat(129)] {
             let e = check_name("name", bad).unwrap_err();
             assert_eq!(e.body()["error"]["param"], "name", "{bad:?}");

@@ -1,79 +1,47 @@
-//! TEMPORARY: the registry protocol per the contract, until granary-registry's client is merged.
+//! The registry as the agent sees it, through `granary_registry`'s client:
+//! revisions, where each file's bytes are, and the list of models.
 
-use serde::Deserialize;
+use granary_registry::client::RegistryClient;
+pub use granary_registry::{FileEntry, Revision};
 
 use crate::error::AgentError;
 
-#[derive(Debug, Clone, Deserialize)]
-pub struct FileEntry {
-    pub path: String,
-    pub size: u64,
-    pub sha256: String,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct Revision {
-    pub name: String,
-    pub revision: String,
-    pub format: String,
-    pub files: Vec<FileEntry>,
-}
-
+/// The registry client and the agent's reading of its answers.
 pub struct Catalog {
-    base: String,
-    token: Option<String>,
-    http: reqwest::Client,
+    client: RegistryClient,
 }
 
 impl Catalog {
     pub fn new(base: &str, token: Option<String>) -> Result<Catalog, AgentError> {
-        Ok(Catalog { base: base.trim_end_matches('/').into(), token, http: reqwest::Client::new() })
+        let client = RegistryClient::new(base, token).map_err(|e| AgentError::Registry(e.to_string()))?;
+        Ok(Catalog { client })
     }
 
-    fn get(&self, path: &str) -> reqwest::RequestBuilder {
-        let r = self.http.get(format!("{}{path}", self.base));
-        match &self.token {
-            Some(t) => r.bearer_auth(t),
-            None => r,
-        }
-    }
-
+    /// `name` at `rev` (`latest` allowed); the registry's 404 becomes
+    /// [`AgentError::ModelNotFound`].
     pub async fn revision(&self, name: &str, rev: &str) -> Result<Revision, AgentError> {
-        let r = self
-            .get(&format!("/v1/models/{name}/revisions/{rev}"))
-            .send()
-            .await
-            .map_err(|e| AgentError::Registry(e.to_string()))?;
-        if r.status() == 404 {
-            return Err(AgentError::ModelNotFound { name: name.into(), revision: rev.into() });
-        }
-        if !r.status().is_success() {
-            return Err(AgentError::Registry(format!("HTTP {}", r.status())));
-        }
-        r.json().await.map_err(|e| AgentError::Registry(e.to_string()))
+        self.client.revision(name, rev).await.map_err(|e| {
+            if e.is_not_found() {
+                AgentError::ModelNotFound { name: name.into(), revision: rev.into() }
+            } else {
+                AgentError::Registry(e.to_string())
+            }
+        })
     }
 
-    pub async fn file_source(
-        &self,
-        _name: &str,
-        _rev: &str,
-        _path: &str,
-        sha256: &str,
-    ) -> Result<(String, Option<String>), AgentError> {
-        Ok((format!("{}/v1/blobs/{sha256}", self.base), self.token.clone()))
+    /// Where to download a file from, and the bearer token to send there:
+    /// the registry's token to the registry itself, none to a presigned URL
+    /// (its signature is its credential, and S3 refuses a second one).
+    pub async fn file_source(&self, name: &str, rev: &str, path: &str) -> Result<(String, Option<String>), AgentError> {
+        let u = self.client.file_url(name, rev, path).await.map_err(|e| AgentError::Registry(e.to_string()))?;
+        let own = u.url.starts_with(self.client.base());
+        let bearer = if u.presigned || !own { None } else { self.client.token().map(str::to_string) };
+        Ok((u.url, bearer))
     }
 
+    /// The names of the registry's models.
     pub async fn names(&self) -> Result<Vec<String>, AgentError> {
-        #[derive(Deserialize)]
-        struct L {
-            models: Vec<M>,
-        }
-        #[derive(Deserialize)]
-        struct M {
-            name: String,
-        }
-        let r = self.get("/v1/models").send().await.map_err(|e| AgentError::Registry(e.to_string()))?;
-        let l: L = r.json().await.map_err(|e| AgentError::Registry(e.to_string()))?;
-        Ok(l.models.into_iter().map(|m| m.name).collect())
+        let list = self.client.list().await.map_err(|e| AgentError::Registry(e.to_string()))?;
+        Ok(list.into_iter().map(|m| m.name).collect())
     }
 }

@@ -162,7 +162,8 @@ struct Live {
     command: Vec<String>,
     restarts: u32,
     started_unix: u64,
-    last_activity_unix: Option<u64>,
+    /// Unix milliseconds.
+    last_activity_ms: Option<u64>,
     last_error: Option<String>,
     adopted: bool,
 }
@@ -188,7 +189,7 @@ impl Engine {
             pid: l.pid,
             state: *self.state.borrow(),
             restarts: l.restarts,
-            last_request_unix: l.last_activity_unix,
+            last_request_unix: l.last_activity_ms.map(|ms| ms / 1000),
             tier: self.spec.tier,
             started_unix: l.started_unix,
             adopted: l.adopted,
@@ -214,7 +215,11 @@ pub struct Supervisor {
 }
 
 fn now_unix() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    now_ms() / 1000
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Supervisor {
@@ -280,11 +285,16 @@ impl Supervisor {
         self.sh.engines.lock().get(model).map(|e| e.spec.clone())
     }
 
-    /// Records that `model` served requests at `unix` (idle unload reads it).
-    pub fn mark_active(&self, model: &str, unix: u64) {
+    /// Records that `model` served requests at `ms` (unix milliseconds).
+    pub fn mark_active(&self, model: &str, ms: u64) {
         if let Some(e) = self.sh.engines.lock().get(model) {
-            e.live.lock().last_activity_unix = Some(unix);
+            e.live.lock().last_activity_ms = Some(ms);
         }
+    }
+
+    /// When `model` was last seen serving (or started), unix milliseconds.
+    pub fn last_active_ms(&self, model: &str) -> Option<u64> {
+        self.sh.engines.lock().get(model).and_then(|e| e.live.lock().last_activity_ms)
     }
 
     /// Starts an engine for `spec` and waits until it is healthy. On failure
@@ -308,7 +318,7 @@ impl Supervisor {
                     command,
                     restarts: 0,
                     started_unix: now_unix(),
-                    last_activity_unix: Some(now_unix()),
+                    last_activity_ms: Some(now_ms()),
                     last_error: None,
                     adopted: false,
                 }),
@@ -382,7 +392,7 @@ impl Supervisor {
                 command: p.command.clone(),
                 restarts: p.restarts,
                 started_unix: p.started_unix,
-                last_activity_unix: Some(now_unix()),
+                last_activity_ms: Some(now_ms()),
                 last_error: None,
                 adopted: true,
             }),
@@ -691,24 +701,49 @@ async fn watch_proc(sh: &Shared, engine: &Engine, proc: &mut Proc, ever_ready: &
     }
 }
 
-/// SIGTERM to the process group, SIGKILL after `stop_timeout`, then reap.
+/// SIGTERM to the process group, SIGKILL after `stop_timeout`; returns
+/// once no process of the group is left (a template's shell may exit
+/// before the server it started, which still holds the port and memory).
 async fn terminate(cfg: &SupervisorConfig, proc: &mut Proc) {
     let Some(pid) = proc.pid() else { return };
     if !proc.is_alive() {
-        // Gone already; reap it and make sure nothing of its group stays.
+        // It exited by itself: nothing of its group may outlive it.
         signal_group(pid, libc::SIGKILL);
-        let _ = proc.exited().await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), group_gone(pid, proc)).await;
         return;
     }
     signal_group(pid, libc::SIGTERM);
-    if tokio::time::timeout(cfg.stop_timeout, proc.exited()).await.is_err() {
+    if tokio::time::timeout(cfg.stop_timeout, group_gone(pid, proc)).await.is_err() {
         tracing::warn!(pid, "the engine ignored SIGTERM; killing it");
         signal_group(pid, libc::SIGKILL);
-        let _ = tokio::time::timeout(Duration::from_secs(5), proc.exited()).await;
-    } else {
-        // The leader exited; a template's children may not have.
-        signal_group(pid, libc::SIGKILL);
+        let _ = tokio::time::timeout(Duration::from_secs(5), group_gone(pid, proc)).await;
     }
+}
+
+/// Resolves once process group `pgid` has no live (non-zombie) member,
+/// reaping our own child on the way.
+async fn group_gone(pgid: u32, proc: &mut Proc) {
+    loop {
+        let _ = proc.is_alive();
+        if !group_alive(pgid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Whether any process of group `pgid` is alive (zombies excluded: they
+/// hold no memory or sockets, and an orphan's may wait on a lax init).
+fn group_alive(pgid: u32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return false };
+    dir.flatten().filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit())).any(|e| {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { return false };
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return false };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // f[0] is field 3 (state), f[2] field 5 (process group).
+        f.first().is_some_and(|s| !matches!(*s, "Z" | "X"))
+            && f.get(2).and_then(|g| g.parse::<u32>().ok()) == Some(pgid)
+    })
 }
 
 fn persist(sh: &Shared) {

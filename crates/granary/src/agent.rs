@@ -18,8 +18,12 @@ fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e} (e.g. 500ms, 2s, 10m)"))
 }
 
-fn opt_duration(s: &str) -> Result<Option<Duration>, String> {
-    parse_opt_duration(s)
+/// A duration or `off` (clap reads `Option<Option<_>>` as an optional value, so a newtype).
+#[derive(Debug, Clone, Copy)]
+pub struct OptDuration(Option<Duration>);
+
+fn opt_duration(s: &str) -> Result<OptDuration, String> {
+    parse_opt_duration(s).map(OptDuration)
 }
 
 #[derive(Args, Debug)]
@@ -56,7 +60,7 @@ pub struct AgentArgs {
     pub promote_window: Option<Duration>,
     /// Demote RAM copies unused this long even without pressure [default: off].
     #[arg(long, value_parser = opt_duration)]
-    pub demote_after: Option<Option<Duration>>,
+    pub demote_after: Option<OptDuration>,
     /// Gateway base URL to register with (heartbeats every 2 s).
     #[arg(long)]
     pub gateway: Option<String>,
@@ -78,7 +82,7 @@ pub struct AgentArgs {
     pub engine_args: Vec<String>,
     /// Unload an engine idle this long (scale to zero); `off` to keep them [default: off].
     #[arg(long, value_parser = opt_duration)]
-    pub idle_unload: Option<Option<Duration>>,
+    pub idle_unload: Option<OptDuration>,
     /// How often each engine's metrics are read for idleness [default: 5s].
     #[arg(long, value_parser = duration)]
     pub idle_poll: Option<Duration>,
@@ -132,8 +136,12 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
     set!(a.disk_budget => tiers.disk_budget);
     set!(a.promote_after => tiers.promote_after);
     set!(a.promote_window => tiers.promote_window);
-    set!(a.demote_after => tiers.demote_after);
-    set!(a.idle_unload => idle_unload);
+    if let Some(OptDuration(d)) = a.demote_after {
+        c.tiers.demote_after = d;
+    }
+    if let Some(OptDuration(d)) = a.idle_unload {
+        c.idle_unload = d;
+    }
     set!(a.idle_poll => idle_poll);
     set!(a.health_interval => engines.health_interval);
     set!(a.start_timeout => engines.start_timeout);
