@@ -48,7 +48,8 @@ pub enum ClientError {
     /// The transfer ended early: the connection broke or the registry
     /// aborted it (it does so when the stored bytes fail their sha256 check).
     #[error(
-        "download of {what} broke off after {got} of {expected} bytes{}",
+        "download of {what} broke off after {got} of {expected} bytes{} (a network failure, or the registry \
+         aborting a blob whose stored bytes failed their sha256 check); nothing was kept",
         cause.as_deref().map(|c| format!(": {c}")).unwrap_or_default()
     )]
     Truncated { what: String, got: u64, expected: u64, cause: Option<String> },

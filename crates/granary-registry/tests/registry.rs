@@ -295,6 +295,8 @@ async fn a_blob_corrupted_in_the_store_is_never_served_as_good() {
 
     let e = t.reader.fetch_blob(&g.sha256).await.unwrap_err();
     assert!(matches!(e, ClientError::Truncated { .. } | ClientError::Integrity { .. }), "{e}");
+    assert!(e.to_string().contains("sha256"), "the error says why: {e}");
+    eprintln!("client error on a corrupt blob: {e}");
     let dest = src.path().join("dest.gguf");
     let e = t.reader.download(&g, &dest).await.unwrap_err();
     assert!(matches!(e, ClientError::Truncated { .. } | ClientError::Integrity { .. }), "{e}");

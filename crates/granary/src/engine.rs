@@ -102,7 +102,7 @@ pub struct WarehouseBudgets {
     pub warehouse_disk: ByteSize,
 }
 
-fn default_data_dir() -> PathBuf {
+pub(crate) fn default_data_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
         return PathBuf::from(d).join("granary");
     }

@@ -12,6 +12,7 @@ mod bench;
 mod config;
 mod engine;
 mod gateway;
+mod registry;
 mod warehouse;
 
 #[derive(Parser)]
@@ -36,6 +37,8 @@ enum Cmd {
     /// The OpenAI-compatible, multi-tenant gateway in front of engines
     /// (`granary gateway admin ...` manages its tenants and keys).
     Gateway(Box<gateway::GatewayArgs>),
+    /// The model registry: `serve` it, or `list`, `show`, `import`, `delete` against one.
+    Registry(registry::RegistryArgs),
     /// The node agent: weight cache tiers, engine processes, heartbeats to the gateway.
     Agent(Box<agent::AgentArgs>),
     /// Run a benchmark; each prints a table with its anchor and the ratio.
@@ -124,6 +127,7 @@ fn main() -> Result<()> {
         Cmd::Engine(a) => rt.block_on(engine::run_engine(*a)),
         Cmd::Serve(a) => rt.block_on(engine::run_serve(*a)),
         Cmd::Gateway(a) => rt.block_on(gateway::run(*a)),
+        Cmd::Registry(a) => rt.block_on(registry::run(a)),
         Cmd::Agent(a) => rt.block_on(agent::run(*a)),
         Cmd::Bench { which } => rt.block_on(bench::run(which)),
     }

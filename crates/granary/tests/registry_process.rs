@@ -1,0 +1,165 @@
+//! The real `granary registry serve` process driven by the real
+//! `granary registry` command line (import, list, show, delete, gc) and by
+//! HTTP: defaults under a data directory, tokens, clean exit on SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const ADMIN: &str = "registry-admin-token-for-tests";
+const READER: &str = "registry-read-token-for-tests";
+
+/// `granary registry serve`, killed on drop.
+struct Registry {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Registry {
+    /// Starts it on port 0 with `data_dir` and waits for its `ready` line.
+    fn start(data_dir: &Path) -> Registry {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_granary"))
+            .args(["registry", "serve", "--listen", "127.0.0.1:0", "--read-token", READER])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .env("GRANARY_REGISTRY_ADMIN_TOKEN", ADMIN)
+            .env_remove("GRANARY_REGISTRY_DATABASE")
+            .env_remove("GRANARY_REGISTRY_STORE")
+            .env("GRANARY_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn granary registry serve");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut url = None;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) if line.trim() == "granary registry: ready" => break,
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix("granary registry: listening on ") {
+                        url = rest.split_whitespace().next().map(str::to_string);
+                    }
+                }
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("granary registry serve did not get ready in time");
+                }
+            }
+        }
+        Registry { child, url: url.expect("a `listening on` line") }
+    }
+
+    /// Runs `granary registry ARGS --url URL` with `token` in the environment.
+    fn cli(&self, args: &[&str], token: Option<&str>) -> Output {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_granary"));
+        cmd.arg("registry").args(args).args(["--url", &self.url]).env_remove("GRANARY_REGISTRY_TOKEN");
+        if let Some(t) = token {
+            cmd.env("GRANARY_REGISTRY_TOKEN", t);
+        }
+        cmd.output().expect("run granary registry")
+    }
+}
+
+fn ok(out: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "failed: {}\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn serve_and_the_command_line() {
+    let data = tempfile::tempdir().unwrap();
+    let reg = Registry::start(data.path());
+
+    // A model directory (the command line sends a plain path as dir:).
+    let src = tempfile::tempdir().unwrap();
+    let weights: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(src.path().join("tiny.Q8_0.gguf"), &weights).unwrap();
+    std::fs::write(src.path().join("tokenizer.json"), b"{}").unwrap();
+
+    let out =
+        ok(&reg.cli(&["import", src.path().to_str().unwrap(), "--name", "tiny", "--revision", "v1"], Some(ADMIN)));
+    assert!(out.contains("imported tiny@v1"), "{out}");
+    // Stored under the data directory's defaults.
+    assert!(data.path().join("registry/registry.db").exists());
+    let blobs = data.path().join("registry/blobs/blobs/sha256");
+    assert_eq!(std::fs::read_dir(&blobs).unwrap().count(), 2);
+
+    // A second import of the same revision: refused, with the reason.
+    let out = reg.cli(&["import", src.path().to_str().unwrap(), "--name", "tiny", "--revision", "v1"], Some(ADMIN));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("409") && err.contains("exists already"), "{err}");
+    // The read token cannot import.
+    let out = reg.cli(&["import", "dir:/tmp", "--name", "x"], Some(READER));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("403"), "{}", String::from_utf8_lossy(&out.stderr));
+    // No token cannot even list.
+    let out = reg.cli(&["list"], None);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
+
+    let out = ok(&reg.cli(&["list"], Some(READER)));
+    assert!(out.lines().any(|l| l.starts_with("tiny") && l.contains("v1")), "{out}");
+    let out = ok(&reg.cli(&["show", "tiny@latest", "--json"], Some(READER)));
+    let rev: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(rev["revision"], "v1");
+    assert_eq!(rev["format"], "gguf");
+    let gguf = rev["files"].as_array().unwrap().iter().find(|f| f["path"] == "tiny.Q8_0.gguf").unwrap();
+    assert_eq!(gguf["size"], weights.len() as u64);
+
+    // Fetch the bytes over HTTP with the read token.
+    let sha = gguf["sha256"].as_str().unwrap();
+    let body = reqwest::blocking::Client::new()
+        .get(format!("{}/v1/blobs/{sha}", reg.url))
+        .bearer_auth(READER)
+        .send()
+        .unwrap()
+        .bytes()
+        .unwrap();
+    assert_eq!(body.as_ref(), weights.as_slice());
+
+    let out = ok(&reg.cli(&["delete", "tiny"], Some(ADMIN)));
+    assert!(out.contains("deleted tiny"), "{out}");
+    assert_eq!(std::fs::read_dir(&blobs).map(|d| d.count()).unwrap_or(0), 0, "blobs collected");
+    let out = ok(&reg.cli(&["list"], Some(READER)));
+    assert!(out.contains("no models"), "{out}");
+    let out = ok(&reg.cli(&["gc", "--grace-s", "0"], Some(ADMIN)));
+    assert!(out.contains("deleted 0 blobs"), "{out}");
+
+    // SIGTERM: a clean exit.
+    let mut reg = reg;
+    let _ = Command::new("kill").args(["-TERM", &reg.child.id().to_string()]).status();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = reg.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no exit within 10 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+}
