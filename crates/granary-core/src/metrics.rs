@@ -184,6 +184,14 @@ pub mod gateway {
     pub const ROUTED_BLOCKS: &str = "granary_gateway_routed_blocks_total";
     /// Audit records dropped because the writer fell behind (counter).
     pub const AUDIT_DROPPED: &str = "granary_gateway_audit_dropped_total";
+    /// Loads the gateway asked agents for, one per model at a time (counter; label `model`).
+    pub const MODEL_LOAD_REQUESTS: &str = "granary_gateway_model_load_requests_total";
+    /// Loads finished, by outcome: succeeded, failed (counter; labels `model`, `outcome`).
+    pub const MODEL_LOADS: &str = "granary_gateway_model_loads_total";
+    /// Time from asking for a load to the engine joining (histogram; label `model`).
+    pub const MODEL_LOAD_SECONDS: &str = "granary_gateway_model_load_seconds";
+    /// Requests held while their model loads (gauge).
+    pub const MODEL_LOAD_WAITING: &str = "granary_gateway_model_load_waiting_requests";
 
     pub const ALL: &[&str] = &[
         REQUESTS,
@@ -204,6 +212,10 @@ pub mod gateway {
         ROUTED_HIT_BLOCKS,
         ROUTED_BLOCKS,
         AUDIT_DROPPED,
+        MODEL_LOAD_REQUESTS,
+        MODEL_LOADS,
+        MODEL_LOAD_SECONDS,
+        MODEL_LOAD_WAITING,
     ];
 }
 

@@ -80,6 +80,8 @@ pub struct GatewaySection {
     pub breaker: BreakerConfig,
     /// TLS on the front; plain HTTP when absent.
     pub tls: Option<ServerTls>,
+    /// Node agents: engines they report join the upstream set at runtime.
+    pub agents: AgentsConfig,
 }
 
 impl Default for GatewaySection {
@@ -101,6 +103,7 @@ impl Default for GatewaySection {
             health: HealthConfig::default(),
             breaker: BreakerConfig::default(),
             tls: None,
+            agents: AgentsConfig::default(),
         }
     }
 }
@@ -147,6 +150,84 @@ pub struct BreakerConfig {
 impl Default for BreakerConfig {
     fn default() -> Self {
         BreakerConfig { failures: 3, open_ms: 2_000 }
+    }
+}
+
+/// `[gateway.agents]`: node agents register with `POST
+/// /admin/v1/agents/heartbeat` (admin token) and report the engines they run
+/// and the models they can load. Each reported engine becomes an upstream
+/// named `agent:<agent_id>:<model>` in an implicit pool per model; a request
+/// for a model no upstream serves but an agent can load makes the gateway ask
+/// that agent to load it, holding the request meanwhile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentsConfig {
+    /// Accept heartbeats (off: the agents API answers 403 `agents_disabled`).
+    pub enabled: bool,
+    /// An agent not heard from for this long is dropped with its engines.
+    pub ttl_ms: u64,
+    /// How long a request for a model being loaded is held before it gets
+    /// 503 `model_loading` (the load itself goes on).
+    pub load_timeout_ms: u64,
+    /// The routing policy of each model's pool of agent engines: a name
+    /// (`"kv_aware"`) or a table like a pool's `routing`
+    /// (`{ policy = "kv_aware", load_penalty = 2.0 }`).
+    pub pool_policy: PoolPolicy,
+}
+
+impl Default for AgentsConfig {
+    fn default() -> Self {
+        AgentsConfig {
+            enabled: true,
+            ttl_ms: 10_000,
+            load_timeout_ms: 120_000,
+            pool_policy: PoolPolicy::Full(PolicyConfig::KvAware { load_penalty: 1.0, approx_capacity_blocks: 0 }),
+        }
+    }
+}
+
+impl AgentsConfig {
+    pub fn ttl(&self) -> Duration {
+        Duration::from_millis(self.ttl_ms)
+    }
+    pub fn load_timeout(&self) -> Duration {
+        Duration::from_millis(self.load_timeout_ms)
+    }
+}
+
+/// A policy given by name or in full.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a policy name (round_robin, least_load, session, kv_aware) or a table such as { policy = \"kv_aware\", load_penalty = 1.0 }"
+)]
+pub enum PoolPolicy {
+    Name(PolicyName),
+    Full(PolicyConfig),
+}
+
+/// The policies' names, for `pool_policy = "..."`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyName {
+    RoundRobin,
+    LeastLoad,
+    Session,
+    KvAware,
+}
+
+impl PoolPolicy {
+    /// The policy with its defaults filled in.
+    pub fn config(&self) -> PolicyConfig {
+        match self {
+            PoolPolicy::Full(c) => c.clone(),
+            PoolPolicy::Name(PolicyName::RoundRobin) => PolicyConfig::RoundRobin,
+            PoolPolicy::Name(PolicyName::LeastLoad) => PolicyConfig::LeastLoad,
+            PoolPolicy::Name(PolicyName::Session) => PolicyConfig::Session { header: "x-session-id".into() },
+            PoolPolicy::Name(PolicyName::KvAware) => {
+                PolicyConfig::KvAware { load_penalty: 1.0, approx_capacity_blocks: 0 }
+            }
+        }
     }
 }
 
@@ -316,6 +397,23 @@ impl GatewayConfig {
         if g.database.trim().is_empty() {
             return Err(bad("gateway.database", "must not be empty"));
         }
+        let a = &g.agents;
+        if !(100..=86_400_000).contains(&a.ttl_ms) {
+            return Err(bad("gateway.agents.ttl_ms", "must be between 100 and 86400000 (a day)"));
+        }
+        if !(100..=86_400_000).contains(&a.load_timeout_ms) {
+            return Err(bad("gateway.agents.load_timeout_ms", "must be between 100 and 86400000 (a day)"));
+        }
+        if let PolicyConfig::KvAware { load_penalty, .. } = a.pool_policy.config() {
+            if !load_penalty.is_finite() || load_penalty < 0.0 {
+                return Err(bad("gateway.agents.pool_policy.load_penalty", "must be a finite number, 0 or more"));
+            }
+        }
+        if let Some(h) = a.pool_policy.config().session_header() {
+            if axum::http::HeaderName::try_from(h.to_ascii_lowercase()).is_err() {
+                return Err(bad("gateway.agents.pool_policy.header", format!("{h:?} is not a header name")));
+            }
+        }
         let mut names = HashSet::new();
         for (i, u) in self.upstreams.iter().enumerate() {
             let field = |f: &str| format!("upstream[{i}].{f}");
@@ -440,5 +538,38 @@ routing = { policy = "session", header = "x-user" }
         assert_eq!(e.field, "pool[0].upstreams[0]");
         assert!(e.message.contains("zz"));
         assert_eq!(err("[gateway]\nmax_attempts = 0\n").field, "gateway.max_attempts");
+    }
+
+    #[test]
+    fn the_agents_section_has_defaults_and_names_its_fields() {
+        let c = GatewayConfig::from_toml("").unwrap();
+        assert!(c.gateway.agents.enabled);
+        assert_eq!(c.gateway.agents.ttl_ms, 10_000);
+        assert_eq!(c.gateway.agents.load_timeout_ms, 120_000);
+        assert!(matches!(c.gateway.agents.pool_policy.config(), PolicyConfig::KvAware { .. }));
+        let c = GatewayConfig::from_toml(
+            "[gateway.agents]\nttl_ms = 500\nload_timeout_ms = 1000\nenabled = false\npool_policy = \"least_load\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.gateway.agents.ttl(), Duration::from_millis(500));
+        assert!(!c.gateway.agents.enabled);
+        assert_eq!(c.gateway.agents.pool_policy.config(), PolicyConfig::LeastLoad);
+        let c =
+            GatewayConfig::from_toml("[gateway.agents]\npool_policy = { policy = \"session\", header = \"x-user\" }\n")
+                .unwrap();
+        assert_eq!(c.gateway.agents.pool_policy.config().session_header(), Some("x-user"));
+
+        let err = |s: &str| GatewayConfig::from_toml(s).unwrap_err();
+        assert_eq!(err("[gateway.agents]\nttl_ms = 5\n").field, "gateway.agents.ttl_ms");
+        assert_eq!(err("[gateway.agents]\nttl_ms = \"x\"\n").field, "gateway.agents.ttl_ms");
+        assert_eq!(err("[gateway.agents]\nload_timeout_ms = 0\n").field, "gateway.agents.load_timeout_ms");
+        assert_eq!(err("[gateway.agents]\nbogus = 1\n").field, "gateway.agents.bogus");
+        let e = err("[gateway.agents]\npool_policy = \"fastest\"\n");
+        assert_eq!(e.field, "gateway.agents.pool_policy");
+        assert!(e.message.contains("kv_aware"), "{}", e.message);
+        assert_eq!(
+            err("[gateway.agents]\npool_policy = { policy = \"kv_aware\", load_penalty = -1.0 }\n").field,
+            "gateway.agents.pool_policy.load_penalty"
+        );
     }
 }

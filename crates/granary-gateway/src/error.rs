@@ -132,6 +132,29 @@ impl ApiError {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, ErrorType::ServerError, "no_upstream", message)
     }
 
+    /// 503 with `Retry-After`: an agent is loading the model and the wait
+    /// for it ran out (the load goes on).
+    pub fn model_loading(model: &str, retry_after: Duration) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorType::ServerError,
+            "model_loading",
+            format!("The model `{model}` is being loaded; try again shortly."),
+        )
+        .retry_after(retry_after)
+    }
+
+    /// 503 with `Retry-After`: no agent could load the model.
+    pub fn model_load_failed(model: &str, retry_after: Duration) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorType::ServerError,
+            "model_load_failed",
+            format!("The model `{model}` could not be loaded; try again later."),
+        )
+        .retry_after(retry_after)
+    }
+
     /// 504: the upstream did not answer in time.
     pub fn timeout(message: impl Into<String>) -> Self {
         Self::new(StatusCode::GATEWAY_TIMEOUT, ErrorType::ServerError, "upstream_timeout", message)

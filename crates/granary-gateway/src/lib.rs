@@ -8,7 +8,12 @@
 //! publish their blocks; the proxy, which streams the answer back without
 //! buffering and retries only before the first byte; and last an audit
 //! record and the metrics.
+//!
+//! The upstream set is not fixed: node agents ([`agents`]) report engines
+//! that join and leave it while the gateway runs, and load models on
+//! request.
 
+pub mod agents;
 pub mod config;
 pub mod error;
 pub mod identity;

@@ -3,8 +3,9 @@
 //!
 //! Label cardinality is bounded: tenants get their own label value up to a
 //! configured count (later ones are `other`), models only when configured or
-//! served by an upstream (else `unknown`), statuses are HTTP codes,
-//! upstreams come from the configuration.
+//! served by an upstream or loadable by an agent (else `unknown`), statuses
+//! are HTTP codes, upstreams come from the configuration or from agents'
+//! reports (admin-authenticated), and leave the exposition with the upstream.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -42,6 +43,10 @@ pub struct GatewayMetrics {
     pub routed_hit_blocks: Family<Labels, Counter>,
     pub routed_blocks: Family<Labels, Counter>,
     pub audit_dropped: Counter,
+    pub load_requests: Family<Labels, Counter>,
+    pub loads: Family<Labels, Counter>,
+    pub load_seconds: Family<Labels, Histogram>,
+    pub load_waiting: Gauge,
     tenants: RwLock<HashSet<String>>,
     max_tenants: usize,
     models: RwLock<HashSet<String>>,
@@ -49,6 +54,11 @@ pub struct GatewayMetrics {
 
 fn latency_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 20))
+}
+
+/// 50 ms to about 27 minutes.
+fn load_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(0.05, 2.0, 16))
 }
 
 impl GatewayMetrics {
@@ -73,6 +83,10 @@ impl GatewayMetrics {
             routed_hit_blocks: Family::default(),
             routed_blocks: Family::default(),
             audit_dropped: Counter::default(),
+            load_requests: Family::default(),
+            loads: Family::default(),
+            load_seconds: Family::new_with_constructor(load_buckets as fn() -> Histogram),
+            load_waiting: Gauge::default(),
             tenants: RwLock::new(HashSet::new()),
             max_tenants,
             models: RwLock::new(HashSet::new()),
@@ -116,6 +130,14 @@ impl GatewayMetrics {
         );
         registry.register(base(names::ROUTED_BLOCKS), "Prompt blocks of routed requests", m.routed_blocks.clone());
         registry.register(base(names::AUDIT_DROPPED), "Audit records dropped", m.audit_dropped.clone());
+        registry.register(base(names::MODEL_LOAD_REQUESTS), "Model loads asked of agents", m.load_requests.clone());
+        registry.register(base(names::MODEL_LOADS), "Model loads finished, by outcome", m.loads.clone());
+        registry.register(
+            names::MODEL_LOAD_SECONDS,
+            "Time from asking an agent for a model to its engine joining",
+            m.load_seconds.clone(),
+        );
+        registry.register(names::MODEL_LOAD_WAITING, "Requests held while their model loads", m.load_waiting.clone());
         // Queue gauges exist from the start (0 is news too).
         for p in crate::types::Priority::ALL {
             m.queue_waiting.get_or_create(&vec![("priority", p.as_str().to_string())]).set(0);
@@ -205,6 +227,9 @@ mod tests {
         m.queue_seconds.get_or_create(&labels(&[("priority", "standard")])).observe(0.0);
         m.routed_hit_blocks.get_or_create(&labels(&[("policy", "kv_aware")])).inc();
         m.routed_blocks.get_or_create(&labels(&[("policy", "kv_aware")])).inc();
+        m.load_requests.get_or_create(&labels(&[("model", "m")])).inc();
+        m.loads.get_or_create(&labels(&[("model", "m"), ("outcome", "succeeded")])).inc();
+        m.load_seconds.get_or_create(&labels(&[("model", "m")])).observe(3.0);
         let text = m.render();
         for name in names::ALL {
             assert!(text.contains(&format!("# TYPE {} ", base(name))), "{name} missing from:\n{text}");

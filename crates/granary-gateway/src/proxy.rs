@@ -1,10 +1,11 @@
 //! The request path: key → body → model access → limits → route → attempt
 //! (with retries before the first byte) → stream back → audit and metrics.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use arc_swap::ArcSwap;
 use axum::body::Body;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -12,9 +13,10 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use granary_core::hash::BlockHash;
 use granary_tokenizer::{ChatMessage, Tokenizer};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use serde_json::Value;
 
+use crate::agents::Agents;
 use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
 use crate::identity::{AuditRecord, Identity};
@@ -22,7 +24,7 @@ use crate::limits::Limiter;
 use crate::metrics::GatewayMetrics;
 use crate::routing::{build_policy, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
 use crate::types::Principal;
-use crate::upstream::{Slot, SseParser, Upstream, Upstreams};
+use crate::upstream::{Origin, Slot, SseParser, Upstream, Upstreams};
 
 /// The header carrying the tenant's KV namespace to engines (set by the
 /// gateway from the verified key; a client's own value is dropped).
@@ -46,12 +48,65 @@ impl Endpoint {
     }
 }
 
-struct Pool {
+/// A pool's lasting part: its configuration and its policy, whose state
+/// (rotation counters, approximate KV index) survives changes of the
+/// upstream set.
+pub(crate) struct Pool {
     cfg: PoolConfig,
-    members: Vec<usize>,
     policy: Arc<dyn Policy>,
     session_header: Option<HeaderName>,
     kv_aware: bool,
+}
+
+impl Pool {
+    fn new(cfg: PoolConfig, index: Arc<crate::routing::KvIndex>) -> anyhow::Result<Pool> {
+        let session_header = match cfg.routing.session_header() {
+            Some(h) => Some(
+                HeaderName::try_from(h.to_ascii_lowercase())
+                    .map_err(|_| anyhow::anyhow!("pool {}: bad session header {h:?}", cfg.name))?,
+            ),
+            None => None,
+        };
+        let kv_aware = matches!(cfg.routing, PolicyConfig::KvAware { .. });
+        let policy = build_policy(&cfg.routing, index);
+        Ok(Pool { cfg, policy, session_header, kv_aware })
+    }
+}
+
+/// A pool with its members as they are now.
+struct PoolView {
+    pool: Arc<Pool>,
+    members: Vec<Arc<Upstream>>,
+}
+
+/// What routing reads: every pool with its members, rebuilt whole when the
+/// upstream set changes and swapped in atomically, so a request sees one
+/// consistent picture and never takes a lock to get it.
+pub(crate) struct Topology {
+    pools: Vec<PoolView>,
+    /// Smooth weighted round robin state per model, over the pools that
+    /// may serve it (kept only for models with more than one such pool).
+    selectors: Mutex<HashMap<String, PoolSelector>>,
+}
+
+impl Topology {
+    /// Some pool has a member serving `model` (routable or not).
+    pub(crate) fn serves(&self, model: &str) -> bool {
+        self.pools.iter().any(|p| pool_serves(&p.pool, model) && p.members.iter().any(|u| u.serves(model)))
+    }
+
+    /// The pools that may serve `model`, in the order to try them.
+    pub(crate) fn pool_order(&self, model: &str) -> Vec<usize> {
+        let eligible: Vec<usize> = (0..self.pools.len()).filter(|&i| pool_serves(&self.pools[i].pool, model)).collect();
+        if eligible.len() <= 1 {
+            return eligible;
+        }
+        let mut selectors = self.selectors.lock();
+        let sel = selectors.entry(model.to_string()).or_insert_with(|| {
+            PoolSelector::new(&eligible.iter().map(|&i| self.pools[i].pool.cfg.weight).collect::<Vec<_>>())
+        });
+        sel.order().into_iter().map(|k| eligible[k]).collect()
+    }
 }
 
 /// The gateway: everything a request needs, shared by every request.
@@ -61,8 +116,13 @@ pub struct Gateway {
     pub limiter: Limiter,
     pub upstreams: Arc<Upstreams>,
     pub metrics: Arc<GatewayMetrics>,
-    pools: Vec<Pool>,
-    selector: PoolSelector,
+    /// Configured pools and the names of their members.
+    configured: Vec<(Arc<Pool>, Vec<String>)>,
+    /// One pool per model for agents' engines, kept while it has members.
+    agent_pools: Mutex<HashMap<String, Arc<Pool>>>,
+    topology: ArcSwap<Topology>,
+    rebuilding: Mutex<()>,
+    pub(crate) agents: Agents,
     admission: Arc<Admission>,
     tokenizers: RwLock<HashMap<String, TokenizerSlot>>,
 }
@@ -79,48 +139,113 @@ impl Gateway {
         config.validate()?;
         let metrics = GatewayMetrics::new(config.gateway.metrics_max_tenants);
         let upstreams = Arc::new(Upstreams::new(&config.gateway, &config.upstreams, metrics.clone())?);
-        let mut pools = Vec::new();
+        let mut configured = Vec::new();
         for p in config.effective_pools() {
-            let members = p.upstreams.iter().filter_map(|n| upstreams.by_name(n).map(|u| u.index)).collect::<Vec<_>>();
-            let session_header = match p.routing.session_header() {
-                Some(h) => Some(
-                    HeaderName::try_from(h.to_ascii_lowercase())
-                        .map_err(|_| anyhow::anyhow!("pool {}: bad session header {h:?}", p.name))?,
-                ),
-                None => None,
-            };
-            let kv_aware = matches!(p.routing, PolicyConfig::KvAware { .. });
-            let policy = build_policy(&p.routing, upstreams.index.clone());
-            pools.push(Pool { cfg: p, members, policy, session_header, kv_aware });
+            let names = p.upstreams.clone();
+            configured.push((Arc::new(Pool::new(p, upstreams.index.clone())?), names));
         }
-        let weights: Vec<u32> = pools.iter().map(|p| p.cfg.weight).collect();
-        Ok(Arc::new(Gateway {
+        // The agents' pools' policy must build too.
+        let agents_cfg = config.gateway.agents.clone();
+        Pool::new(agent_pool_config("check", &agents_cfg), upstreams.index.clone())?;
+        let gw = Arc::new(Gateway {
             cfg: config.gateway.clone(),
             identity,
             limiter,
             upstreams,
+            agents: Agents::new(agents_cfg),
             metrics,
-            selector: PoolSelector::new(&weights),
-            pools,
+            configured,
+            agent_pools: Mutex::new(HashMap::new()),
+            topology: ArcSwap::from_pointee(Topology { pools: vec![], selectors: Mutex::new(HashMap::new()) }),
+            rebuilding: Mutex::new(()),
             admission: Arc::new(Admission::new()),
             tokenizers: RwLock::new(HashMap::new()),
-        }))
+        });
+        gw.rebuild();
+        Ok(gw)
     }
 
-    /// Models a principal may use: the union of what healthy upstreams serve,
-    /// filtered by the key's allow-list.
+    /// Rebuilds the routing picture from the current upstream set; called
+    /// after every change to it.
+    pub(crate) fn rebuild(&self) {
+        let _g = self.rebuilding.lock();
+        let list = self.upstreams.list();
+        let by_name: HashMap<&str, &Arc<Upstream>> = list.iter().map(|u| (u.name(), u)).collect();
+        let mut pools: Vec<PoolView> = self
+            .configured
+            .iter()
+            .map(|(pool, names)| PoolView {
+                pool: pool.clone(),
+                members: names.iter().filter_map(|n| by_name.get(n.as_str()).map(|u| (*u).clone())).collect(),
+            })
+            .collect();
+        let mut by_model: BTreeMap<&str, Vec<Arc<Upstream>>> = BTreeMap::new();
+        for u in list.iter() {
+            if let Origin::Agent { model, .. } = &u.origin {
+                by_model.entry(model.as_str()).or_default().push(u.clone());
+            }
+        }
+        let mut agent_pools = self.agent_pools.lock();
+        // Pools whose last member left go, forgetting what their policy learnt.
+        agent_pools.retain(|m, _| by_model.contains_key(m.as_str()));
+        for (model, members) in by_model {
+            let pool = match agent_pools.get(model) {
+                Some(p) => p.clone(),
+                None => {
+                    let cfg = agent_pool_config(model, &self.agents.cfg);
+                    match Pool::new(cfg, self.upstreams.index.clone()) {
+                        Ok(p) => {
+                            let p = Arc::new(p);
+                            agent_pools.insert(model.to_string(), p.clone());
+                            p
+                        }
+                        Err(e) => {
+                            tracing::error!(model, error = %e, "cannot build the agents' pool");
+                            continue;
+                        }
+                    }
+                }
+            };
+            pools.push(PoolView { pool, members });
+        }
+        drop(agent_pools);
+        self.topology.store(Arc::new(Topology { pools, selectors: Mutex::new(HashMap::new()) }));
+    }
+
+    /// The routing picture now.
+    pub(crate) fn topology(&self) -> Arc<Topology> {
+        self.topology.load_full()
+    }
+
+    /// Takes an upstream out of the set and out of routing.
+    pub(crate) fn remove_upstream(&self, id: usize) {
+        if self.upstreams.remove(id).is_some() {
+            for (pool, _) in &self.configured {
+                pool.policy.forget(id);
+            }
+            for pool in self.agent_pools.lock().values() {
+                pool.policy.forget(id);
+            }
+        }
+    }
+
+    /// Models a principal may use: the union of what upstreams serve (and
+    /// of what live agents can load), filtered by the key's allow-list.
     pub fn models_for(&self, p: &Principal) -> Vec<String> {
-        let mut all: Vec<String> = self.upstreams.list.iter().flat_map(|u| u.models()).collect();
+        let topo = self.topology();
+        let mut all: Vec<String> =
+            topo.pools.iter().flat_map(|pool| pool.members.iter()).flat_map(|u| u.models()).collect();
+        all.retain(|m| topo.pools.iter().any(|pool| pool_serves(&pool.pool, m)));
+        all.extend(self.agents.loadable_models());
         all.sort();
         all.dedup();
-        all.retain(|m| p.may_use(m) && self.pools.iter().any(|pool| pool_serves(pool, m)));
+        all.retain(|m| p.may_use(m));
         all
     }
 
-    fn serves(&self, model: &str) -> bool {
-        self.pools
-            .iter()
-            .any(|p| pool_serves(p, model) && p.members.iter().any(|&i| self.upstreams.get(i).serves(model)))
+    /// Some upstream serves `model` now (routable or not).
+    pub fn serves(&self, model: &str) -> bool {
+        self.topology().serves(model)
     }
 
     /// The model's tokenizer, fetched once from an upstream that serves it
@@ -149,6 +274,17 @@ impl Gateway {
             gw.tokenizers.write().insert(model, slot);
         });
         None
+    }
+}
+
+/// The implicit pool of agents' engines serving `model`.
+fn agent_pool_config(model: &str, cfg: &crate::config::AgentsConfig) -> PoolConfig {
+    PoolConfig {
+        name: format!("agents:{model}"),
+        upstreams: vec![],
+        models: vec![model.to_string()],
+        routing: cfg.pool_policy.config(),
+        weight: 100,
     }
 }
 
@@ -488,8 +624,11 @@ async fn serve(
             Endpoint::Completions => parsed.body.get("prompt").map(Value::to_string).unwrap_or_default(),
         });
     }
-    // 3. May this key use the model, and does anyone serve it?
-    if !principal.may_use(&parsed.model) || !gw.serves(&parsed.model) {
+    // 3. May this key use the model, and does anyone serve it (or can an
+    // agent load it)?
+    let mut topo = gw.topology();
+    let served = topo.serves(&parsed.model);
+    if !principal.may_use(&parsed.model) || (!served && !gw.agents.can_load(&parsed.model)) {
         reject("model");
         return Err(ApiError::model_not_found(&parsed.model));
     }
@@ -510,7 +649,12 @@ async fn serve(
             o.insert("include_usage".into(), Value::Bool(true));
         }
     }
-    let plan = route(gw, endpoint, &parsed, &principal, headers);
+    // Nobody serves it yet: an agent loads it while the request waits.
+    if !served {
+        gw.load_model(&parsed.model).await?;
+        topo = gw.topology();
+    }
+    let plan = route(gw, &topo, endpoint, &parsed, &principal, headers);
     if plan.is_empty() {
         return Err(ApiError::unavailable(format!("No upstream for model `{}` is available right now.", parsed.model)));
     }
@@ -525,24 +669,30 @@ async fn serve(
 /// One routing choice: the upstream to try, and for disaggregated pools the
 /// prefill engines to run first.
 struct Choice {
-    upstream: usize,
-    prefill: Option<Vec<usize>>,
+    upstream: Arc<Upstream>,
+    prefill: Option<Vec<Arc<Upstream>>>,
 }
 
-fn route(gw: &Arc<Gateway>, endpoint: Endpoint, parsed: &Parsed, p: &Principal, headers: &HeaderMap) -> Vec<Choice> {
+/// The upstreams of `list` in the order of `ids` (a policy's ranking).
+fn in_order(ids: &[usize], list: &[&Arc<Upstream>]) -> Vec<Arc<Upstream>> {
+    ids.iter().filter_map(|id| list.iter().find(|u| u.id == *id).map(|u| (*u).clone())).collect()
+}
+
+fn route(
+    gw: &Arc<Gateway>,
+    topo: &Topology,
+    endpoint: Endpoint,
+    parsed: &Parsed,
+    p: &Principal,
+    headers: &HeaderMap,
+) -> Vec<Choice> {
     let mut plan: Vec<Choice> = Vec::new();
     let mut blocks_cache: Option<Vec<BlockHash>> = None;
-    for pi in gw.selector.order() {
-        let Some(pool) = gw.pools.get(pi) else { continue };
-        if !pool_serves(pool, &parsed.model) {
-            continue;
-        }
-        let serving: Vec<&Arc<Upstream>> = pool
-            .members
-            .iter()
-            .map(|&i| gw.upstreams.get(i))
-            .filter(|u| u.serves(&parsed.model) && u.is_routable())
-            .collect();
+    for pi in topo.pool_order(&parsed.model) {
+        let Some(view) = topo.pools.get(pi) else { continue };
+        let pool = &view.pool;
+        let serving: Vec<&Arc<Upstream>> =
+            view.members.iter().filter(|u| u.serves(&parsed.model) && u.is_routable()).collect();
         let decoders: Vec<&Arc<Upstream>> = serving.iter().copied().filter(|u| u.role() != Role::Prefill).collect();
         let prefillers: Vec<&Arc<Upstream>> = serving.iter().copied().filter(|u| u.role() == Role::Prefill).collect();
         if decoders.is_empty() {
@@ -561,7 +711,7 @@ fn route(gw: &Arc<Gateway>, endpoint: Endpoint, parsed: &Parsed, p: &Principal, 
         let cands = |list: &[&Arc<Upstream>]| -> Vec<Candidate> {
             list.iter()
                 .map(|u| Candidate {
-                    index: u.index,
+                    index: u.id,
                     active: u.active.load(std::sync::atomic::Ordering::Relaxed),
                     max_active: u.cfg.max_active,
                     publishes_events: u.cfg.kv_events && u.kv_info().is_some(),
@@ -569,7 +719,11 @@ fn route(gw: &Arc<Gateway>, endpoint: Endpoint, parsed: &Parsed, p: &Principal, 
                 .collect()
         };
         let ranked = pool.policy.rank(&req, &cands(&decoders));
-        let prefill = if prefillers.is_empty() { None } else { Some(pool.policy.rank(&req, &cands(&prefillers))) };
+        let prefill = if prefillers.is_empty() {
+            None
+        } else {
+            Some(in_order(&pool.policy.rank(&req, &cands(&prefillers)), &prefillers))
+        };
         if let Some(&first) = ranked.first() {
             pool.policy.routed(&req, first);
             let policy = pool.policy.name().to_string();
@@ -579,8 +733,8 @@ fn route(gw: &Arc<Gateway>, endpoint: Endpoint, parsed: &Parsed, p: &Principal, 
                 gw.metrics.routed_hit_blocks.get_or_create(&vec![("policy", policy)]).inc_by(hit as u64);
             }
         }
-        for u in ranked {
-            if !plan.iter().any(|c| c.upstream == u) {
+        for u in in_order(&ranked, &decoders) {
+            if !plan.iter().any(|c| c.upstream.id == u.id) {
                 plan.push(Choice { upstream: u, prefill: prefill.clone() });
             }
         }
@@ -609,8 +763,8 @@ fn prompt_blocks(
 
 /// Takes a slot on the first upstream of `order` with room; waits (by
 /// priority) when all are full.
-async fn acquire(gw: &Arc<Gateway>, order: &[usize], p: &Principal) -> Result<Slot, ApiError> {
-    let try_take = || order.iter().find_map(|&i| gw.upstreams.get(i).try_acquire());
+async fn acquire(gw: &Arc<Gateway>, order: &[Arc<Upstream>], p: &Principal) -> Result<Slot, ApiError> {
+    let try_take = || order.iter().find_map(|u| u.try_acquire());
     let slot = match try_take() {
         Some(s) => s,
         None => {
@@ -667,7 +821,7 @@ async fn prefill_first(
     parsed: &Parsed,
     p: &Principal,
     out: &Outcome,
-    order: &[usize],
+    order: &[Arc<Upstream>],
 ) {
     let mut body = parsed.body.clone();
     body.insert("stream".into(), Value::Bool(false));
@@ -705,17 +859,17 @@ async fn attempt_all(
     plan: Vec<Choice>,
     payload: Bytes,
 ) -> Result<Response, ApiError> {
-    let order: Vec<usize> = plan.iter().map(|c| c.upstream).collect();
+    let order: Vec<Arc<Upstream>> = plan.into_iter().map(|c| c.upstream).collect();
     let mut tried: Vec<usize> = Vec::new();
     let mut backoff = Duration::from_millis(gw.cfg.retry_backoff_ms);
     let mut last = String::new();
     for attempt in 0..gw.cfg.max_attempts {
         // Prefer upstreams not tried yet; come back to tried ones only when
         // nothing else is left.
-        let fresh: Vec<usize> = order.iter().copied().filter(|i| !tried.contains(i)).collect();
-        let candidates: Vec<usize> = if fresh.is_empty() { order.clone() } else { fresh };
-        let candidates: Vec<usize> =
-            candidates.into_iter().filter(|&i| gw.upstreams.get(i).breaker.is_available()).collect();
+        let fresh: Vec<Arc<Upstream>> = order.iter().filter(|u| !tried.contains(&u.id)).cloned().collect();
+        let candidates: Vec<Arc<Upstream>> = if fresh.is_empty() { order.clone() } else { fresh };
+        let candidates: Vec<Arc<Upstream>> =
+            candidates.into_iter().filter(|u| u.breaker.is_available() && !u.is_removed()).collect();
         if candidates.is_empty() {
             break;
         }
@@ -729,7 +883,7 @@ async fn attempt_all(
         if !up.breaker.allow() {
             continue;
         }
-        tried.push(up.index);
+        tried.push(up.id);
         out.rec.upstream = Some(up.name().to_string());
         match attempt_one(gw, out, endpoint, parsed, p, slot, payload.clone()).await {
             Ok(resp) => return Ok(resp),

@@ -46,6 +46,7 @@ pub fn router(gw: Arc<Gateway>, admin: Option<AdminToken>) -> Router {
         .route("/metrics", get(metrics))
         .with_state(gw.clone());
     if let Some(token) = admin.clone() {
+        app = app.merge(crate::agents::admin_routes(gw.clone(), token.clone()));
         app = app.merge(admin_router(gw.identity.clone(), token));
     } else {
         app = app.route("/admin/v1/{*rest}", axum::routing::any(admin_disabled));
@@ -100,14 +101,21 @@ async fn models(State(gw): State<Arc<Gateway>>, headers: HeaderMap) -> Response 
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-/// 200 while at least one upstream is routable, else 503 (load balancers
-/// in front of gateway replicas use it).
+/// 200 while at least one upstream is routable or a live agent can load
+/// models, else 503 (load balancers in front of gateway replicas use it).
 async fn health(State(gw): State<Arc<Gateway>>) -> Response {
-    let up = gw.upstreams.list.iter().filter(|u| u.is_routable()).count();
-    let total = gw.upstreams.list.len();
-    let status = if up > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({"status": if up > 0 { "ok" } else { "no_upstream" }, "upstreams_up": up, "upstreams": total})))
-        .into_response()
+    let list = gw.upstreams.list();
+    let up = list.iter().filter(|u| u.is_routable()).count();
+    let agents = gw.agents.count();
+    let ok = up > 0 || agents > 0;
+    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = json!({
+        "status": if ok { "ok" } else { "no_upstream" },
+        "upstreams_up": up,
+        "upstreams": list.len(),
+        "agents": agents,
+    });
+    (status, Json(body)).into_response()
 }
 
 async fn metrics(
@@ -122,7 +130,7 @@ async fn metrics(
         }
         None => return ApiError::forbidden("admin_disabled", "No admin token is configured.").into_response(),
     }
-    for u in &gw.upstreams.list {
+    for u in gw.upstreams.list().iter() {
         u.export();
     }
     (

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use arc_swap::ArcSwap;
 use futures::StreamExt;
 use granary_core::hash::{HashChain, KvLayout};
 use parking_lot::{Mutex, RwLock};
@@ -138,10 +139,23 @@ impl KvInfo {
     }
 }
 
+/// Where an upstream came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// An `[[upstream]]` section or `--upstream` flag: there for the gateway's life.
+    Config,
+    /// An engine a node agent reported (or loaded on request); it leaves when
+    /// the agent's report drops it or the agent stops reporting.
+    Agent { agent_id: String, model: String },
+}
+
 /// One upstream engine.
 pub struct Upstream {
-    pub index: usize,
+    /// A number unique for the gateway's life, never reused after the
+    /// upstream leaves: the key of its KV index entries and routing state.
+    pub id: usize,
     pub cfg: UpstreamConfig,
+    pub origin: Origin,
     pub client: reqwest::Client,
     /// `Authorization` value for requests to it, from `api_key_env`.
     pub auth: Option<String>,
@@ -149,12 +163,62 @@ pub struct Upstream {
     pub active: AtomicUsize,
     up: AtomicBool,
     checked: AtomicBool,
+    /// What its agent last said of its health (configured upstreams: always true).
+    reported_healthy: AtomicBool,
+    /// Left the upstream set: its metric series are gone and stay gone.
+    removed: AtomicBool,
+    /// Stops its health checker and KV event follower.
+    stop: CancellationToken,
     models: RwLock<Vec<String>>,
     kv: RwLock<Option<KvInfo>>,
     metrics: Arc<GatewayMetrics>,
 }
 
+/// Attempt outcomes, as counted in `granary_gateway_upstream_attempts_total`.
+const OUTCOMES: [&str; 6] = ["ok", "connect_error", "timeout", "status_5xx", "status_4xx", "bad_response"];
+
 impl Upstream {
+    fn build(
+        id: usize,
+        cfg: UpstreamConfig,
+        origin: Origin,
+        section: &GatewaySection,
+        metrics: Arc<GatewayMetrics>,
+        stop: CancellationToken,
+    ) -> Result<Upstream> {
+        let auth = match &cfg.api_key_env {
+            Some(var) => Some(format!(
+                "Bearer {}",
+                std::env::var(var)
+                    .with_context(|| format!("upstream {}: environment variable {var} is not set", cfg.name))?
+            )),
+            None => None,
+        };
+        let client = build_client(section, cfg.tls.as_ref()).with_context(|| format!("upstream {}", cfg.name))?;
+        for m in &cfg.models {
+            metrics.know_model(m);
+        }
+        let u = Upstream {
+            id,
+            client,
+            auth,
+            origin,
+            breaker: Breaker::new(section.breaker.clone()),
+            active: AtomicUsize::new(0),
+            up: AtomicBool::new(false),
+            checked: AtomicBool::new(false),
+            reported_healthy: AtomicBool::new(true),
+            removed: AtomicBool::new(false),
+            stop,
+            models: RwLock::new(cfg.models.clone()),
+            kv: RwLock::new(None),
+            metrics,
+            cfg,
+        };
+        u.export();
+        Ok(u)
+    }
+
     pub fn name(&self) -> &str {
         &self.cfg.name
     }
@@ -169,9 +233,27 @@ impl Upstream {
         self.up.load(Ordering::Relaxed) || !self.checked.load(Ordering::Relaxed)
     }
 
-    /// Can take a request now: up and the breaker lets traffic through.
+    /// Can take a request now: up, reported healthy by its agent (if it has
+    /// one), and the breaker lets traffic through.
     pub fn is_routable(&self) -> bool {
-        self.is_up() && self.breaker.is_available()
+        self.reported_healthy() && self.is_up() && self.breaker.is_available()
+    }
+
+    /// What its agent last reported (configured upstreams: true).
+    pub fn reported_healthy(&self) -> bool {
+        self.reported_healthy.load(Ordering::Relaxed)
+    }
+
+    pub fn set_reported_healthy(&self, healthy: bool) {
+        let was = self.reported_healthy.swap(healthy, Ordering::Relaxed);
+        if was != healthy {
+            tracing::info!(upstream = %self.cfg.name, healthy, "agent reports the engine's health");
+        }
+    }
+
+    /// Still in the upstream set.
+    pub fn is_removed(&self) -> bool {
+        self.removed.load(Ordering::Relaxed)
     }
 
     pub fn serves(&self, model: &str) -> bool {
@@ -194,8 +276,12 @@ impl Upstream {
         vec![("upstream", self.cfg.name.clone())]
     }
 
-    /// Publishes health, breaker and load gauges.
+    /// Publishes health, breaker and load gauges (nothing once removed, so
+    /// a request finishing late does not bring its series back).
     pub fn export(&self) {
+        if self.is_removed() {
+            return;
+        }
         self.metrics.upstream_up.get_or_create(&self.labels()).set(i64::from(self.up.load(Ordering::Relaxed)));
         self.metrics.breaker_state.get_or_create(&self.labels()).set(self.breaker.view() as i64);
         self.metrics.upstream_active.get_or_create(&self.labels()).set(self.active.load(Ordering::Relaxed) as i64);
@@ -203,10 +289,24 @@ impl Upstream {
 
     /// Counts an attempt's outcome (`ok`, `connect_error`, `timeout`, `status_5xx`, `status_4xx`, `bad_response`).
     pub fn attempt(&self, outcome: &'static str) {
+        if self.is_removed() {
+            return;
+        }
         self.metrics
             .attempts
             .get_or_create(&vec![("upstream", self.cfg.name.clone()), ("outcome", outcome.into())])
             .inc();
+    }
+
+    /// Drops its metric series (it left the set).
+    fn unexport(&self) {
+        let labels = self.labels();
+        self.metrics.upstream_up.remove(&labels);
+        self.metrics.breaker_state.remove(&labels);
+        self.metrics.upstream_active.remove(&labels);
+        for outcome in OUTCOMES {
+            self.metrics.attempts.remove(&vec![("upstream", self.cfg.name.clone()), ("outcome", outcome.to_string())]);
+        }
     }
 
     /// Takes a slot if the upstream has room (`max_active` 0: unbounded).
@@ -294,10 +394,20 @@ impl Drop for Slot {
 }
 
 /// Every upstream, plus the tasks that watch them.
+///
+/// The set changes at runtime (agents' engines come and go), so readers
+/// take a snapshot ([`Upstreams::list`]): an `Arc` of the current list,
+/// swapped whole on each change, read without locking. Changes are rare and
+/// serialised; each replaces the list.
 pub struct Upstreams {
-    pub list: Vec<Arc<Upstream>>,
+    current: ArcSwap<Vec<Arc<Upstream>>>,
     pub index: Arc<KvIndex>,
     metrics: Arc<GatewayMetrics>,
+    section: GatewaySection,
+    next_id: AtomicUsize,
+    /// Parent of every upstream's own stop token.
+    stop: CancellationToken,
+    changes: Mutex<()>,
 }
 
 fn build_client(section: &GatewaySection, tls: Option<&UpstreamTls>) -> Result<reqwest::Client> {
@@ -323,52 +433,79 @@ fn read(p: &Path) -> Result<Vec<u8>> {
 
 impl Upstreams {
     pub fn new(section: &GatewaySection, configs: &[UpstreamConfig], metrics: Arc<GatewayMetrics>) -> Result<Self> {
+        let stop = CancellationToken::new();
         let mut list = Vec::with_capacity(configs.len());
-        for (index, cfg) in configs.iter().enumerate() {
-            let auth = match &cfg.api_key_env {
-                Some(var) => Some(format!(
-                    "Bearer {}",
-                    std::env::var(var)
-                        .with_context(|| format!("upstream {}: environment variable {var} is not set", cfg.name))?
-                )),
-                None => None,
-            };
-            let client = build_client(section, cfg.tls.as_ref()).with_context(|| format!("upstream {}", cfg.name))?;
-            let u = Upstream {
-                index,
-                cfg: cfg.clone(),
-                client,
-                auth,
-                breaker: Breaker::new(section.breaker.clone()),
-                active: AtomicUsize::new(0),
-                up: AtomicBool::new(false),
-                checked: AtomicBool::new(false),
-                models: RwLock::new(cfg.models.clone()),
-                kv: RwLock::new(None),
-                metrics: metrics.clone(),
-            };
-            for m in &cfg.models {
-                metrics.know_model(m);
-            }
-            u.export();
+        for (id, cfg) in configs.iter().enumerate() {
+            let u = Upstream::build(id, cfg.clone(), Origin::Config, section, metrics.clone(), stop.child_token())?;
             list.push(Arc::new(u));
         }
-        Ok(Upstreams { list, index: Arc::new(KvIndex::new()), metrics })
+        Ok(Upstreams {
+            next_id: AtomicUsize::new(list.len()),
+            current: ArcSwap::from_pointee(list),
+            index: Arc::new(KvIndex::new()),
+            metrics,
+            section: section.clone(),
+            stop,
+            changes: Mutex::new(()),
+        })
     }
 
-    pub fn get(&self, index: usize) -> &Arc<Upstream> {
-        &self.list[index]
+    /// The current set (a snapshot: later changes do not show in it).
+    pub fn list(&self) -> Arc<Vec<Arc<Upstream>>> {
+        self.current.load_full()
     }
 
-    pub fn by_name(&self, name: &str) -> Option<&Arc<Upstream>> {
-        self.list.iter().find(|u| u.cfg.name == name)
+    pub fn by_name(&self, name: &str) -> Option<Arc<Upstream>> {
+        self.current.load().iter().find(|u| u.cfg.name == name).cloned()
+    }
+
+    pub fn by_id(&self, id: usize) -> Option<Arc<Upstream>> {
+        self.current.load().iter().find(|u| u.id == id).cloned()
+    }
+
+    /// Adds an upstream at runtime and starts watching it (health checks
+    /// from now, KV events); it is routable until a check says otherwise.
+    /// Its name must not be taken.
+    pub fn add(&self, cfg: UpstreamConfig, origin: Origin) -> Result<Arc<Upstream>> {
+        let _g = self.changes.lock();
+        let cur = self.current.load_full();
+        anyhow::ensure!(!cur.iter().any(|u| u.cfg.name == cfg.name), "upstream {} already exists", cfg.name);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let u =
+            Arc::new(Upstream::build(id, cfg, origin, &self.section, self.metrics.clone(), self.stop.child_token())?);
+        let mut next = Vec::with_capacity(cur.len() + 1);
+        next.extend(cur.iter().cloned());
+        next.push(u.clone());
+        self.current.store(Arc::new(next));
+        self.watch(&u, &self.section, Duration::ZERO);
+        tracing::info!(upstream = %u.cfg.name, url = %u.cfg.url, "upstream added");
+        Ok(u)
+    }
+
+    /// Takes an upstream out of the set: its watchers stop, what the KV
+    /// index knew of it is forgotten, its metric series go. Requests already
+    /// on it finish.
+    pub fn remove(&self, id: usize) -> Option<Arc<Upstream>> {
+        let _g = self.changes.lock();
+        let cur = self.current.load_full();
+        let gone = cur.iter().find(|u| u.id == id)?.clone();
+        let next: Vec<Arc<Upstream>> = cur.iter().filter(|u| u.id != id).cloned().collect();
+        self.current.store(Arc::new(next));
+        gone.removed.store(true, Ordering::Relaxed);
+        gone.stop.cancel();
+        self.index.forget(id);
+        self.metrics.kv_index_blocks.set(self.index.total_blocks() as i64);
+        gone.unexport();
+        tracing::info!(upstream = %gone.cfg.name, "upstream removed");
+        Some(gone)
     }
 
     /// Checks every upstream once (models, KV config, health), so the
     /// gateway starts knowing what it can route.
     pub async fn probe_all(&self, section: &GatewaySection) {
         let timeout = Duration::from_millis(section.health.timeout_ms);
-        futures::future::join_all(self.list.iter().map(|u| async move {
+        let list = self.list();
+        futures::future::join_all(list.iter().map(|u| async move {
             let ok = u.check_health(timeout).await;
             u.checked.store(true, Ordering::Relaxed);
             u.up.store(ok, Ordering::Relaxed);
@@ -384,26 +521,39 @@ impl Upstreams {
         .await;
     }
 
-    /// Starts the health checkers and KV event followers; they stop with `stop`.
+    /// Starts the health checkers and KV event followers of the upstreams
+    /// there now (those added later get theirs when added); all stop with
+    /// `stop`.
     pub fn spawn_watchers(self: &Arc<Self>, section: &GatewaySection, stop: CancellationToken) {
-        for u in &self.list {
-            let interval = Duration::from_millis(section.health.interval_ms);
-            let timeout = Duration::from_millis(section.health.timeout_ms);
-            tokio::spawn(health_loop(u.clone(), interval, timeout, stop.clone()));
-            if u.cfg.kv_events {
-                tokio::spawn(follow_events(u.clone(), self.index.clone(), self.metrics.clone(), stop.clone()));
-            }
+        let mine = self.stop.clone();
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            mine.cancel();
+        });
+        for u in self.list().iter() {
+            self.watch(u, section, Duration::from_millis(section.health.interval_ms));
+        }
+    }
+
+    fn watch(&self, u: &Arc<Upstream>, section: &GatewaySection, first_check: Duration) {
+        let interval = Duration::from_millis(section.health.interval_ms);
+        let timeout = Duration::from_millis(section.health.timeout_ms);
+        tokio::spawn(health_loop(u.clone(), first_check, interval, timeout));
+        if u.cfg.kv_events {
+            tokio::spawn(follow_events(u.clone(), self.index.clone(), self.metrics.clone()));
         }
     }
 }
 
-async fn health_loop(u: Arc<Upstream>, interval: Duration, timeout: Duration, stop: CancellationToken) {
+async fn health_loop(u: Arc<Upstream>, first: Duration, interval: Duration, timeout: Duration) {
     let mut since_refresh = Duration::MAX;
+    let mut wait = first;
     loop {
         tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
+            _ = u.stop.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
         }
+        wait = interval;
         let ok = u.check_health(timeout).await;
         let was_up = u.up.swap(ok, Ordering::Relaxed);
         u.checked.store(true, Ordering::Relaxed);
@@ -433,8 +583,10 @@ async fn health_loop(u: Arc<Upstream>, interval: Duration, timeout: Duration, st
 /// Follows `GET /v1/kv/events` (SSE), applying events to the index. When
 /// the stream drops, what the index knew of this upstream is forgotten
 /// (it may have restarted empty) and the follower reconnects with backoff;
-/// the engine sends a snapshot of its blocks on connect.
-async fn follow_events(u: Arc<Upstream>, index: Arc<KvIndex>, metrics: Arc<GatewayMetrics>, stop: CancellationToken) {
+/// the engine sends a snapshot of its blocks on connect. When the upstream
+/// leaves the set the follower stops and forgets it too.
+async fn follow_events(u: Arc<Upstream>, index: Arc<KvIndex>, metrics: Arc<GatewayMetrics>) {
+    let stop = u.stop.clone();
     let mut backoff = Duration::from_millis(200);
     loop {
         let started = Instant::now();
@@ -445,28 +597,34 @@ async fn follow_events(u: Arc<Upstream>, index: Arc<KvIndex>, metrics: Arc<Gatew
             while let Some(chunk) = body.next().await {
                 for data in parser.push(&chunk?) {
                     match serde_json::from_str::<KvEventMsg>(&data) {
-                        Ok(ev) => index.apply(u.index, &ev),
+                        Ok(ev) => index.apply(u.id, &ev),
                         Err(e) => tracing::debug!(upstream = %u.cfg.name, error = %e, "unreadable KV event"),
                     }
                 }
-                metrics.kv_index_blocks.set(index.blocks(u.index) as i64);
+                metrics.kv_index_blocks.set(index.total_blocks() as i64);
             }
             anyhow::Ok(())
         };
         tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => {
+                index.forget(u.id);
+                return;
+            }
             r = run => {
                 if let Err(e) = r {
                     tracing::debug!(upstream = %u.cfg.name, error = %e, "KV event stream ended");
                 }
             }
         }
-        index.forget(u.index);
+        index.forget(u.id);
         if started.elapsed() > Duration::from_secs(10) {
             backoff = Duration::from_millis(200);
         }
         tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => {
+                index.forget(u.id);
+                return;
+            }
             _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(Duration::from_secs(5));

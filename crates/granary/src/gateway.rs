@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 pub struct GatewayArgs {
     #[command(subcommand)]
     pub sub: Option<GatewaySub>,
-    /// TOML config file: [gateway], [[upstream]], [[pool]].
+    /// TOML config file: [gateway] (with [gateway.agents]), [[upstream]], [[pool]].
     #[arg(long, short)]
     pub config: Option<PathBuf>,
     /// Listen address [default: 127.0.0.1:8080].
@@ -109,8 +109,10 @@ pub async fn run(args: GatewayArgs) -> Result<()> {
         pools[0].routing = policy;
         cfg.pools = pools;
     }
-    if cfg.upstreams.is_empty() {
-        anyhow::bail!("no upstreams: pass --upstream URL or list [[upstream]] sections in --config");
+    if cfg.upstreams.is_empty() && !cfg.gateway.agents.enabled {
+        anyhow::bail!(
+            "no upstreams: pass --upstream URL, list [[upstream]] sections in --config, or let node agents report engines ([gateway.agents] enabled)"
+        );
     }
     cfg.validate()?;
     serve(cfg).await
@@ -136,17 +138,25 @@ async fn serve(cfg: GatewayConfig) -> Result<()> {
             None
         }
     };
+    if cfg.upstreams.is_empty() && admin.is_none() {
+        anyhow::bail!(
+            "no upstreams, and node agents cannot report engines without the admin token: set {}",
+            g.admin_token_env
+        );
+    }
     let gw = Gateway::new(&cfg, identity.clone(), limiter)?;
     gw.upstreams.probe_all(g).await;
     let stop = CancellationToken::new();
     gw.upstreams.spawn_watchers(g, stop.clone());
+    let agents_on = g.agents.enabled && admin.is_some();
     let app = granary_gateway::server::router(gw.clone(), admin);
     let listener = tokio::net::TcpListener::bind(g.listen).await.with_context(|| format!("binding {}", g.listen))?;
     let addr = listener.local_addr()?;
     let scheme = if g.tls.is_some() { "https" } else { "http" };
     println!(
-        "granary: gateway on {scheme}://{addr}/v1 ({} upstreams, database {}, limits {})",
+        "granary: gateway on {scheme}://{addr}/v1 ({} upstreams, agents {}, database {}, limits {})",
         cfg.upstreams.len(),
+        if agents_on { "on" } else { "off" },
         identity.backend(),
         gw.limiter.backend()
     );

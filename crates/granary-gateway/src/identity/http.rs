@@ -77,6 +77,11 @@ pub fn admin_router(identity: Identity, token: AdminToken) -> Router {
 }
 
 async fn require_token(State(state): State<AdminState>, req: Request, next: Next) -> Response {
+    require_admin(State(state.token), req, next).await
+}
+
+/// Middleware: the request must carry `Authorization: Bearer <admin token>`.
+pub(crate) async fn require_admin(State(token): State<AdminToken>, req: Request, next: Next) -> Response {
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
@@ -85,7 +90,7 @@ async fn require_token(State(state): State<AdminState>, req: Request, next: Next
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| token.trim());
     match presented {
-        Some(token) if state.token.verify(token) => next.run(req).await,
+        Some(t) if token.verify(t) => next.run(req).await,
         Some(_) => ApiError::unauthorized("invalid_admin_token", "Incorrect admin token provided.").into_response(),
         None => {
             ApiError::unauthorized("invalid_admin_token", "The admin API needs `Authorization: Bearer <admin token>`.")
@@ -99,7 +104,7 @@ async fn not_found() -> ApiError {
 }
 
 /// Parses a JSON body, naming the field at fault.
-fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn parse_json_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let body = if body.iter().all(u8::is_ascii_whitespace) { b"{}".as_slice() } else { body };
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
@@ -136,7 +141,7 @@ fn quoted_field(msg: &str) -> Option<&str> {
 }
 
 /// Query parameters, refusing any not in `allowed` and any given twice.
-fn query_params(raw: Option<String>, allowed: &[&str]) -> Result<Vec<(String, String)>, ApiError> {
+pub(crate) fn query_params(raw: Option<String>, allowed: &[&str]) -> Result<Vec<(String, String)>, ApiError> {
     let mut out: Vec<(String, String)> = Vec::new();
     for (k, v) in url::form_urlencoded::parse(raw.unwrap_or_default().as_bytes()) {
         if !allowed.contains(&k.as_ref()) {
@@ -206,7 +211,7 @@ fn list<T: serde::Serialize>(data: Vec<T>) -> Json<serde_json::Value> {
 }
 
 async fn create_tenant(State(s): State<AdminState>, body: Bytes) -> Result<Response, ApiError> {
-    let t: NewTenant = parse_body(&body)?;
+    let t: NewTenant = parse_json_body(&body)?;
     let tenant = s.identity.create_tenant(t).await?;
     Ok((StatusCode::CREATED, Json(tenant)).into_response())
 }
@@ -225,7 +230,7 @@ async fn update_tenant(
     Path(name): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let u: TenantUpdate = parse_body(&body)?;
+    let u: TenantUpdate = parse_json_body(&body)?;
     Ok(Json(s.identity.update_tenant(&name, u).await?).into_response())
 }
 
@@ -274,7 +279,7 @@ pub(super) fn expiry(expires_at: Option<&str>, expires_in_s: Option<u64>) -> Res
 }
 
 async fn create_key(State(s): State<AdminState>, body: Bytes) -> Result<Response, ApiError> {
-    let b: CreateKeyBody = parse_body(&body)?;
+    let b: CreateKeyBody = parse_json_body(&body)?;
     let expires_ms = expiry(b.expires_at.as_deref(), b.expires_in_s)?;
     let created = s
         .identity

@@ -41,6 +41,7 @@ use crate::{ApiError, KeyId, Limits, Principal, Priority, TenantId};
 
 pub use cli::{run_admin, AdminCmd, KeyCmd, LimitArgs, TenantCmd};
 pub use http::{admin_router, usage_csv, AdminToken};
+pub(crate) use http::{parse_json_body, query_params, require_admin};
 
 static MIGRATOR_SQLITE: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
 static MIGRATOR_POSTGRES: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");

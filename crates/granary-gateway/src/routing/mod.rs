@@ -34,7 +34,7 @@ pub use admission::Admission;
 /// One upstream as a policy sees it at the moment of the decision.
 #[derive(Clone, Debug)]
 pub struct Candidate {
-    /// Upstream index, stable for the gateway's life.
+    /// The upstream's id (never reused, also after it leaves the set).
     pub index: usize,
     /// Requests in flight.
     pub active: usize,
@@ -76,6 +76,10 @@ pub trait Policy: Send + Sync {
     /// The request was sent to `upstream` (feeds approximate indexes).
     fn routed(&self, req: &RouteRequest<'_>, upstream: usize) {
         let _ = (req, upstream);
+    }
+    /// The upstream left the set: drop what is remembered of it.
+    fn forget(&self, upstream: usize) {
+        let _ = upstream;
     }
 }
 
@@ -263,6 +267,9 @@ impl Policy for KvAware {
             self.approx.insert(upstream, req.blocks);
         }
     }
+    fn forget(&self, upstream: usize) {
+        self.approx.forget(upstream);
+    }
 }
 
 /// A KV event as engines publish it on `GET /v1/kv/events`.
@@ -348,6 +355,16 @@ impl KvIndex {
         self.held.read().get(&upstream).map_or(0, HashSet::len)
     }
 
+    /// (block, upstream) pairs known, over every upstream.
+    pub fn total_blocks(&self) -> usize {
+        self.held.read().values().map(HashSet::len).sum()
+    }
+
+    /// Upstreams with entries.
+    pub fn upstreams(&self) -> usize {
+        self.held.read().len()
+    }
+
     /// Event hashes that could not be read.
     pub fn bad_hashes(&self) -> usize {
         self.bad_hashes.load(Ordering::Relaxed)
@@ -387,6 +404,11 @@ impl ApproxIndex {
     pub fn prefix_match(&self, upstream: usize, blocks: &[BlockHash]) -> usize {
         let inner = self.inner.lock();
         inner.get(&upstream).map_or(0, |(set, _)| blocks.iter().take_while(|b| set.contains(b)).count())
+    }
+
+    /// Drops everything remembered of `upstream`.
+    pub fn forget(&self, upstream: usize) {
+        self.inner.lock().remove(&upstream);
     }
 }
 

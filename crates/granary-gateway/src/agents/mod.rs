@@ -1,0 +1,657 @@
+//! Node agents: what they report becomes part of the upstream set while
+//! the gateway runs.
+//!
+//! An agent (one per node, `granary agent`) posts a heartbeat every few
+//! seconds to `POST /admin/v1/agents/heartbeat` ([`Heartbeat`]): the
+//! engines it runs, whether each is healthy, and the models it could load.
+//! Each engine becomes an upstream named `agent:<agent_id>:<model>`, in an
+//! implicit pool per model routed by `[gateway.agents] pool_policy`, with
+//! the health checks, breaker and KV-event following of configured
+//! upstreams. An engine the agent stops reporting leaves the set; so do all
+//! of an agent's engines when its heartbeats stop for `ttl_ms`. An engine
+//! reported `healthy: false` stays but gets no traffic.
+//!
+//! A request for a model no upstream serves, but some live agent lists,
+//! makes the gateway ask that agent to load it (`POST
+//! {agent}/models/{model}/load`): one load per model at a time, every
+//! request for it waiting on that one for up to `load_timeout_ms`. The
+//! agent's answer names the new engine, which joins the set at once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::config::{AgentsConfig, UpstreamConfig};
+use crate::error::ApiError;
+use crate::proxy::Gateway;
+use crate::upstream::{Origin, Upstream};
+
+mod http;
+#[cfg(test)]
+mod tests;
+
+pub use http::admin_routes;
+
+/// `Retry-After` on 503 `model_loading` and `model_load_failed`; also how
+/// long a failed load is remembered (requests meanwhile fail at once
+/// instead of asking the agents again).
+pub const LOAD_RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// The longest a load call to an agent may take (it goes on after the
+/// requests waiting on it have given up, so that their retries find the
+/// model loaded): weights may have to come from far away.
+pub const LOAD_CALL_LIMIT: Duration = Duration::from_secs(3600);
+
+/// Limits on a heartbeat's lists.
+const MAX_ENGINES: usize = 1_000;
+const MAX_MODELS: usize = 10_000;
+
+fn yes() -> bool {
+    true
+}
+
+/// The body of `POST /admin/v1/agents/heartbeat`. Fields beyond these are
+/// ignored, so agents may report more than this gateway reads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// The agent's name, unique among agents: letters, digits, `-`, `_`, `.`.
+    pub agent_id: String,
+    /// Where the agent's control API listens (`http://` or `https://`).
+    pub url: String,
+    /// Bearer token for the agent's control API, if it wants one.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// The engines it runs now.
+    #[serde(default)]
+    pub engines: Vec<EngineReport>,
+    /// The models it can load on request.
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+/// One engine in a heartbeat.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineReport {
+    /// The model it serves (the `model` clients send).
+    pub model: String,
+    /// Its base URL (`http://127.0.0.1:41234`).
+    pub upstream: String,
+    /// The agent's own view of its health; `false`: no traffic.
+    #[serde(default = "yes")]
+    pub healthy: bool,
+    /// Requests in flight at most (0: unbounded).
+    #[serde(default)]
+    pub max_active: usize,
+    /// Whether it publishes `/v1/kv/events` (Granary engines do).
+    #[serde(default = "yes")]
+    pub kv_events: bool,
+}
+
+fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+    ApiError::invalid(param, "invalid_value", message)
+}
+
+fn check_http_url(param: &str, url: &str) -> Result<(), ApiError> {
+    match url::Url::parse(url) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Ok(()),
+        _ => Err(invalid(param, format!("Invalid `{param}`: {url:?} is not an http:// or https:// URL with a host."))),
+    }
+}
+
+/// A model name as it appears in requests, URLs and metric labels.
+pub fn valid_model_name(m: &str) -> bool {
+    !m.is_empty() && m.len() <= 256 && m.chars().all(|c| !c.is_whitespace() && !c.is_control() && c != '"' && c != '\\')
+}
+
+impl Heartbeat {
+    /// Checks every field, naming the first one at fault.
+    pub fn validate(&self) -> Result<(), ApiError> {
+        let id_ok = !self.agent_id.is_empty()
+            && self.agent_id.len() <= 128
+            && self.agent_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        if !id_ok {
+            return Err(invalid("agent_id", "Invalid `agent_id`: 1 to 128 letters, digits, '-', '_' or '.' expected."));
+        }
+        check_http_url("url", &self.url)?;
+        if let Some(t) = &self.token {
+            if t.len() > 4096 || t.chars().any(|c| c.is_control()) {
+                return Err(invalid("token", "Invalid `token`: at most 4096 characters, no control characters."));
+            }
+        }
+        if self.engines.len() > MAX_ENGINES {
+            return Err(invalid("engines", format!("Too many `engines`: at most {MAX_ENGINES}.")));
+        }
+        for (i, e) in self.engines.iter().enumerate() {
+            let field = |f: &str| format!("engines[{i}].{f}");
+            if !valid_model_name(&e.model) {
+                return Err(invalid(
+                    field("model"),
+                    format!("Invalid `{}`: 1 to 256 characters, no spaces, quotes or backslashes.", field("model")),
+                ));
+            }
+            if self.engines[..i].iter().any(|o| o.model == e.model) {
+                return Err(invalid(
+                    field("model"),
+                    format!("Invalid `{}`: {:?} is reported twice.", field("model"), e.model),
+                ));
+            }
+            check_http_url(&field("upstream"), &e.upstream)?;
+        }
+        if self.models.len() > MAX_MODELS {
+            return Err(invalid("models", format!("Too many `models`: at most {MAX_MODELS}.")));
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            if !valid_model_name(m) {
+                return Err(invalid(
+                    format!("models[{i}]"),
+                    format!("Invalid `models[{i}]`: 1 to 256 characters, no spaces, quotes or backslashes."),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An engine of an agent, as an upstream.
+struct Engine {
+    upstream: Arc<Upstream>,
+    /// Seen in a heartbeat. An engine added from a load answer is not yet,
+    /// and is kept for a `ttl` even if a heartbeat sent before the load
+    /// finished does not list it.
+    reported: bool,
+    added: Instant,
+}
+
+struct Agent {
+    url: String,
+    token: Option<String>,
+    models: Vec<String>,
+    engines: BTreeMap<String, Engine>,
+    last_seen: Instant,
+    last_seen_ms: i64,
+}
+
+/// A load in progress, as its waiters see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum LoadState {
+    Pending,
+    Ready,
+    Failed,
+}
+
+/// The agents the gateway has heard from and the loads in progress.
+pub struct Agents {
+    pub(crate) cfg: AgentsConfig,
+    state: Mutex<HashMap<String, Agent>>,
+    loads: Mutex<HashMap<String, watch::Receiver<LoadState>>>,
+    failed: Mutex<HashMap<String, Instant>>,
+    http: reqwest::Client,
+    reaper: AtomicBool,
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+/// Where to ask for a load.
+struct LoadTarget {
+    agent_id: String,
+    url: String,
+    token: Option<String>,
+}
+
+/// An agent as `GET /admin/v1/agents` shows it (never its token).
+#[derive(Debug, Clone, Serialize)]
+pub struct AgentView {
+    pub agent_id: String,
+    pub url: String,
+    pub has_token: bool,
+    /// Last heartbeat, unix milliseconds.
+    pub last_seen_ms: i64,
+    /// Milliseconds since then.
+    pub age_ms: u64,
+    pub models: Vec<String>,
+    pub engines: Vec<EngineView>,
+}
+
+/// An agent's engine as the gateway sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineView {
+    pub model: String,
+    /// The upstream's name (`agent:<agent_id>:<model>`).
+    pub name: String,
+    pub upstream: String,
+    /// As the agent reports it.
+    pub healthy: bool,
+    /// The gateway's own health check.
+    pub up: bool,
+    /// `closed`, `half_open` or `open`.
+    pub breaker: &'static str,
+    /// Gets traffic now.
+    pub routable: bool,
+    pub active_requests: usize,
+}
+
+impl Agents {
+    pub(crate) fn new(cfg: AgentsConfig) -> Agents {
+        Agents {
+            cfg,
+            state: Mutex::new(HashMap::new()),
+            loads: Mutex::new(HashMap::new()),
+            failed: Mutex::new(HashMap::new()),
+            http: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(5))
+                .tcp_nodelay(true)
+                .build()
+                .unwrap_or_default(),
+            reaper: AtomicBool::new(false),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.cfg.enabled
+    }
+
+    fn live(&self, a: &Agent, now: Instant) -> bool {
+        now.saturating_duration_since(a.last_seen) <= self.cfg.ttl()
+    }
+
+    /// Some live agent lists `model` as loadable.
+    pub fn can_load(&self, model: &str) -> bool {
+        if !self.cfg.enabled {
+            return false;
+        }
+        let now = Instant::now();
+        self.state.lock().values().any(|a| self.live(a, now) && a.models.iter().any(|m| m == model))
+    }
+
+    /// Every model some live agent can load.
+    pub fn loadable_models(&self) -> Vec<String> {
+        let now = Instant::now();
+        let st = self.state.lock();
+        let mut out: Vec<String> =
+            st.values().filter(|a| self.live(a, now)).flat_map(|a| a.models.iter().cloned()).collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Live agents.
+    pub fn count(&self) -> usize {
+        let now = Instant::now();
+        self.state.lock().values().filter(|a| self.live(a, now)).count()
+    }
+
+    /// Live agents listing `model`: those running fewest engines first.
+    fn load_targets(&self, model: &str) -> Vec<LoadTarget> {
+        let now = Instant::now();
+        let st = self.state.lock();
+        let mut found: Vec<(usize, &String, &Agent)> = st
+            .iter()
+            .filter(|(_, a)| self.live(a, now) && a.models.iter().any(|m| m == model))
+            .map(|(id, a)| (a.engines.len(), id, a))
+            .collect();
+        found.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(y.1)));
+        found
+            .into_iter()
+            .map(|(_, id, a)| LoadTarget { agent_id: id.clone(), url: a.url.clone(), token: a.token.clone() })
+            .collect()
+    }
+
+    /// Asks an agent to load `model`; the new engine's base URL.
+    async fn call_load(&self, t: &LoadTarget, model: &str) -> anyhow::Result<String> {
+        let mut url = url::Url::parse(&t.url).context("the agent's url")?;
+        url.path_segments_mut()
+            .map_err(|_| anyhow::anyhow!("the agent's url cannot take a path"))?
+            .pop_if_empty()
+            .extend(["models", model, "load"]);
+        let mut req =
+            self.http.post(url).json(&serde_json::json!({})).timeout(LOAD_CALL_LIMIT.max(self.cfg.load_timeout()));
+        if let Some(tok) = &t.token {
+            req = req.bearer_auth(tok);
+        }
+        let resp = req.send().await?;
+        let status = resp.status();
+        let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
+        if !status.is_success() {
+            let why = body["error"]["message"].as_str().unwrap_or("no error message");
+            anyhow::bail!("the agent answered {status}: {why}");
+        }
+        let upstream = body["upstream"].as_str().context("no `upstream` in the agent's answer")?;
+        check_http_url("upstream", upstream).map_err(|e| anyhow::anyhow!("the agent's answer: {}", e.message))?;
+        Ok(upstream.to_string())
+    }
+}
+
+/// Decrements a gauge when dropped (a waiting client may go away).
+struct Waiting<'a>(&'a prometheus_client::metrics::gauge::Gauge);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+fn upstream_name(agent_id: &str, model: &str) -> String {
+    format!("agent:{agent_id}:{model}")
+}
+
+impl Gateway {
+    /// Applies an agent's heartbeat: the agent is alive, its engines join,
+    /// change or leave the upstream set, routing follows before this
+    /// returns. The heartbeat must have passed [`Heartbeat::validate`].
+    pub fn heartbeat(&self, hb: Heartbeat) -> Result<(), ApiError> {
+        self.heartbeat_at(hb, Instant::now())
+    }
+
+    pub(crate) fn heartbeat_at(&self, hb: Heartbeat, now: Instant) -> Result<(), ApiError> {
+        let ttl = self.agents.cfg.ttl();
+        let mut changed = false;
+        let result = {
+            let mut st = self.agents.state.lock();
+            let agent = st.entry(hb.agent_id.clone()).or_insert_with(|| {
+                tracing::info!(agent = %hb.agent_id, url = %hb.url, "agent registered");
+                Agent {
+                    url: hb.url.clone(),
+                    token: None,
+                    models: vec![],
+                    engines: BTreeMap::new(),
+                    last_seen: now,
+                    last_seen_ms: now_ms(),
+                }
+            });
+            agent.url = hb.url.clone();
+            agent.token = hb.token.clone().filter(|t| !t.is_empty());
+            agent.last_seen = now;
+            agent.last_seen_ms = now_ms();
+            let mut models = hb.models.clone();
+            models.sort();
+            models.dedup();
+            for m in &models {
+                self.metrics.know_model(m);
+            }
+            agent.models = models;
+            // Engines no longer reported leave (unless just loaded and the
+            // heartbeat may predate the load).
+            let reported: Vec<&str> = hb.engines.iter().map(|e| e.model.as_str()).collect();
+            let mut leaving = Vec::new();
+            agent.engines.retain(|model, e| {
+                let keep =
+                    reported.contains(&model.as_str()) || (!e.reported && now.saturating_duration_since(e.added) < ttl);
+                if !keep {
+                    leaving.push(e.upstream.id);
+                }
+                keep
+            });
+            for id in leaving {
+                self.remove_upstream(id);
+                changed = true;
+            }
+            let mut result = Ok(());
+            for e in &hb.engines {
+                match agent.engines.get_mut(&e.model) {
+                    Some(cur)
+                        if cur.upstream.cfg.url == e.upstream
+                            && cur.upstream.cfg.max_active == e.max_active
+                            && cur.upstream.cfg.kv_events == e.kv_events =>
+                    {
+                        cur.reported = true;
+                        cur.upstream.set_reported_healthy(e.healthy);
+                    }
+                    other => {
+                        // New, or moved (an engine restarted on another port).
+                        if let Some(old) = other {
+                            self.remove_upstream(old.upstream.id);
+                        }
+                        agent.engines.remove(&e.model);
+                        changed = true;
+                        match self.add_engine(&hb.agent_id, e) {
+                            Ok(u) => {
+                                agent
+                                    .engines
+                                    .insert(e.model.clone(), Engine { upstream: u, reported: true, added: now });
+                            }
+                            Err(err) => {
+                                result = Err(err);
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            result
+        };
+        if changed {
+            self.rebuild();
+        }
+        result
+    }
+
+    fn add_engine(&self, agent_id: &str, e: &EngineReport) -> Result<Arc<Upstream>, ApiError> {
+        let mut cfg = UpstreamConfig::new(upstream_name(agent_id, &e.model), e.upstream.clone());
+        cfg.models = vec![e.model.clone()];
+        cfg.max_active = e.max_active;
+        cfg.kv_events = e.kv_events;
+        let origin = Origin::Agent { agent_id: agent_id.to_string(), model: e.model.clone() };
+        let u = self.upstreams.add(cfg, origin).map_err(|err| ApiError::internal(&format!("{err:#}")))?;
+        u.set_reported_healthy(e.healthy);
+        Ok(u)
+    }
+
+    /// Drops agents not heard from for `ttl`, with their engines. The
+    /// gateway calls this on a timer once agents exist.
+    pub fn expire_agents(&self) -> Vec<String> {
+        self.expire_agents_at(Instant::now())
+    }
+
+    pub(crate) fn expire_agents_at(&self, now: Instant) -> Vec<String> {
+        let ttl = self.agents.cfg.ttl();
+        let mut gone = Vec::new();
+        {
+            let mut st = self.agents.state.lock();
+            let expired: Vec<String> = st
+                .iter()
+                .filter(|(_, a)| now.saturating_duration_since(a.last_seen) > ttl)
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in expired {
+                if let Some(a) = st.remove(&id) {
+                    for e in a.engines.values() {
+                        self.remove_upstream(e.upstream.id);
+                    }
+                    tracing::warn!(agent = %id, "agent expired: no heartbeat for {ttl:?}");
+                    gone.push(id);
+                }
+            }
+        }
+        if !gone.is_empty() {
+            self.rebuild();
+        }
+        gone
+    }
+
+    /// Starts the timer that expires silent agents (once; it ends with the gateway).
+    pub(crate) fn start_reaper(self: &Arc<Self>) {
+        if self.agents.reaper.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let tick = (self.agents.cfg.ttl() / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(tick).await;
+                let Some(gw) = weak.upgrade() else { return };
+                gw.expire_agents();
+            }
+        });
+    }
+
+    /// The agents, for `GET /admin/v1/agents`.
+    pub fn agents_view(&self) -> Vec<AgentView> {
+        let now = Instant::now();
+        let st = self.agents.state.lock();
+        let mut out: Vec<AgentView> = st
+            .iter()
+            .map(|(id, a)| AgentView {
+                agent_id: id.clone(),
+                url: a.url.clone(),
+                has_token: a.token.is_some(),
+                last_seen_ms: a.last_seen_ms,
+                age_ms: now.saturating_duration_since(a.last_seen).as_millis() as u64,
+                models: a.models.clone(),
+                engines: a
+                    .engines
+                    .iter()
+                    .map(|(model, e)| {
+                        let u = &e.upstream;
+                        EngineView {
+                            model: model.clone(),
+                            name: u.name().to_string(),
+                            upstream: u.cfg.url.clone(),
+                            healthy: u.reported_healthy(),
+                            up: u.is_up(),
+                            breaker: match u.breaker.view() {
+                                crate::upstream::BreakerView::Closed => "closed",
+                                crate::upstream::BreakerView::HalfOpen => "half_open",
+                                crate::upstream::BreakerView::Open => "open",
+                            },
+                            routable: u.is_routable(),
+                            active_requests: u.active.load(Ordering::Relaxed),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        out.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
+        out
+    }
+
+    /// Gets `model` loaded by an agent, waiting up to `load_timeout`: one
+    /// load per model at a time, every request for it waiting on that one.
+    /// Errors are what the client gets: 503 `model_loading` (still loading
+    /// when the wait ended) or `model_load_failed`, both with `Retry-After`.
+    pub async fn load_model(self: &Arc<Self>, model: &str) -> Result<(), ApiError> {
+        let failed = |m: &str| ApiError::model_load_failed(m, LOAD_RETRY_AFTER);
+        let mut rx = {
+            let mut loads = self.agents.loads.lock();
+            match loads.get(model) {
+                Some(rx) => rx.clone(),
+                None => {
+                    // Loaded meanwhile?
+                    if self.serves(model) {
+                        return Ok(());
+                    }
+                    if let Some(at) = self.agents.failed.lock().get(model) {
+                        if at.elapsed() < LOAD_RETRY_AFTER {
+                            return Err(failed(model));
+                        }
+                    }
+                    let (tx, rx) = watch::channel(LoadState::Pending);
+                    loads.insert(model.to_string(), rx.clone());
+                    tokio::spawn(self.clone().run_load(model.to_string(), tx));
+                    rx
+                }
+            }
+        };
+        self.metrics.load_waiting.inc();
+        let _waiting = Waiting(&self.metrics.load_waiting);
+        let waited =
+            tokio::time::timeout(self.agents.cfg.load_timeout(), rx.wait_for(|s| *s != LoadState::Pending)).await;
+        match waited {
+            Err(_) => Err(ApiError::model_loading(model, LOAD_RETRY_AFTER)),
+            Ok(Err(_)) => Err(failed(model)),
+            Ok(Ok(state)) if *state == LoadState::Ready => Ok(()),
+            Ok(Ok(_)) => Err(failed(model)),
+        }
+    }
+
+    async fn run_load(self: Arc<Self>, model: String, tx: watch::Sender<LoadState>) {
+        let label = vec![("model", self.metrics.model_label(Some(&model)))];
+        self.metrics.load_requests.get_or_create(&label).inc();
+        let started = Instant::now();
+        let targets = self.agents.load_targets(&model);
+        let mut ok = false;
+        if targets.is_empty() {
+            tracing::warn!(model = %model, "no live agent can load the model any more");
+        }
+        for t in targets {
+            tracing::info!(agent = %t.agent_id, model = %model, "asking the agent to load the model");
+            match self.agents.call_load(&t, &model).await {
+                Ok(upstream) => match self.engine_loaded(&t.agent_id, &model, &upstream) {
+                    Ok(()) => {
+                        ok = true;
+                        break;
+                    }
+                    Err(e) => tracing::warn!(agent = %t.agent_id, model = %model, error = %e, "load answer not usable"),
+                },
+                Err(e) => tracing::warn!(agent = %t.agent_id, model = %model, error = %format!("{e:#}"), "load failed"),
+            }
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let mut outcome = label.clone();
+        outcome.push(("outcome", if ok { "succeeded" } else { "failed" }.to_string()));
+        self.metrics.loads.get_or_create(&outcome).inc();
+        if ok {
+            self.metrics.load_seconds.get_or_create(&label).observe(secs);
+            tracing::info!(model = %model, seconds = secs, "model loaded");
+        }
+        {
+            let mut loads = self.agents.loads.lock();
+            loads.remove(&model);
+            let mut failed = self.agents.failed.lock();
+            if ok {
+                failed.remove(&model);
+            } else {
+                failed.retain(|_, at| at.elapsed() < LOAD_RETRY_AFTER);
+                failed.insert(model.clone(), Instant::now());
+            }
+        }
+        let _ = tx.send(if ok { LoadState::Ready } else { LoadState::Failed });
+    }
+
+    /// An agent answered a load: its engine joins now rather than at the
+    /// next heartbeat.
+    fn engine_loaded(&self, agent_id: &str, model: &str, upstream: &str) -> Result<(), ApiError> {
+        let now = Instant::now();
+        let mut changed = false;
+        let result = {
+            let mut st = self.agents.state.lock();
+            let Some(agent) = st.get_mut(agent_id) else {
+                return Err(ApiError::unavailable("The agent went away during the load."));
+            };
+            let report = EngineReport {
+                model: model.to_string(),
+                upstream: upstream.to_string(),
+                healthy: true,
+                max_active: 0,
+                kv_events: true,
+            };
+            match agent.engines.get(model) {
+                Some(cur) if cur.upstream.cfg.url == upstream => {
+                    cur.upstream.set_reported_healthy(true);
+                    Ok(())
+                }
+                other => {
+                    if let Some(old) = other {
+                        self.remove_upstream(old.upstream.id);
+                    }
+                    agent.engines.remove(model);
+                    changed = true;
+                    self.add_engine(agent_id, &report).map(|u| {
+                        agent.engines.insert(model.to_string(), Engine { upstream: u, reported: false, added: now });
+                    })
+                }
+            }
+        };
+        if changed {
+            self.rebuild();
+        }
+        result
+    }
+}

@@ -1,0 +1,229 @@
+//! The dynamic upstream set as heartbeats drive it: engines join, change,
+//! leave; silent agents expire; a loaded engine survives a heartbeat older
+//! than its load; what a removed upstream left behind (KV index entries,
+//! metric series) goes with it; configured upstreams are never touched.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::routing::get;
+use axum::Router;
+use granary_core::hash::HashChain;
+
+use super::*;
+use crate::config::{GatewayConfig, UpstreamConfig};
+use crate::identity::{Identity, IdentityOptions};
+use crate::limits::Limiter;
+use crate::types::{Limits, Priority};
+
+/// An HTTP server that passes health checks (an engine's `/health`).
+async fn healthy_server() -> SocketAddr {
+    let app = Router::new().route("/health", get(|| async { "ok" }));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+async fn gateway(tweak: impl FnOnce(&mut GatewayConfig)) -> Arc<Gateway> {
+    let mut cfg = GatewayConfig::default();
+    cfg.gateway.database = "sqlite::memory:".into();
+    cfg.gateway.agents.ttl_ms = 1_000;
+    tweak(&mut cfg);
+    let identity = Identity::open("sqlite::memory:", IdentityOptions::default()).await.unwrap();
+    Gateway::new(&cfg, identity, Limiter::in_process()).unwrap()
+}
+
+fn hb(agent: &str, engines: &[(&str, String, bool)], models: &[&str]) -> Heartbeat {
+    Heartbeat {
+        agent_id: agent.into(),
+        url: "http://127.0.0.1:9".into(),
+        token: None,
+        engines: engines
+            .iter()
+            .map(|(m, u, healthy)| EngineReport {
+                model: m.to_string(),
+                upstream: u.clone(),
+                healthy: *healthy,
+                max_active: 0,
+                kv_events: false,
+            })
+            .collect(),
+        models: models.iter().map(|m| m.to_string()).collect(),
+    }
+}
+
+fn anyone() -> Principal {
+    Principal {
+        key_id: 1,
+        key_prefix: "gk_test".into(),
+        tenant_id: 1,
+        tenant: "t".into(),
+        namespace: "t".into(),
+        models: None,
+        priority: Priority::Standard,
+        key_limits: Limits::default(),
+        tenant_limits: Limits::default(),
+        log_prompts: false,
+    }
+}
+
+use crate::types::Principal;
+
+fn names(gw: &Gateway) -> Vec<String> {
+    gw.upstreams.list().iter().map(|u| u.name().to_string()).collect()
+}
+
+#[tokio::test]
+async fn heartbeats_add_change_and_drop_engines() {
+    let gw = gateway(|_| {}).await;
+    let (a, b) = (healthy_server().await, healthy_server().await);
+    assert!(!gw.serves("m"));
+    gw.heartbeat(hb("node-a", &[("m", format!("http://{a}"), true)], &["m", "n"])).unwrap();
+    assert_eq!(names(&gw), vec!["agent:node-a:m"]);
+    assert!(gw.serves("m"), "routing follows before the heartbeat returns");
+    assert_eq!(gw.models_for(&anyone()), vec!["m", "n"], "served and loadable models");
+    let first = gw.upstreams.by_name("agent:node-a:m").unwrap();
+    assert!(first.is_routable());
+    assert_eq!(first.origin, Origin::Agent { agent_id: "node-a".into(), model: "m".into() });
+
+    // Reported unhealthy: still there, no traffic.
+    gw.heartbeat(hb("node-a", &[("m", format!("http://{a}"), false)], &["m"])).unwrap();
+    let same = gw.upstreams.by_name("agent:node-a:m").unwrap();
+    assert_eq!(same.id, first.id, "an unchanged engine keeps its upstream");
+    assert!(!same.is_routable());
+    assert!(gw.serves("m"));
+    gw.heartbeat(hb("node-a", &[("m", format!("http://{a}"), true)], &["m"])).unwrap();
+    assert!(same.is_routable());
+
+    // What the KV index knows of it goes when it moves to another port.
+    let chain = HashChain::new("t", b"f", b"l", 4);
+    let blocks = chain.hashes(&(0..16).collect::<Vec<u32>>());
+    gw.upstreams.index.insert(first.id, &blocks);
+    first.export();
+    assert!(gw.metrics.render().contains("agent:node-a:m"));
+    gw.heartbeat(hb("node-a", &[("m", format!("http://{b}"), true)], &["m"])).unwrap();
+    let moved = gw.upstreams.by_name("agent:node-a:m").unwrap();
+    assert_ne!(moved.id, first.id, "ids are never reused");
+    assert_eq!(moved.cfg.url, format!("http://{b}"));
+    assert!(first.is_removed());
+    assert_eq!(gw.upstreams.index.blocks(first.id), 0, "the KV index forgot the old engine");
+    assert_eq!(names(&gw).len(), 1);
+
+    // A second agent with the same model: two upstreams in the model's pool.
+    gw.heartbeat(hb("node-b", &[("m", format!("http://{a}"), true)], &[])).unwrap();
+    assert_eq!(names(&gw), vec!["agent:node-a:m", "agent:node-b:m"]);
+
+    // Dropped from the report: gone, series and all.
+    gw.heartbeat(hb("node-a", &[], &["m"])).unwrap();
+    gw.heartbeat(hb("node-b", &[], &[])).unwrap();
+    assert!(names(&gw).is_empty());
+    assert!(!gw.serves("m"));
+    assert!(gw.agents.can_load("m"), "node-a still lists it");
+    assert!(!gw.agents.can_load("n"), "nobody lists it any more");
+    let text = gw.metrics.render();
+    assert!(!text.contains("agent:node-a:m"), "{text}");
+    // A request finishing late on a removed upstream brings nothing back.
+    moved.export();
+    moved.attempt("ok");
+    assert!(!gw.metrics.render().contains("agent:node-a:m"));
+}
+
+#[tokio::test]
+async fn silent_agents_expire_after_the_ttl() {
+    let gw = gateway(|c| c.gateway.agents.ttl_ms = 1_000).await;
+    let a = healthy_server().await;
+    let t0 = Instant::now();
+    gw.heartbeat_at(hb("node-a", &[("m", format!("http://{a}"), true)], &["m", "x"]), t0).unwrap();
+    gw.heartbeat_at(hb("node-b", &[], &["y"]), t0 + Duration::from_millis(600)).unwrap();
+    assert!(gw.expire_agents_at(t0 + Duration::from_millis(999)).is_empty());
+    assert!(gw.serves("m"));
+    assert_eq!(gw.expire_agents_at(t0 + Duration::from_millis(1_001)), vec!["node-a".to_string()]);
+    assert!(!gw.serves("m"));
+    assert!(names(&gw).is_empty());
+    let view = gw.agents_view();
+    assert_eq!(view.len(), 1);
+    assert_eq!(view[0].agent_id, "node-b");
+    assert_eq!(gw.expire_agents_at(t0 + Duration::from_millis(1_700)), vec!["node-b".to_string()]);
+    assert!(gw.agents_view().is_empty());
+}
+
+#[tokio::test]
+async fn a_loaded_engine_survives_a_heartbeat_sent_before_the_load() {
+    let gw = gateway(|c| c.gateway.agents.ttl_ms = 1_000).await;
+    let a = healthy_server().await;
+    let t0 = Instant::now();
+    gw.heartbeat_at(hb("node-a", &[], &["m"]), t0).unwrap();
+    gw.engine_loaded("node-a", "m", &format!("http://{a}")).unwrap();
+    assert!(gw.serves("m"));
+    // A heartbeat from before the load: the engine stays.
+    gw.heartbeat_at(hb("node-a", &[], &["m"]), Instant::now()).unwrap();
+    assert!(gw.serves("m"));
+    // Reported once, then missing: it goes.
+    gw.heartbeat_at(hb("node-a", &[("m", format!("http://{a}"), true)], &["m"]), Instant::now()).unwrap();
+    gw.heartbeat_at(hb("node-a", &[], &["m"]), Instant::now()).unwrap();
+    assert!(!gw.serves("m"));
+    // Loaded again and never reported for a ttl: it goes too.
+    gw.engine_loaded("node-a", "m", &format!("http://{a}")).unwrap();
+    gw.heartbeat_at(hb("node-a", &[], &["m"]), Instant::now() + Duration::from_millis(1_100)).unwrap();
+    assert!(!gw.serves("m"));
+    // An agent that went away cannot take a load answer.
+    assert!(gw.engine_loaded("nobody", "m", &format!("http://{a}")).is_err());
+}
+
+#[tokio::test]
+async fn configured_upstreams_stay_whatever_agents_do() {
+    let a = healthy_server().await;
+    let gw = gateway(|c| {
+        let mut u = UpstreamConfig::new("fixed", format!("http://{a}"));
+        u.models = vec!["m".into()];
+        c.upstreams.push(u);
+    })
+    .await;
+    let fixed = gw.upstreams.by_name("fixed").unwrap();
+    assert_eq!(fixed.origin, Origin::Config);
+    let t0 = Instant::now();
+    gw.heartbeat_at(hb("node-a", &[("m", format!("http://{a}"), true)], &[]), t0).unwrap();
+    assert_eq!(names(&gw), vec!["fixed", "agent:node-a:m"]);
+    let topo = gw.topology();
+    assert_eq!(topo.pool_order("m").len(), 2, "the default pool and the agents' pool for m");
+    assert_eq!(topo.pool_order("other").len(), 1, "an agents' pool serves its model only");
+    gw.expire_agents_at(t0 + Duration::from_secs(5));
+    assert_eq!(names(&gw), vec!["fixed"]);
+    assert_eq!(gw.upstreams.by_name("fixed").unwrap().id, fixed.id);
+    assert!(gw.serves("m"));
+}
+
+#[test]
+fn heartbeats_are_checked_field_by_field() {
+    let ok = hb("node-a", &[("m", "http://127.0.0.1:1".into(), true)], &["m"]);
+    ok.validate().unwrap();
+    let param = |f: &dyn Fn(&mut Heartbeat)| {
+        let mut h = ok.clone();
+        f(&mut h);
+        let e = h.validate().unwrap_err();
+        assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+        e.param.unwrap()
+    };
+    assert_eq!(param(&|h| h.agent_id = String::new()), "agent_id");
+    assert_eq!(param(&|h| h.agent_id = "a:b".into()), "agent_id");
+    assert_eq!(param(&|h| h.url = "ftp://x".into()), "url");
+    assert_eq!(param(&|h| h.url = "not a url".into()), "url");
+    assert_eq!(param(&|h| h.token = Some("a\nb".into())), "token");
+    assert_eq!(param(&|h| h.engines[0].upstream = "127.0.0.1:80".into()), "engines[0].upstream");
+    assert_eq!(param(&|h| h.engines[0].model = "has space".into()), "engines[0].model");
+    assert_eq!(param(&|h| h.engines.push(h.engines[0].clone())), "engines[1].model");
+    assert_eq!(param(&|h| h.models.push(String::new())), "models[1]");
+    assert_eq!(param(&|h| h.models = vec!["x".into(); MAX_MODELS + 1]), "models");
+}
+
+#[test]
+fn unknown_heartbeat_fields_are_ignored_and_defaults_filled() {
+    let h: Heartbeat = serde_json::from_str(
+        r#"{"agent_id":"a","url":"http://h:1","engines":[{"model":"m","upstream":"http://h:2","state":"ready"}],"tiers":{}}"#,
+    )
+    .unwrap();
+    assert!(h.engines[0].healthy && h.engines[0].kv_events);
+    assert!(h.models.is_empty() && h.token.is_none());
+}
