@@ -110,7 +110,7 @@ impl Agent {
         agent.recover();
         tokio::spawn(agent.clone().activity_loop());
         tokio::spawn(agent.clone().catalog_loop());
-        if agent.cfg.gateway.is_some() {
+        if !agent.cfg.gateways.is_empty() {
             tokio::spawn(crate::heartbeat::run(agent.clone()));
         }
         Ok(agent)
@@ -352,7 +352,13 @@ impl Agent {
     async fn catalog_loop(self: Arc<Self>) {
         loop {
             match self.registry.names().await {
-                Ok(names) => *self.catalog.lock() = names,
+                Ok(names) => {
+                    let moved = *self.catalog.lock() != names;
+                    *self.catalog.lock() = names;
+                    if moved {
+                        self.sup.notify_changed();
+                    }
+                }
                 Err(e) => tracing::warn!(error = %e, "cannot list the registry's models"),
             }
             tokio::select! {

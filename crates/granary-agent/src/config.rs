@@ -37,9 +37,10 @@ pub struct AgentConfig {
     /// Admin token of the control API (`Authorization: Bearer`); none: open
     /// (allowed on loopback only).
     pub admin_token: Option<String>,
-    /// The gateway to register with and heartbeat to.
-    pub gateway: Option<String>,
-    /// The gateway's admin token.
+    /// Gateways to heartbeat to (each replica of a gateway keeps its own
+    /// upstream set, so each gets heartbeats).
+    pub gateways: Vec<String>,
+    /// The gateways' admin token.
     pub gateway_token: Option<String>,
     /// Seconds between heartbeats.
     #[serde(with = "duration")]
@@ -68,7 +69,7 @@ impl Default for AgentConfig {
             download: DownloadConfig::default(),
             engines: SupervisorConfig::default(),
             admin_token: None,
-            gateway: None,
+            gateways: Vec::new(),
             gateway_token: None,
             heartbeat_interval: Duration::from_secs(2),
             idle_unload: None,
@@ -87,12 +88,12 @@ impl AgentConfig {
                 self.listen
             ));
         }
-        if self.gateway.is_some() && self.gateway_token.is_none() {
-            return Err("gateway: heartbeats need the gateway's admin token (--gateway-token)".into());
+        if !self.gateways.is_empty() && self.gateway_token.as_deref().is_none_or(str::is_empty) {
+            return Err("gateways: heartbeats need the gateway's admin token (--gateway-token)".into());
         }
         url::Url::parse(&self.registry).map_err(|e| format!("registry: {:?} is not a URL: {e}", self.registry))?;
-        if let Some(g) = &self.gateway {
-            url::Url::parse(g).map_err(|e| format!("gateway: {g:?} is not a URL: {e}"))?;
+        for g in &self.gateways {
+            url::Url::parse(g).map_err(|e| format!("gateways: {g:?} is not a URL: {e}"))?;
         }
         if self.download.chunk_bytes == 0 {
             return Err("download.chunk_bytes: must be above 0".into());

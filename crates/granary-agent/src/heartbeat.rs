@@ -2,7 +2,9 @@
 //! every `heartbeat_interval`, and at once when an engine changes state (so
 //! a crashed engine leaves the gateway's routing within moments, not at the
 //! next tick). A failed heartbeat is logged, never fatal: the gateway drops
-//! an agent it has not heard from, and the next beat puts it back.
+//! an agent it has not heard from, and the next beat puts it back. With
+//! several gateway replicas each gets its own heartbeats (their upstream
+//! sets are per process).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,16 +32,27 @@ pub struct HeartbeatEngine {
     pub model: String,
     pub upstream: String,
     pub healthy: bool,
+    /// Whether it publishes `/v1/kv/events`: the embedded engine does; an
+    /// external one (vLLM, SGLang, llama.cpp) is not assumed to.
+    pub kv_events: bool,
 }
 
 /// What the agent would say now.
 pub fn body(agent: &Agent) -> Heartbeat {
+    let kv_events = agent.config().engines.command.is_none();
     let engines = agent
         .supervisor()
         .list()
         .into_iter()
-        .filter(|e| e.state != EngineState::Stopped)
-        .map(|e| HeartbeatEngine { healthy: e.state == EngineState::Ready, model: e.model, upstream: e.upstream })
+        // An engine starting for the first time is not an upstream yet: the
+        // load's answer announces it once it is healthy.
+        .filter(|e| e.state != EngineState::Stopped && e.ever_ready)
+        .map(|e| HeartbeatEngine {
+            healthy: e.state == EngineState::Ready,
+            model: e.model,
+            upstream: e.upstream,
+            kv_events,
+        })
         .collect();
     Heartbeat {
         agent_id: agent.agent_id().to_string(),
@@ -50,13 +63,17 @@ pub fn body(agent: &Agent) -> Heartbeat {
     }
 }
 
-/// Beats until the agent stops.
+/// Beats to every configured gateway until the agent stops.
 pub async fn run(agent: Arc<Agent>) {
-    let Some(gateway) = agent.config().gateway.clone() else { return };
+    let beats: Vec<_> = agent.config().gateways.iter().map(|g| beat(agent.clone(), g.clone())).collect();
+    futures::future::join_all(beats).await;
+}
+
+async fn beat(agent: Arc<Agent>, gateway: String) {
     let url = format!("{}/admin/v1/agents/heartbeat", gateway.trim_end_matches('/'));
     let token = agent.config().gateway_token.clone().unwrap_or_default();
     let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("an HTTP client");
-    let changed = agent.supervisor().changed();
+    let mut changed = agent.supervisor().changed_signal();
     let mut failing = false;
     loop {
         let b = body(&agent);
@@ -86,7 +103,7 @@ pub async fn run(agent: Arc<Agent>) {
         }
         tokio::select! {
             _ = agent.stopping().cancelled() => return,
-            _ = changed.notified() => {}
+            _ = changed.changed() => {}
             _ = tokio::time::sleep(agent.config().heartbeat_interval) => {}
         }
     }

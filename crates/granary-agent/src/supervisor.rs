@@ -29,7 +29,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use granary_core::ByteSize;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{watch, Notify};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::AgentError;
@@ -132,6 +132,9 @@ pub struct EngineStatus {
     pub started_unix: u64,
     /// Whether this agent found the engine running when it started.
     pub adopted: bool,
+    /// Whether it has been healthy since its load (an engine still starting
+    /// for the first time is not yet anyone's upstream).
+    pub ever_ready: bool,
     /// Why the engine last failed, if it did.
     pub last_error: Option<String>,
 }
@@ -166,6 +169,7 @@ struct Live {
     last_activity_ms: Option<u64>,
     last_error: Option<String>,
     adopted: bool,
+    ever_ready: bool,
 }
 
 struct Engine {
@@ -193,6 +197,7 @@ impl Engine {
             tier: self.spec.tier,
             started_unix: l.started_unix,
             adopted: l.adopted,
+            ever_ready: l.ever_ready,
             last_error: l.last_error.clone(),
         }
     }
@@ -203,7 +208,8 @@ struct Shared {
     logs_dir: PathBuf,
     state_path: PathBuf,
     engines: Mutex<HashMap<String, Arc<Engine>>>,
-    changed: Arc<Notify>,
+    /// Bumped on every state change.
+    changed: watch::Sender<u64>,
     http: reqwest::Client,
     /// Cancelled when the agent exits: watchers end, engines keep running.
     detach: CancellationToken,
@@ -238,7 +244,7 @@ impl Supervisor {
                 logs_dir,
                 state_path: cache_dir.join("agent-state.json"),
                 engines: Mutex::new(HashMap::new()),
-                changed: Arc::new(Notify::new()),
+                changed: watch::channel(0).0,
                 http,
                 detach: CancellationToken::new(),
             }),
@@ -249,9 +255,14 @@ impl Supervisor {
         &self.sh.cfg
     }
 
-    /// Woken on every state change (for an immediate heartbeat).
-    pub fn changed(&self) -> Arc<Notify> {
-        self.sh.changed.clone()
+    /// Signals a change worth an immediate heartbeat (the registry's list moved).
+    pub fn notify_changed(&self) {
+        self.sh.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Changes on every engine state change (for an immediate heartbeat).
+    pub fn changed_signal(&self) -> watch::Receiver<u64> {
+        self.sh.changed.subscribe()
     }
 
     /// The log file of `model`'s engine.
@@ -321,6 +332,7 @@ impl Supervisor {
                     last_activity_ms: Some(now_ms()),
                     last_error: None,
                     adopted: false,
+                    ever_ready: false,
                 }),
                 state,
                 stop: CancellationToken::new(),
@@ -336,9 +348,20 @@ impl Supervisor {
             }
         };
         persist(&self.sh);
-        self.sh.changed.notify_one();
+        self.sh.changed.send_modify(|n| *n += 1);
         tokio::spawn(supervise(self.sh.clone(), engine.clone(), proc, false));
-        self.wait_ready(&engine).await
+        let ready = self.wait_ready(&engine).await;
+        if ready.is_err() {
+            engine.stop.cancel();
+            let mut engines = self.sh.engines.lock();
+            if engines.get(&model).is_some_and(|e| Arc::ptr_eq(e, &engine)) {
+                engines.remove(&model);
+            }
+            drop(engines);
+            persist(&self.sh);
+            self.sh.changed.send_modify(|n| *n += 1);
+        }
+        ready
     }
 
     async fn wait_ready(&self, engine: &Arc<Engine>) -> Result<EngineStatus, AgentError> {
@@ -372,7 +395,7 @@ impl Supervisor {
         let _ = tokio::time::timeout(limit, rx.wait_for(|s| *s == EngineState::Stopped)).await;
         self.sh.engines.lock().remove(model);
         persist(&self.sh);
-        self.sh.changed.notify_one();
+        self.sh.changed.send_modify(|n| *n += 1);
         Ok(engine.spec.clone())
     }
 
@@ -395,6 +418,7 @@ impl Supervisor {
                 last_activity_ms: Some(now_ms()),
                 last_error: None,
                 adopted: true,
+                ever_ready: true,
             }),
             state,
             stop: CancellationToken::new(),
@@ -620,7 +644,7 @@ async fn supervise(sh: Arc<Shared>, engine: Arc<Engine>, mut proc: Proc, mut eve
                 tracing::warn!(%model, ?backoff, "the engine failed ({why}); restarting");
                 engine.live.lock().pid = None;
                 engine.state.send_replace(EngineState::Restarting);
-                sh.changed.notify_one();
+                sh.changed.send_modify(|n| *n += 1);
                 loop {
                     tokio::select! {
                         _ = engine.stop.cancelled() => {
@@ -645,7 +669,7 @@ async fn supervise(sh: Arc<Shared>, engine: Arc<Engine>, mut proc: Proc, mut eve
                 }
                 engine.state.send_replace(EngineState::Starting);
                 persist(&sh);
-                sh.changed.notify_one();
+                sh.changed.send_modify(|n| *n += 1);
             }
         }
     }
@@ -672,9 +696,10 @@ async fn watch_proc(sh: &Shared, engine: &Engine, proc: &mut Proc, ever_ready: &
             failures = 0;
             if state != EngineState::Ready {
                 *ever_ready = true;
+                engine.live.lock().ever_ready = true;
                 engine.state.send_replace(EngineState::Ready);
                 persist(sh);
-                sh.changed.notify_one();
+                sh.changed.send_modify(|n| *n += 1);
             }
             continue;
         }
@@ -684,7 +709,7 @@ async fn watch_proc(sh: &Shared, engine: &Engine, proc: &mut Proc, ever_ready: &
                 if state == EngineState::Ready {
                     // Out of routing at once; restarted only if it stays down.
                     engine.state.send_replace(EngineState::Unhealthy);
-                    sh.changed.notify_one();
+                    sh.changed.send_modify(|n| *n += 1);
                 }
                 if failures >= sh.cfg.health_failures.max(1) {
                     return Outcome::Failed(format!("{failures} health checks failed in a row"));

@@ -61,9 +61,12 @@ pub struct AgentArgs {
     /// Demote RAM copies unused this long even without pressure [default: off].
     #[arg(long, value_parser = opt_duration)]
     pub demote_after: Option<OptDuration>,
-    /// Gateway base URL to register with (heartbeats every 2 s).
-    #[arg(long)]
-    pub gateway: Option<String>,
+    /// Gateway base URL to register with (heartbeats every 2 s); repeat for gateway replicas.
+    #[arg(long = "gateway")]
+    pub gateways: Vec<String>,
+    /// Time between heartbeats [default: 2s].
+    #[arg(long, value_parser = duration)]
+    pub heartbeat_interval: Option<Duration>,
     /// The gateway's admin token.
     #[arg(long, env = "GRANARY_GATEWAY_TOKEN", hide_env_values = true)]
     pub gateway_token: Option<String>,
@@ -143,6 +146,7 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
         c.idle_unload = d;
     }
     set!(a.idle_poll => idle_poll);
+    set!(a.heartbeat_interval => heartbeat_interval);
     set!(a.health_interval => engines.health_interval);
     set!(a.start_timeout => engines.start_timeout);
     set!(a.restart_backoff_max => engines.backoff_max);
@@ -155,7 +159,6 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
     }
     for (flag, field) in [
         (&a.registry_token, &mut c.registry_token),
-        (&a.gateway, &mut c.gateway),
         (&a.gateway_token, &mut c.gateway_token),
         (&a.advertise, &mut c.advertise),
         (&a.agent_id, &mut c.agent_id),
@@ -165,6 +168,9 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
         if flag.is_some() {
             *field = flag.clone();
         }
+    }
+    if !a.gateways.is_empty() {
+        c.gateways = a.gateways.clone();
     }
     if !a.engine_args.is_empty() {
         c.engines.engine_args = a.engine_args.clone();

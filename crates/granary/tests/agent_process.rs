@@ -1,154 +1,52 @@
-//! The real `granary agent` with a real registry (in this process, the
-//! default model imported into it) and real `granary engine` processes:
-//! load → ready → chat; kill -9 the engine → restarted with a doubling
-//! backoff, heartbeats say it is down meanwhile; kill -9 the agent → a new
-//! one adopts the running engine (same pid); unload; loads served from disk
-//! then promoted to RAM; an external command template; idle unload; bad
-//! input on the control API.
+//! The real `granary agent` between a real registry (`granary registry
+//! serve`, the default model imported from its cached directory with
+//! `dir:`) and a real gateway (`granary gateway` with agents on), running
+//! real `granary engine` processes:
 //!
-//! The heartbeat receiver here is a small HTTP server in the test playing
-//! the gateway's part (it records what the agent sends); the end-to-end test
-//! in `agent_gateway_process.rs` runs the real gateway.
+//! - end to end: a chat request through the gateway for a model no engine
+//!   serves yet → the gateway asks the agent → the agent downloads it from
+//!   the registry and starts an engine → the request succeeds;
+//! - kill -9 the engine → restarted after a doubling backoff, reported
+//!   unhealthy to the gateway meanwhile; kill -9 the agent → a new one
+//!   adopts the running engine (same pid); unload; loads served from disk
+//!   then promoted to RAM; bad input on the control API;
+//! - an external command template (a shell line running the engine), idle
+//!   unload, and a template that fails.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
 use serde_json::{json, Value};
 
 const TOKEN: &str = "agent-admin-token-for-tests";
 const READ: &str = "registry-read-token-for-tests";
 const REG_ADMIN: &str = "registry-admin-token-for-tests";
-const GW_TOKEN: &str = "gateway-admin-token-for-tests";
+const GW_ADMIN: &str = "gateway-admin-token-for-tests";
 const MODEL: &str = "smollm2";
 
 fn default_model() -> Option<PathBuf> {
     granary_tokenizer::testing::model_or_skip("agent process test")
 }
 
-/// A registry served by a runtime of its own, with the default model imported.
-struct Registry {
-    url: String,
-    rt: tokio::runtime::Runtime,
-    _dir: tempfile::TempDir,
-}
-
-impl Registry {
-    fn start(model: &Path) -> Registry {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let store = format!("file://{}/store/", dir.path().display());
-        let mut cfg =
-            granary_registry::RegistryConfig::new(format!("sqlite://{}/registry.db", dir.path().display()), store);
-        cfg.admin_token = Some(REG_ADMIN.into());
-        cfg.read_tokens = vec![READ.into()];
-        let url = rt.block_on(async {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let url = format!("http://{}", l.local_addr().unwrap());
-            tokio::spawn(async move {
-                granary_registry::server::serve(cfg, l, std::future::pending()).await.expect("registry");
-            });
-            let admin = granary_registry::RegistryClient::new(&url, Some(REG_ADMIN.into())).unwrap();
-            let req = granary_registry::ImportRequest {
-                name: MODEL.into(),
-                revision: Some("0.1.2".into()),
-                source: format!("dir:{}", model.display()),
-                license: Some("apache-2.0".into()),
-            };
-            let rev = admin.import(&req).await.expect("import the default model");
-            assert_eq!(rev.format, "gguf");
-            url
-        });
-        Registry { url, rt, _dir: dir }
-    }
-}
-
-/// An HTTP server standing in for the gateway's heartbeat endpoint: it
-/// records each body and the bearer token it came with.
-/// When a heartbeat came, its `Authorization` header, its body.
-type Beat = (Instant, Option<String>, Value);
-
-#[derive(Clone, Default)]
-struct Receiver {
-    beats: Arc<Mutex<Vec<Beat>>>,
-}
-
-impl Receiver {
-    fn start(rt: &tokio::runtime::Runtime) -> (Receiver, String) {
-        let r = Receiver::default();
-        let beats = r.beats.clone();
-        let url = rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let url = format!("http://{}", l.local_addr().unwrap());
-            let app = axum::Router::new().route(
-                "/admin/v1/agents/heartbeat",
-                axum::routing::post(move |headers: axum::http::HeaderMap, body: axum::Json<Value>| {
-                    let beats = beats.clone();
-                    async move {
-                        let auth = headers.get("authorization").and_then(|v| v.to_str().ok()).map(str::to_string);
-                        beats.lock().push((Instant::now(), auth, body.0));
-                        axum::Json(json!({"ok": true}))
-                    }
-                }),
-            );
-            tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
-            url
-        });
-        (r, url)
-    }
-
-    fn since(&self, t: Instant) -> Vec<Value> {
-        self.beats.lock().iter().filter(|(at, _, _)| *at >= t).map(|(_, _, b)| b.clone()).collect()
-    }
-
-    fn last(&self) -> Option<(Option<String>, Value)> {
-        self.beats.lock().last().map(|(_, a, b)| (a.clone(), b.clone()))
-    }
-}
-
-/// Engine process groups seen in the test, killed at the end whatever
-/// happened (engines outlive their agent by design).
-#[derive(Default)]
-struct Reaper(Mutex<Vec<u32>>);
-
-impl Reaper {
-    fn watch(&self, pid: u32) {
-        self.0.lock().push(pid);
-    }
-}
-
-impl Drop for Reaper {
-    fn drop(&mut self) {
-        for &pid in self.0.lock().iter() {
-            // SAFETY: kill(2) on a process group the test started.
-            unsafe { libc::kill(-(pid as libc::pid_t), libc::SIGKILL) };
-        }
-    }
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rfind(')').map(|i| !s[i + 1..].trim_start().starts_with('Z')))
-        .unwrap_or(false)
-}
-
-/// A running `granary agent`.
-struct AgentProc {
+/// A `granary` subcommand, killed on drop.
+struct Proc {
     child: Child,
+    /// The `http://HOST:PORT` it printed after `addr_prefix`.
     base: String,
-    http: reqwest::blocking::Client,
 }
 
-impl AgentProc {
-    fn start(args: &[&str]) -> AgentProc {
+impl Proc {
+    /// Starts `granary ARGS`, reads the address from the line starting with
+    /// `addr_prefix` and waits for the line `ready`.
+    fn start(args: &[&str], envs: &[(&str, &str)], addr_prefix: &str, ready: &str) -> Proc {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_granary"));
-        cmd.arg("agent").args(["--listen", "127.0.0.1:0"]).args(args);
-        cmd.env("GRANARY_LOG", "info,granary_agent=debug").stdout(Stdio::piped()).stderr(Stdio::inherit());
-        let mut child = cmd.spawn().expect("spawn granary agent");
+        cmd.args(args).env("GRANARY_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::inherit());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn granary");
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -162,16 +60,177 @@ impl AgentProc {
             let left = deadline.saturating_duration_since(Instant::now());
             let line = rx.recv_timeout(left).unwrap_or_else(|_| {
                 let _ = child.kill();
-                panic!("granary agent did not print `ready` in time")
+                panic!("granary {args:?} did not print {ready:?} in time")
             });
-            if let Some(rest) = line.strip_prefix("granary agent: control API on ") {
-                base = rest.split_whitespace().next().map(str::to_string);
-            } else if line.trim() == "granary: ready" {
+            if let Some(rest) = line.strip_prefix(addr_prefix) {
+                let url = rest.split_whitespace().next().unwrap();
+                base = Some(url.trim_end_matches("/v1").to_string());
+            } else if line.trim() == ready {
                 break;
             }
         }
+        Proc { child, base: base.expect("the address line") }
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// `granary registry serve` with the default model's cached directory imported.
+fn registry(model: &Path, dir: &Path) -> Proc {
+    let data = dir.join("registry");
+    let reg = Proc::start(
+        &[
+            "registry",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--admin-token",
+            REG_ADMIN,
+            "--read-token",
+            READ,
+        ],
+        &[],
+        "granary registry: listening on ",
+        "granary registry: ready",
+    );
+    let source = format!("dir:{}", model.parent().unwrap().display());
+    let out = Command::new(env!("CARGO_BIN_EXE_granary"))
+        .args(["registry", "import", &source, "--name", MODEL, "--revision", "0.1.2", "--license", "apache-2.0"])
+        .args(["--url", &reg.base, "--token", REG_ADMIN])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "import: {}", String::from_utf8_lossy(&out.stderr));
+    reg
+}
+
+/// `granary gateway` with agents on and no configured upstream.
+struct Gateway {
+    proc: Proc,
+    key: String,
+    http: reqwest::blocking::Client,
+    _dir: tempfile::TempDir,
+}
+
+impl Gateway {
+    fn start() -> Gateway {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = format!(
+            "[gateway]\nlisten = \"127.0.0.1:0\"\ndatabase = \"sqlite://{}/gateway.db\"\n\
+             [gateway.health]\ninterval_ms = 250\ntimeout_ms = 1000\n\
+             [gateway.agents]\nenabled = true\nttl_ms = 5000\nload_timeout_ms = 120000\n",
+            dir.path().display()
+        );
+        let path = dir.path().join("gateway.toml");
+        std::fs::write(&path, cfg).unwrap();
+        let proc = Proc::start(
+            &["gateway", "--config", path.to_str().unwrap()],
+            &[("GRANARY_ADMIN_TOKEN", GW_ADMIN)],
+            "granary: gateway on ",
+            "granary: ready",
+        );
         let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap();
-        AgentProc { child, base: base.expect("the address line"), http }
+        let admin = |path: &str, body: Value| -> Value {
+            let r = http.post(format!("{}{path}", proc.base)).bearer_auth(GW_ADMIN).json(&body).send().unwrap();
+            assert!(r.status().is_success(), "{path}: {}", r.text().unwrap());
+            r.json().unwrap()
+        };
+        admin("/admin/v1/tenants", json!({"name": "acme"}));
+        let key = admin("/admin/v1/keys", json!({"tenant": "acme"}))["key"].as_str().unwrap().to_string();
+        Gateway { proc, key, http, _dir: dir }
+    }
+
+    /// `GET /admin/v1/agents`: the agent `id` as the gateway sees it.
+    fn agent(&self, id: &str) -> Option<Value> {
+        let v: Value = self
+            .http
+            .get(format!("{}/admin/v1/agents", self.proc.base))
+            .bearer_auth(GW_ADMIN)
+            .send()
+            .unwrap()
+            .json()
+            .unwrap();
+        v["data"].as_array().unwrap().iter().find(|a| a["agent_id"] == id).cloned()
+    }
+
+    fn chat(&self) -> reqwest::blocking::Response {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0});
+        self.http
+            .post(format!("{}/v1/chat/completions", self.proc.base))
+            .bearer_auth(&self.key)
+            .json(&body)
+            .send()
+            .unwrap()
+    }
+}
+
+fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting: {what}");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// Kills, at the end of a test whatever happened, every process whose
+/// command line names the test's directory: the engines outlive their
+/// agent by design.
+struct Reaper(PathBuf);
+
+/// The processes (pid, arguments) whose command line contains `needle`.
+fn processes_naming(needle: &str) -> Vec<(u32, Vec<String>)> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let args: Vec<String> = String::from_utf8_lossy(&cmd).split('\0').map(str::to_string).collect();
+            args.iter().any(|a| a.contains(needle)).then_some((pid, args))
+        })
+        .collect()
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for (pid, _) in processes_naming(&self.0.display().to_string()) {
+            // SAFETY: kill(2) on a process this test started (it names the test's directory).
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rfind(')').map(|i| !s[i + 1..].trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+/// A running `granary agent`.
+struct AgentProc {
+    proc: Proc,
+    base: String,
+    http: reqwest::blocking::Client,
+}
+
+impl AgentProc {
+    fn start(args: &[&str]) -> AgentProc {
+        let mut all = vec!["agent", "--listen", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        let proc = Proc::start(&all, &[], "granary agent: control API on ", "granary: ready");
+        let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap();
+        AgentProc { base: proc.base.clone(), proc, http }
     }
 
     fn call(&self, method: &str, path: &str, body: Option<&str>, token: Option<&str>) -> (u16, String) {
@@ -191,13 +250,10 @@ impl AgentProc {
         (s, serde_json::from_str(&text).unwrap_or_else(|_| panic!("{path}: not JSON: {text}")))
     }
 
-    fn load(&self, reaper: &Reaper) -> Value {
+    fn load(&self) -> Value {
         let (s, v) = self.json("POST", &format!("/models/{MODEL}/load"), Some("{}"));
         assert_eq!(s, 200, "{v}");
         assert_eq!(v["state"], "ready", "{v}");
-        if let Some(e) = self.engine() {
-            reaper.watch(e["pid"].as_u64().unwrap() as u32);
-        }
         v
     }
 
@@ -226,14 +282,7 @@ impl AgentProc {
     }
 
     fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for AgentProc {
-    fn drop(&mut self) {
-        self.kill9();
+        self.proc.kill9();
     }
 }
 
@@ -252,17 +301,17 @@ fn chat(upstream: &str) -> Value {
 }
 
 #[test]
-fn the_agent_loads_restarts_adopts_unloads_and_promotes() {
+fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     let Some(model) = default_model() else { return };
-    let reaper = Reaper::default();
-    let registry = Registry::start(&model);
-    let (receiver, gateway) = Receiver::start(&registry.rt);
-    let cache = tempfile::tempdir().unwrap();
-    let cache_dir = cache.path().join("cache");
-    let ram_dir = cache.path().join("ram");
+    let dir = tempfile::tempdir().unwrap();
+    let _reaper = Reaper(dir.path().to_path_buf());
+    let registry = registry(&model, dir.path());
+    let gw = Gateway::start();
+    let cache_dir = dir.path().join("cache");
+    let ram_dir = dir.path().join("ram");
     let args: Vec<String> = [
         "--registry",
-        &registry.url,
+        &registry.base,
         "--registry-token",
         READ,
         "--cache-dir",
@@ -276,11 +325,13 @@ fn the_agent_loads_restarts_adopts_unloads_and_promotes() {
         "--admin-token",
         TOKEN,
         "--gateway",
-        &gateway,
+        &gw.proc.base,
         "--gateway-token",
-        GW_TOKEN,
+        GW_ADMIN,
         "--agent-id",
         "node-a",
+        "--heartbeat-interval",
+        "500ms",
         "--health-interval",
         "100ms",
         "--engine-arg=--kv-cache=64MiB",
@@ -291,7 +342,7 @@ fn the_agent_loads_restarts_adopts_unloads_and_promotes() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut agent = AgentProc::start(&args);
 
-    // Bad input first: no token, a wrong token, bad JSON, an unknown model, a bad name.
+    // Bad input: no token, a wrong token, bad JSON, an unknown model, a bad name.
     let (s, body) = agent.call("GET", "/status", None, None);
     assert_eq!(s, 401, "{body}");
     assert!(body.contains("invalid_admin_token"), "{body}");
@@ -302,53 +353,46 @@ fn the_agent_loads_restarts_adopts_unloads_and_promotes() {
     let (s, v) = agent.json("POST", &format!("/models/{MODEL}/load"), Some("{oops"));
     assert_eq!((s, v["error"]["code"].as_str()), (400, Some("invalid_request_body")), "{v}");
     let (s, v) = agent.json("POST", "/models/no-such-model/load", None);
-    assert_eq!(
-        (s, v["error"]["code"].as_str(), v["error"]["param"].as_str()),
-        (404, Some("model_not_found"), Some("name")),
-        "{v}"
-    );
+    let got = (s, v["error"]["code"].as_str(), v["error"]["param"].as_str());
+    assert_eq!(got, (404, Some("model_not_found"), Some("name")), "{v}");
     let (s, v) = agent.json("POST", "/models/.hidden/load", None);
     assert_eq!((s, v["error"]["param"].as_str()), (400, Some("name")), "{v}");
     let (s, v) = agent.json("POST", &format!("/models/{MODEL}/unload"), None);
     assert_eq!((s, v["error"]["code"].as_str()), (404, Some("model_not_loaded")), "{v}");
 
-    // Load: downloaded from the registry, engine healthy, answers chat.
-    let loaded = agent.load(&reaper);
-    assert_eq!(loaded["tier"], "registry", "{loaded}");
-    assert_eq!(loaded["revision"], "0.1.2");
-    let upstream = loaded["upstream"].as_str().unwrap().to_string();
-    chat(&upstream);
+    // The gateway hears of the agent and what it can load.
+    wait_until("the gateway lists the agent's models", Duration::from_secs(15), || {
+        gw.agent("node-a").is_some_and(|a| a["models"].as_array().unwrap().iter().any(|m| m == MODEL))
+    });
+    let seen = gw.agent("node-a").unwrap();
+    assert_eq!(seen["url"], agent.base.as_str(), "{seen}");
+    assert_eq!(seen["has_token"], true, "{seen}");
+    assert!(seen["engines"].as_array().unwrap().is_empty(), "{seen}");
+
+    // End to end: a chat request for the model no engine serves yet.
+    let r = gw.chat();
+    let status = r.status();
+    let v: Value = r.json().unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= 1, "{v}");
+    let e = agent.engine().expect("the gateway had the agent load the model");
+    assert_eq!((e["state"].as_str(), e["tier"].as_str()), (Some("ready"), Some("registry")), "{e}");
+    let upstream = e["upstream"].as_str().unwrap().to_string();
+    let seen = gw.agent("node-a").unwrap();
+    assert_eq!(seen["engines"][0]["name"], format!("agent:node-a:{MODEL}"), "{seen}");
+    assert_eq!(seen["engines"][0]["upstream"], upstream.as_str());
+    assert_eq!(seen["engines"][0]["routable"], true, "{seen}");
     let st = agent.status();
     let size = std::fs::metadata(&model).unwrap().len();
-    assert_eq!(st["tiers"]["disk"]["used"], size, "{st}");
-    assert_eq!(st["tiers"]["disk"]["files"], 1, "{st}");
-    let e = agent.engine().unwrap();
-    assert_eq!((e["state"].as_str(), e["restarts"].as_u64()), (Some("ready"), Some(0)), "{e}");
+    assert!(st["tiers"]["disk"]["used"].as_u64().unwrap() >= size, "{st}");
     let (s, logs) = agent.call("GET", &format!("/models/{MODEL}/logs?tail=50"), None, Some(TOKEN));
     assert_eq!(s, 200);
     assert!(logs.contains("granary: ready"), "{logs}");
     assert_eq!(agent.call("GET", &format!("/models/{MODEL}/logs?tail=x"), None, Some(TOKEN)).0, 400);
 
-    // The heartbeat carries the engine, the registry's models and the agent's token.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some((auth, b)) = receiver.last() {
-            if b["engines"].as_array().is_some_and(|e| e.iter().any(|e| e["model"] == MODEL && e["healthy"] == true)) {
-                assert_eq!(auth.as_deref(), Some(format!("Bearer {GW_TOKEN}").as_str()));
-                assert_eq!(b["agent_id"], "node-a");
-                assert_eq!(b["url"], agent.base.as_str());
-                assert_eq!(b["token"], TOKEN);
-                assert_eq!(b["engines"][0]["upstream"], upstream.as_str());
-                assert!(b["models"].as_array().unwrap().iter().any(|m| m == MODEL), "{b}");
-                break;
-            }
-        }
-        assert!(Instant::now() < deadline, "no heartbeat with the ready engine: {:?}", receiver.last());
-        std::thread::sleep(Duration::from_millis(50));
-    }
-
-    // kill -9 the engine, twice: restarted each time, after 0.5 s then 1 s
-    // (the backoff doubles); heartbeats report it down in between.
+    // kill -9 the engine, twice: restarted after 0.5 s, then 1 s (the
+    // backoff doubles); meanwhile the gateway is told it is unhealthy and
+    // does not route to it.
     let mut waits = Vec::new();
     for round in 1..=2u64 {
         let pid = agent.engine().unwrap()["pid"].as_u64().unwrap() as u32;
@@ -357,25 +401,22 @@ fn the_agent_loads_restarts_adopts_unloads_and_promotes() {
         unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
         let down = agent.wait_engine("seen restarting", Duration::from_secs(10), |e| e["state"] == "restarting");
         assert!(down["pid"].is_null(), "{down}");
+        wait_until("the gateway takes it out of routing", Duration::from_secs(5), || {
+            gw.agent("node-a")
+                .is_some_and(|a| a["engines"][0]["healthy"] == false && a["engines"][0]["routable"] == false)
+        });
         agent.wait_engine("a new process", Duration::from_secs(10), |e| {
             e["pid"].as_u64().is_some_and(|p| p as u32 != pid)
         });
         waits.push(killed.elapsed());
         let e = agent.wait_engine("ready again", Duration::from_secs(60), |e| e["state"] == "ready");
-        reaper.watch(e["pid"].as_u64().unwrap() as u32);
         assert_eq!(e["restarts"], round, "{e}");
         assert!(e["last_error"].as_str().unwrap().contains("signal 9"), "{e}");
         assert!(!alive(pid));
-        let beats = receiver.since(killed);
-        assert!(
-            beats.iter().any(|b| b["engines"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|e| e["model"] == MODEL && e["healthy"] == false)),
-            "no heartbeat reported the engine down: {beats:?}"
-        );
-        chat(e["upstream"].as_str().unwrap());
+        wait_until("routable again", Duration::from_secs(10), || {
+            gw.agent("node-a").is_some_and(|a| a["engines"][0]["routable"] == true)
+        });
+        assert_eq!(gw.chat().status(), 200);
     }
     assert!(waits[0] >= Duration::from_millis(500), "first restart after {:?}", waits[0]);
     assert!(waits[1] >= Duration::from_millis(1000), "second restart after {:?} (backoff doubled)", waits[1]);
@@ -391,66 +432,90 @@ fn the_agent_loads_restarts_adopts_unloads_and_promotes() {
     assert_eq!(e["pid"], before["pid"], "the same process, adopted: {e}");
     assert_eq!(e["adopted"], true, "{e}");
     assert_eq!(e["restarts"], before["restarts"]);
-    let again = agent.load(&reaper);
+    let again = agent.load();
     assert_eq!(again["upstream"], before["upstream"], "loading a loaded model answers at once");
-    chat(e["upstream"].as_str().unwrap());
+    assert_eq!(gw.chat().status(), 200);
 
-    // Unload: the process group is gone, the port closed; a second unload is 404.
+    // Unload: the process group is gone, the port closed, the gateway
+    // drops the upstream; a second unload is 404.
     let (s, v) = agent.json("POST", &format!("/models/{MODEL}/unload"), None);
     assert_eq!((s, v["state"].as_str()), (200, Some("unloaded")), "{v}");
     assert!(!alive(pid), "the engine was stopped");
     assert!(std::net::TcpStream::connect(before["upstream"].as_str().unwrap().trim_start_matches("http://")).is_err());
     assert!(agent.engine().is_none());
     assert_eq!(agent.json("POST", &format!("/models/{MODEL}/unload"), None).0, 404);
+    wait_until("the gateway drops the engine", Duration::from_secs(10), || {
+        gw.agent("node-a").is_some_and(|a| a["engines"].as_array().unwrap().is_empty())
+    });
 
     // Load again: from the disk tier this time (no download). Then again:
     // the second load within the window promotes it to RAM.
-    let v = agent.load(&reaper);
+    let v = agent.load();
     assert_eq!(v["tier"], "disk", "{v}");
     assert_eq!(agent.json("POST", &format!("/models/{MODEL}/unload"), None).0, 200);
-    let v = agent.load(&reaper);
+    let v = agent.load();
     assert_eq!(v["tier"], "ram", "{v}");
     chat(v["upstream"].as_str().unwrap());
     let st = agent.status();
-    assert_eq!(st["tiers"]["ram"]["used"], size, "{st}");
-    let link = cache_dir.join("models").join(MODEL).join("0.1.2").join(model.file_name().unwrap());
+    assert!(st["tiers"]["ram"]["used"].as_u64().unwrap() >= size, "{st}");
+    let gguf = model.file_name().unwrap();
+    let link = cache_dir.join("models").join(MODEL).join("0.1.2").join(gguf);
     assert!(std::fs::read_link(&link).unwrap().starts_with(&ram_dir), "{link:?} points into the RAM tier");
 }
 
 #[test]
 fn an_external_command_template_runs_and_an_idle_engine_is_unloaded() {
     let Some(model) = default_model() else { return };
-    let reaper = Reaper::default();
-    let registry = Registry::start(&model);
-    let cache = tempfile::tempdir().unwrap();
-    let cache_dir = cache.path().join("cache");
+    let dir = tempfile::tempdir().unwrap();
+    let _reaper = Reaper(dir.path().to_path_buf());
+    let registry = registry(&model, dir.path());
+    let cache_dir = dir.path().join("cache");
+    let common = |template: &str| -> Vec<String> {
+        [
+            "--registry",
+            &registry.base,
+            "--registry-token",
+            READ,
+            "--cache-dir",
+            cache_dir.to_str().unwrap(),
+            "--ram-budget",
+            "0",
+            "--admin-token",
+            TOKEN,
+            "--engine-command",
+            template,
+            "--idle-unload",
+            "2s",
+            "--idle-poll",
+            "200ms",
+            "--health-interval",
+            "100ms",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+
+    // A template that cannot start: the load fails with the log's tail, nothing keeps running.
+    let failing = common("echo cannot start {model_id} >&2; exit 3");
+    let agent = AgentProc::start(&failing.iter().map(String::as_str).collect::<Vec<_>>());
+    let (s, v) = agent.json("POST", &format!("/models/{MODEL}/load"), None);
+    assert_eq!((s, v["error"]["code"].as_str()), (503, Some("engine_failed")), "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("exited with status 3") && msg.contains(&format!("cannot start {MODEL}")), "{msg}");
+    assert!(agent.engine().is_none());
+    drop(agent);
+
     // A real external command: a shell line that echoes, then runs the
     // engine (as one would vLLM), with the agent's placeholders.
     let template = format!(
         "echo external engine for {{model_id}}; '{}' engine --model {{model_path}} --model-id {{model_id}} --listen {{host}}:{{port}} --kv-cache 64MiB",
         env!("CARGO_BIN_EXE_granary")
     );
-    let agent = AgentProc::start(&[
-        "--registry",
-        &registry.url,
-        "--registry-token",
-        READ,
-        "--cache-dir",
-        cache_dir.to_str().unwrap(),
-        "--ram-budget",
-        "0",
-        "--admin-token",
-        TOKEN,
-        "--engine-command",
-        &template,
-        "--idle-unload",
-        "2s",
-        "--idle-poll",
-        "200ms",
-        "--health-interval",
-        "100ms",
-    ]);
-    let v = agent.load(&reaper);
+    let args = common(&template);
+    let agent = AgentProc::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let v = agent.load();
+    assert_eq!(v["tier"], "disk", "the failed load above had downloaded it: {v}");
     let upstream = v["upstream"].as_str().unwrap().to_string();
     let pid = agent.engine().unwrap()["pid"].as_u64().unwrap() as u32;
     let (_, logs) = agent.call("GET", &format!("/models/{MODEL}/logs"), None, Some(TOKEN));
@@ -465,24 +530,16 @@ fn an_external_command_template_runs_and_an_idle_engine_is_unloaded() {
         std::thread::sleep(Duration::from_millis(700));
         assert!(agent.engine().is_some(), "unloaded while in use");
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while agent.engine().is_some() {
-        assert!(Instant::now() < deadline, "the idle engine was not unloaded: {:?}", agent.engine());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until("the idle engine is unloaded", Duration::from_secs(20), || agent.engine().is_none());
     let idle_for = last_request.elapsed();
     assert!(idle_for >= Duration::from_secs(2), "unloaded after only {idle_for:?} idle");
     assert!(!alive(pid), "the shell is gone");
     // The whole process group went: nothing still runs on that model path.
-    let path = cache_dir.display().to_string();
-    let survivors: Vec<String> = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-        .map(|c| String::from_utf8_lossy(&c).split('\0').map(str::to_string).collect::<Vec<_>>())
+    let survivors: Vec<String> = processes_naming(&cache_dir.display().to_string())
+        .into_iter()
         // The shell (`sh -c ...`) or the engine it ran, not the agent.
-        .filter(|args| args.get(1).is_some_and(|a| a == "engine" || a == "-c") && args.join(" ").contains(&path))
-        .map(|args| args.join(" "))
+        .filter(|(_, args)| args.get(1).is_some_and(|a| a == "engine" || a == "-c"))
+        .map(|(_, args)| args.join(" "))
         .collect();
     assert!(survivors.is_empty(), "left running: {survivors:?}");
     assert!(std::net::TcpStream::connect(upstream.trim_start_matches("http://")).is_err());
