@@ -142,6 +142,7 @@ pub struct EngineStatus {
 /// One engine in the state file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Persisted {
+    #[serde(flatten)]
     pub spec: LaunchSpec,
     pub pid: u32,
     /// The process's start time in clock ticks since boot (`/proc/PID/stat`

@@ -13,6 +13,8 @@
 //! - an external command template (a shell line running the engine), idle
 //!   unload, and a template that fails.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -496,9 +498,32 @@ fn an_external_command_template_runs_and_an_idle_engine_is_unloaded() {
         .collect()
     };
 
-    // A template that cannot start: the load fails with the log's tail, nothing keeps running.
+    // Weights whose sha256 does not match: one byte flipped in the
+    // registry's stored copy. Refused, nothing kept, nothing started.
     let failing = common("echo cannot start {model_id} >&2; exit 3");
     let agent = AgentProc::start(&failing.iter().map(String::as_str).collect::<Vec<_>>());
+    let size = std::fs::metadata(&model).unwrap().len();
+    let stored = common::files_under(&dir.path().join("registry"))
+        .into_iter()
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.len() == size))
+        .expect("the registry's copy of the weights");
+    let original = std::fs::read(&stored).unwrap();
+    let mut corrupt = original.clone();
+    corrupt[size as usize / 2] ^= 0xff;
+    std::fs::write(&stored, &corrupt).unwrap();
+    let (s, v) = agent.json("POST", &format!("/models/{MODEL}/load"), None);
+    assert_eq!((s, v["error"]["code"].as_str()), (502, Some("checksum_mismatch")), "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("sha256 mismatch") && msg.contains(".gguf"), "{msg}");
+    assert!(agent.engine().is_none());
+    let big: Vec<_> = common::files_under(&cache_dir.join("blobs"))
+        .into_iter()
+        .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.len() >= size / 2))
+        .collect();
+    assert!(big.is_empty(), "nothing of the bad download is kept: {big:?}");
+    std::fs::write(&stored, &original).unwrap();
+
+    // A template that cannot start: the load fails with the log's tail, nothing keeps running.
     let (s, v) = agent.json("POST", &format!("/models/{MODEL}/load"), None);
     assert_eq!((s, v["error"]["code"].as_str()), (503, Some("engine_failed")), "{v}");
     let msg = v["error"]["message"].as_str().unwrap();
