@@ -189,6 +189,37 @@ mod tests {
         c.validate().unwrap();
     }
 
+    /// The example in docs/agent.md parses, and says the defaults.
+    #[test]
+    fn the_documented_file_is_the_defaults() {
+        let doc = include_str!("../../../docs/agent.md");
+        let start = doc.find("```toml\n[agent]").expect("the example") + "```toml\n".len();
+        let end = start + doc[start..].find("```").unwrap();
+        #[derive(Deserialize)]
+        struct File {
+            agent: AgentConfig,
+        }
+        let f: File = toml::from_str(&doc[start..end]).unwrap();
+        f.agent.validate().unwrap();
+        let d = AgentConfig::default();
+        fn json<T: Serialize>(v: &T) -> serde_json::Value {
+            serde_json::to_value(v).unwrap()
+        }
+        assert_eq!(json(&f.agent.download), json(&d.download));
+        assert_eq!(json(&f.agent.engines), json(&d.engines));
+        let (mut a, mut b) = (f.agent.tiers.clone(), d.tiers.clone());
+        (a.ram_dir, b.ram_dir) = (None, None);
+        assert_eq!(json(&a), json(&b));
+        assert_eq!(
+            (f.agent.listen, f.agent.heartbeat_interval, f.agent.idle_unload),
+            (d.listen, d.heartbeat_interval, d.idle_unload)
+        );
+        assert_eq!(
+            (f.agent.idle_poll, f.agent.catalog_refresh, &f.agent.registry),
+            (d.idle_poll, d.catalog_refresh, &d.registry)
+        );
+    }
+
     #[test]
     fn durations_read_as_people_write_them() {
         assert_eq!(parse_opt_duration("10m").unwrap(), Some(Duration::from_secs(600)));
