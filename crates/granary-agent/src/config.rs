@@ -88,6 +88,18 @@ impl AgentConfig {
                 self.listen
             ));
         }
+        if self.listen.ip().is_unspecified() && self.advertise.is_none() && !self.gateways.is_empty() {
+            return Err(format!(
+                "advertise: the agent listens on {}, which the gateway cannot dial; set the URL it reaches this agent at (--advertise)",
+                self.listen
+            ));
+        }
+        if self.engines.host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified()) {
+            return Err(format!(
+                "engines.host: {} is no address the gateway can reach engines at; give this node's address (--engine-host)",
+                self.engines.host
+            ));
+        }
         if !self.gateways.is_empty() && self.gateway_token.as_deref().is_none_or(str::is_empty) {
             return Err("gateways: heartbeats need the gateway's admin token (--gateway-token)".into());
         }

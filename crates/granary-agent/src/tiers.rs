@@ -238,10 +238,20 @@ impl Tiers {
         &self.disk_dir
     }
 
-    /// The fastest tier holding a complete copy of `sha`.
+    /// The fastest tier holding a complete copy of `sha`. A copy deleted
+    /// behind the agent's back (a cleaned cache, a tmpfs lost at reboot) is
+    /// forgotten here rather than linked.
     pub fn locate(&self, sha: &str) -> Option<Tier> {
-        let st = self.state.lock();
-        let b = st.blobs.get(sha)?;
+        let mut st = self.state.lock();
+        let b = st.blobs.get_mut(sha)?;
+        if b.ram == Presence::Yes && !self.ram_path(sha).is_some_and(|p| p.is_file()) {
+            tracing::warn!(sha256 = sha, "a RAM copy disappeared");
+            b.ram = Presence::No;
+        }
+        if b.disk == Presence::Yes && !self.disk_path(sha).is_file() {
+            tracing::warn!(sha256 = sha, "a disk copy disappeared");
+            b.disk = Presence::No;
+        }
         if b.ram == Presence::Yes {
             Some(Tier::Ram)
         } else if b.disk == Presence::Yes {
@@ -680,6 +690,13 @@ mod tests {
         assert_eq!(std::fs::read_link(root.join("b.bin")).unwrap(), t.ram_path(&sha(3)).unwrap());
         assert_eq!(std::fs::read(root.join("w/a.bin")).unwrap(), vec![1u8; 100]);
         assert!(t.materialise(&root, &[("../x".into(), sha(1))]).is_err(), "no escaping the model directory");
+
+        // A copy deleted behind the agent's back is forgotten, not linked.
+        std::fs::remove_file(t.ram_path(&sha(3)).unwrap()).unwrap();
+        assert_eq!(t.locate(&sha(3)), Some(Tier::Disk));
+        std::fs::remove_file(t.disk_path(&sha(2))).unwrap();
+        std::fs::remove_file(t.ram_path(&sha(2)).unwrap()).unwrap();
+        assert_eq!(t.locate(&sha(2)), None);
     }
 
     #[test]

@@ -80,6 +80,10 @@ pub struct AgentArgs {
     /// are substituted [default: the embedded engine].
     #[arg(long)]
     pub engine_command: Option<String>,
+    /// The address engines listen on and are reported at [default: 127.0.0.1];
+    /// this node's address when the gateway runs elsewhere.
+    #[arg(long)]
+    pub engine_host: Option<String>,
     /// A flag for the embedded engine, e.g. --engine-arg=--kv-cache=1GiB (repeatable).
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
@@ -151,6 +155,7 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
     set!(a.start_timeout => engines.start_timeout);
     set!(a.restart_backoff_max => engines.backoff_max);
     set!(a.download_parallel => download.parallel);
+    set!(a.engine_host => engines.host);
     if let Some(v) = a.download_chunk {
         c.download.chunk_bytes = v.as_u64();
     }
