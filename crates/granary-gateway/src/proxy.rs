@@ -102,10 +102,12 @@ impl Topology {
             return eligible;
         }
         let mut selectors = self.selectors.lock();
-        let sel = selectors.entry(model.to_string()).or_insert_with(|| {
-            PoolSelector::new(&eligible.iter().map(|&i| self.pools[i].pool.cfg.weight).collect::<Vec<_>>())
-        });
-        sel.order().into_iter().map(|k| eligible[k]).collect()
+        if !selectors.contains_key(model) {
+            let weights: Vec<u32> = eligible.iter().map(|&i| self.pools[i].pool.cfg.weight).collect();
+            selectors.insert(model.to_string(), PoolSelector::new(&weights));
+        }
+        let order = selectors.get(model).map(PoolSelector::order).unwrap_or_default();
+        order.into_iter().map(|k| eligible[k]).collect()
     }
 }
 

@@ -596,7 +596,7 @@ async fn schemathesis_finds_no_server_errors() {
     for (auth, paths) in [(key.as_str(), "^/(v1|health)"), (ADMIN, "^/(admin|metrics)")] {
         let out = tokio::process::Command::new("schemathesis")
             .args(["run", &spec, "--url", &g.base, "--checks", "not_a_server_error"])
-            .args(["--include-path-regex", paths, "--max-examples", "30", "--workers", "2", "--no-color"])
+            .args(["--include-path-regex", paths, "--max-examples", "30", "--workers", "1", "--no-color"])
             .args(["--phases", "examples,coverage,fuzzing"])
             .arg("-H")
             .arg(format!("Authorization: Bearer {auth}"))
