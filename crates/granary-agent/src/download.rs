@@ -340,15 +340,13 @@ impl Downloader {
                                 tracing::warn!(file = %req.label, chunk = i, attempt = tries, "range request failed: {msg}");
                                 tokio::time::sleep(Duration::from_millis(200 << tries.min(6))).await;
                             }
-                            Err(e) => {
+                            Err(ChunkError::Transient(message)) => {
                                 abort.store(true, Ordering::Relaxed);
-                                return Err(match e {
-                                    ChunkError::Transient(message) => {
-                                        AgentError::Download { file: req.label.clone(), message }
-                                    }
-                                    ChunkError::Fatal(e) => e,
-                                    ChunkError::Aborted => unreachable!("handled above"),
-                                });
+                                return Err(AgentError::Download { file: req.label.clone(), message });
+                            }
+                            Err(ChunkError::Fatal(e)) => {
+                                abort.store(true, Ordering::Relaxed);
+                                return Err(e);
                             }
                         }
                     }
@@ -455,40 +453,48 @@ impl Downloader {
                     .await
             }
         };
-        while let Some(piece) = stream.next().await {
-            if abort.load(Ordering::Relaxed) {
-                return Err(ChunkError::Aborted);
+        let mut counted = 0u64;
+        let result = async {
+            while let Some(piece) = stream.next().await {
+                if abort.load(Ordering::Relaxed) {
+                    return Err(ChunkError::Aborted);
+                }
+                let piece = piece.map_err(|e| ChunkError::Transient(format!("reading the body: {e}")))?;
+                if offset - start + (buf.len() + piece.len()) as u64 > len {
+                    return Err(ChunkError::Transient(format!("the server sent more than the {len} bytes asked for")));
+                }
+                bytes.fetch_add(piece.len() as u64, Ordering::Relaxed);
+                buf.extend_from_slice(&piece);
+                if buf.len() >= 1 << 20 {
+                    let n = buf.len() as u64;
+                    let full = std::mem::replace(&mut buf, Vec::with_capacity(1 << 20));
+                    flush(full, offset).await.map_err(ChunkError::Fatal)?;
+                    offset += n;
+                    counted += n;
+                    progress.done.fetch_add(n, Ordering::Relaxed);
+                    bar.inc(n);
+                }
             }
-            let piece = piece.map_err(|e| ChunkError::Transient(format!("reading the body: {e}")))?;
-            if offset - start + (buf.len() + piece.len()) as u64 > len {
-                return Err(ChunkError::Transient(format!("the server sent more than the {len} bytes asked for")));
-            }
-            bytes.fetch_add(piece.len() as u64, Ordering::Relaxed);
-            buf.extend_from_slice(&piece);
-            if buf.len() >= 1 << 20 {
+            if !buf.is_empty() {
                 let n = buf.len() as u64;
-                flush(std::mem::replace(&mut buf, Vec::with_capacity(1 << 20)), offset)
-                    .await
-                    .map_err(ChunkError::Fatal)?;
+                flush(std::mem::take(&mut buf), offset).await.map_err(ChunkError::Fatal)?;
                 offset += n;
+                counted += n;
                 progress.done.fetch_add(n, Ordering::Relaxed);
                 bar.inc(n);
             }
+            if offset - start != len {
+                return Err(ChunkError::Transient(format!("short body: {} of {len} bytes", offset - start)));
+            }
+            Ok(())
         }
-        if !buf.is_empty() {
-            let n = buf.len() as u64;
-            flush(buf, offset).await.map_err(ChunkError::Fatal)?;
-            offset += n;
-            progress.done.fetch_add(n, Ordering::Relaxed);
-            bar.inc(n);
-        }
-        if offset - start != len {
-            let got = offset - start;
-            progress.done.fetch_sub(got, Ordering::Relaxed);
+        .await;
+        if result.is_err() {
+            // This try's bytes count again when the range is fetched again.
+            progress.done.fetch_sub(counted, Ordering::Relaxed);
             bar.set_position(progress.done());
-            return Err(ChunkError::Transient(format!("short body: {got} of {len} bytes")));
         }
-        Ok(())
+        result
     }
 
     /// Hashes the complete part file and renames it into place, or removes it.
