@@ -112,6 +112,50 @@ async fn an_interrupted_download_fetches_only_what_is_missing() {
     assert!(!part_path(&dest).exists() && !sidecar_path(&dest).exists());
 }
 
+/// The agent's path: the disk tier reserves the space, the download is cut
+/// off, the agent "restarts" (the tiers are opened again from disk), and the
+/// next load resumes the part file the index found.
+#[tokio::test]
+async fn a_download_cut_off_by_a_restart_resumes_through_the_tiers() {
+    use granary_agent::tiers::{TierConfig, Tiers};
+    let bytes = data(16 * CHUNK as usize, 6);
+    let sha = sha256_hex(&bytes);
+    let Some((_root, nginx)) = serve(&bytes) else { return };
+    let cache = tempfile::tempdir().unwrap();
+    let cfg = TierConfig { ram_dir: None, disk_budget: granary_core::ByteSize::mib(64), ..Default::default() };
+    {
+        let tiers = Tiers::open(cfg.clone(), cache.path()).unwrap();
+        let dest = tiers.begin_download(&sha, bytes.len() as u64, "weights.bin").unwrap();
+        let d = downloader(2, true);
+        let req = request(nginx.url("/slow/weights.bin"), &bytes, None);
+        let watcher = d.clone();
+        let quarter = bytes.len() as u64 / 4;
+        let cut = async move {
+            while watcher.downloads().snapshot().iter().map(|p| p.done).sum::<u64>() < quarter {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::select! {
+            r = d.fetch(&req, &dest) => panic!("finished before the cut: {r:?}"),
+            _ = tokio::time::timeout(Duration::from_secs(60), cut) => {}
+        }
+        // The agent dies here: no end_download.
+    }
+    let tiers = Tiers::open(cfg, cache.path()).unwrap();
+    assert_eq!(tiers.locate(&sha), None, "a part file is not a copy");
+    assert_eq!(tiers.status().disk.used, bytes.len() as u64, "the part file's space is counted");
+    let dest = tiers.begin_download(&sha, bytes.len() as u64, "weights.bin").unwrap();
+    let before = nginx.hits().iter().filter(|h| h.uri.starts_with("/fast/")).count();
+    let stats = downloader(2, true).fetch(&request(nginx.url("/fast/weights.bin"), &bytes, None), &dest).await.unwrap();
+    tiers.end_download(&sha, true);
+    assert!(stats.resumed_bytes >= CHUNK, "resumed {} bytes", stats.resumed_bytes);
+    let fetched: u64 = nginx.hits().iter().filter(|h| h.uri.starts_with("/fast/")).skip(before).map(|h| h.bytes).sum();
+    assert_eq!(fetched, bytes.len() as u64 - stats.resumed_bytes, "only the missing ranges were fetched");
+    assert_eq!(tiers.locate(&sha), Some(granary_agent::tiers::Tier::Disk));
+    assert!(std::fs::read(tiers.disk_path(&sha)).unwrap() == bytes);
+    assert_eq!(tiers.status().disk.used, bytes.len() as u64);
+}
+
 #[tokio::test]
 async fn a_sha256_mismatch_is_refused_and_leaves_nothing() {
     let bytes = data(700_000, 3);

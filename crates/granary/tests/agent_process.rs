@@ -309,6 +309,8 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     let _reaper = Reaper(dir.path().to_path_buf());
     let registry = registry(&model, dir.path());
     let gw = Gateway::start();
+    // A second replica: each gets the agent's heartbeats.
+    let replica = Gateway::start();
     let cache_dir = dir.path().join("cache");
     let ram_dir = dir.path().join("ram");
     let args: Vec<String> = [
@@ -328,6 +330,8 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
         TOKEN,
         "--gateway",
         &gw.proc.base,
+        "--gateway",
+        &replica.proc.base,
         "--gateway-token",
         GW_ADMIN,
         "--agent-id",
@@ -384,6 +388,9 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     assert_eq!(seen["engines"][0]["name"], format!("agent:node-a:{MODEL}"), "{seen}");
     assert_eq!(seen["engines"][0]["upstream"], upstream.as_str());
     assert_eq!(seen["engines"][0]["routable"], true, "{seen}");
+    wait_until("the replica hears of the engine too", Duration::from_secs(10), || {
+        replica.agent("node-a").is_some_and(|a| a["engines"][0]["upstream"] == upstream.as_str())
+    });
     let st = agent.status();
     let size = std::fs::metadata(&model).unwrap().len();
     assert!(st["tiers"]["disk"]["used"].as_u64().unwrap() >= size, "{st}");
