@@ -144,6 +144,7 @@ pub struct EngineStatus {
 pub struct Persisted {
     #[serde(flatten)]
     pub spec: LaunchSpec,
+    /// 0 while it is between two processes (a restart's backoff).
     pub pid: u32,
     /// The process's start time in clock ticks since boot (`/proc/PID/stat`
     /// field 22), so a recycled pid is not mistaken for the engine.
@@ -403,7 +404,7 @@ impl Supervisor {
     /// Takes over an engine an earlier agent started, if its process is
     /// still the same one. Returns false when it is gone (start it again).
     pub fn adopt(&self, p: &Persisted) -> bool {
-        if !process_is(p.pid, p.proc_start) {
+        if p.pid == 0 || !process_is(p.pid, p.proc_start) {
             return false;
         }
         let (state, _) = watch::channel(EngineState::Starting);
@@ -645,6 +646,7 @@ async fn supervise(sh: Arc<Shared>, engine: Arc<Engine>, mut proc: Proc, mut eve
                 tracing::warn!(%model, ?backoff, "the engine failed ({why}); restarting");
                 engine.live.lock().pid = None;
                 engine.state.send_replace(EngineState::Restarting);
+                persist(&sh);
                 sh.changed.send_modify(|n| *n += 1);
                 loop {
                     tokio::select! {
@@ -774,20 +776,22 @@ fn group_alive(pgid: u32) -> bool {
 
 fn persist(sh: &Shared) {
     let engines: Vec<Arc<Engine>> = sh.engines.lock().values().cloned().collect();
+    // Engines between two processes (in a restart's backoff) are kept with
+    // pid 0: an agent starting from this file starts them again.
     let list: Vec<Persisted> = engines
         .iter()
         .filter(|e| *e.state.borrow() != EngineState::Stopped)
-        .filter_map(|e| {
+        .map(|e| {
             let l = e.live.lock();
-            Some(Persisted {
+            Persisted {
                 spec: e.spec.clone(),
-                pid: l.pid?,
+                pid: l.pid.unwrap_or(0),
                 proc_start: l.proc_start,
                 port: l.port,
                 command: l.command.clone(),
                 started_unix: l.started_unix,
                 restarts: l.restarts,
-            })
+            }
         })
         .collect();
     let tmp = sh.state_path.with_extension("json.tmp");
@@ -897,6 +901,64 @@ mod tests {
         assert!(process_is(me, 0));
         assert!(!process_is(me, start + 1));
         assert!(!process_is(u32::MAX - 1, 0));
+    }
+
+    /// A real HTTP server as the engine (python's, serving a directory with
+    /// a `health` file): killed, it is restarted after the backoff; an agent
+    /// that goes away during the backoff leaves it in the state file with
+    /// pid 0, so the next one starts it again instead of forgetting it.
+    #[tokio::test]
+    async fn a_killed_engine_restarts_and_one_between_processes_is_not_forgotten() {
+        if std::process::Command::new("python3").arg("--version").output().is_err() {
+            eprintln!("skipping: python3 is not installed");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let www = d.path().join("www");
+        std::fs::create_dir_all(&www).unwrap();
+        std::fs::write(www.join("health"), "ok").unwrap();
+        let cfg = SupervisorConfig {
+            command: Some(format!("cd {} && exec python3 -m http.server {{port}} --bind {{host}}", www.display())),
+            health_interval: Duration::from_millis(50),
+            backoff_initial: Duration::from_millis(300),
+            start_timeout: Duration::from_secs(20),
+            ..Default::default()
+        };
+        let sup = Supervisor::new(cfg.clone(), d.path()).unwrap();
+        let spec = LaunchSpec {
+            model: "m".into(),
+            revision: "1".into(),
+            model_path: www.clone(),
+            files: vec![],
+            tier: Tier::Disk,
+        };
+        let st = sup.start(spec.clone()).await.unwrap();
+        assert_eq!(st.state, EngineState::Ready);
+        let pid = st.pid.unwrap();
+        assert_eq!(sup.persisted()[0].pid, pid);
+
+        signal_group(pid, libc::SIGKILL);
+        let mut rx = sup.changed_signal();
+        while sup.status("m").unwrap().state != EngineState::Restarting {
+            rx.changed().await.unwrap();
+        }
+        assert_eq!(sup.persisted()[0].pid, 0, "between processes");
+        let st = sup.ready("m", Duration::from_secs(20)).await.unwrap();
+        assert_eq!(st.restarts, 1);
+        assert_ne!(st.pid, Some(pid));
+        assert!(st.last_error.unwrap().contains("signal 9"));
+
+        // Gone during a backoff: the next supervisor does not adopt pid 0.
+        signal_group(st.pid.unwrap(), libc::SIGKILL);
+        while sup.status("m").unwrap().state != EngineState::Restarting {
+            rx.changed().await.unwrap();
+        }
+        sup.detach();
+        let next = Supervisor::new(cfg, d.path()).unwrap();
+        let p = next.persisted();
+        assert_eq!((p.len(), p[0].pid), (1, 0), "{p:?}");
+        assert!(!next.adopt(&p[0]));
+        assert!(next.list().is_empty());
     }
 
     #[test]
