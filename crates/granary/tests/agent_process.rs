@@ -505,6 +505,14 @@ fn an_external_command_template_runs_and_an_idle_engine_is_unloaded() {
         .collect()
     };
 
+    // Nothing listens beyond loopback without an admin token.
+    let out = Command::new(env!("CARGO_BIN_EXE_granary"))
+        .args(["agent", "--listen", "0.0.0.0:0", "--cache-dir", cache_dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--admin-token"), "{err}");
+
     // Weights whose sha256 does not match: one byte flipped in the
     // registry's stored copy. Refused, nothing kept, nothing started.
     let failing = common("echo cannot start {model_id} >&2; exit 3");
