@@ -7,6 +7,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use granary_core::ByteSize;
 
+mod agent;
 mod bench;
 mod config;
 mod engine;
@@ -38,6 +39,8 @@ enum Cmd {
     Gateway(Box<gateway::GatewayArgs>),
     /// The model registry: `serve` it, or `list`, `show`, `import`, `delete` against one.
     Registry(registry::RegistryArgs),
+    /// The node agent: weight cache tiers, engine processes, heartbeats to the gateway.
+    Agent(Box<agent::AgentArgs>),
     /// Run a benchmark; each prints a table with its anchor and the ratio.
     Bench {
         #[command(subcommand)]
@@ -125,6 +128,7 @@ fn main() -> Result<()> {
         Cmd::Serve(a) => rt.block_on(engine::run_serve(*a)),
         Cmd::Gateway(a) => rt.block_on(gateway::run(*a)),
         Cmd::Registry(a) => rt.block_on(registry::run(a)),
+        Cmd::Agent(a) => rt.block_on(agent::run(*a)),
         Cmd::Bench { which } => rt.block_on(bench::run(which)),
     }
 }

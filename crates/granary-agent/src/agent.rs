@@ -1,0 +1,386 @@
+//! The agent: turns "load this model" into weights in a tier and a healthy
+//! engine, and keeps the gateway told.
+//!
+//! A load resolves the revision in the registry, fetches the files no tier
+//! holds (in parallel, resumable, verified), counts the load for promotion
+//! to RAM, lays the revision out as a directory of links and starts an
+//! engine on it. One load per model runs at a time; a second caller waits
+//! for the first and gets its answer. Background loops read each engine's
+//! metrics (idle unload), demote idle RAM copies, refresh the registry's
+//! model list and heartbeat to the gateway.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::AgentConfig;
+use crate::download::{DownloadStatus, Downloader, FileRequest};
+use crate::error::AgentError;
+use crate::registry::Catalog;
+use crate::supervisor::{EngineState, EngineStatus, LaunchSpec, Supervisor};
+use crate::tiers::{Tier, Tiers, TiersStatus};
+
+/// `POST /models/{name}/load`'s answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LoadResponse {
+    pub model: String,
+    pub revision: String,
+    pub upstream: String,
+    pub state: EngineState,
+    /// Where the weights came from: `registry` when anything was downloaded,
+    /// else the slowest tier the engine reads from.
+    pub tier: Tier,
+    pub load_ms: u64,
+}
+
+/// `GET /status`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AgentStatus {
+    pub agent_id: String,
+    pub url: String,
+    pub engines: Vec<EngineStatus>,
+    pub tiers: TiersStatus,
+    pub downloads: Vec<DownloadStatus>,
+}
+
+/// One node's agent.
+pub struct Agent {
+    cfg: AgentConfig,
+    agent_id: String,
+    url: String,
+    registry: Catalog,
+    tiers: Tiers,
+    downloader: Downloader,
+    sup: Supervisor,
+    /// One load per model at a time.
+    loading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// One download per file at a time.
+    fetching: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Model names the registry lists (reported to the gateway).
+    catalog: Mutex<Vec<String>>,
+    stop: CancellationToken,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Model names and revisions become file and directory names: the
+/// registry's naming rules (`[A-Za-z0-9][A-Za-z0-9._-]*`, at most 128 bytes)
+/// apply here too, and `latest` is a revision.
+pub fn check_name(field: &str, s: &str) -> Result<(), AgentError> {
+    let checked = match field {
+        "revision" if s == "latest" => Ok(()),
+        "revision" => granary_registry::api::check_revision(s),
+        _ => granary_registry::api::check_name(s),
+    };
+    checked.map_err(|why| AgentError::invalid(field, format!("Invalid `{field}`: {why}.")))
+}
+
+impl Agent {
+    /// Opens the tiers, takes over engines an earlier run left, and starts
+    /// the background loops. Call [`crate::api::serve`] to answer HTTP.
+    pub async fn start(cfg: AgentConfig) -> Result<Arc<Agent>, AgentError> {
+        cfg.validate().map_err(|m| AgentError::BadRequest { param: None, code: "invalid_config", message: m })?;
+        std::fs::create_dir_all(&cfg.cache_dir)
+            .map_err(|e| AgentError::io(format!("creating {}", cfg.cache_dir.display()), e))?;
+        let tiers = Tiers::open(cfg.tiers.clone(), &cfg.cache_dir)?;
+        let downloader = Downloader::new(cfg.download.clone())?;
+        let sup = Supervisor::new(cfg.engines.clone(), &cfg.cache_dir)?;
+        let registry = Catalog::new(&cfg.registry, cfg.registry_token.clone())?;
+        let url = cfg.advertise.clone().unwrap_or_else(|| format!("http://{}", cfg.listen));
+        let agent = Arc::new(Agent {
+            agent_id: cfg.agent_id(),
+            url,
+            registry,
+            tiers,
+            downloader,
+            sup,
+            loading: Mutex::new(HashMap::new()),
+            fetching: Mutex::new(HashMap::new()),
+            catalog: Mutex::new(Vec::new()),
+            stop: CancellationToken::new(),
+            cfg,
+        });
+        agent.recover();
+        tokio::spawn(agent.clone().activity_loop());
+        tokio::spawn(agent.clone().catalog_loop());
+        if !agent.cfg.gateways.is_empty() {
+            tokio::spawn(crate::heartbeat::run(agent.clone()));
+        }
+        Ok(agent)
+    }
+
+    pub fn config(&self) -> &AgentConfig {
+        &self.cfg
+    }
+
+    pub fn agent_id(&self) -> &str {
+        &self.agent_id
+    }
+
+    /// The URL the gateway reaches this agent at.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.sup
+    }
+
+    pub fn tiers(&self) -> &Tiers {
+        &self.tiers
+    }
+
+    /// Model names the registry listed at the last refresh.
+    pub fn catalog(&self) -> Vec<String> {
+        self.catalog.lock().clone()
+    }
+
+    pub(crate) fn stopping(&self) -> &CancellationToken {
+        &self.stop
+    }
+
+    /// Ends the background loops and leaves the engines running for the next
+    /// agent to adopt.
+    pub fn shutdown(&self) {
+        self.stop.cancel();
+        self.sup.detach();
+    }
+
+    /// Engines from the state file: adopted when still running, else loaded again.
+    fn recover(self: &Arc<Self>) {
+        for p in self.sup.persisted() {
+            if self.sup.adopt(&p) {
+                self.tiers.pin(&p.spec.files);
+                continue;
+            }
+            tracing::info!(model = %p.spec.model, pid = p.pid, "a recorded engine is gone; starting it again");
+            let agent = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = agent.load(&p.spec.model, Some(&p.spec.revision)).await {
+                    tracing::warn!(model = %p.spec.model, error = %e, "restarting a recorded engine failed");
+                }
+            });
+        }
+    }
+
+    pub fn status(&self) -> AgentStatus {
+        AgentStatus {
+            agent_id: self.agent_id.clone(),
+            url: self.url.clone(),
+            engines: self.sup.list(),
+            tiers: self.tiers.status(),
+            downloads: self.downloader.downloads().snapshot(),
+        }
+    }
+
+    fn lock_for(map: &Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        map.lock().entry(key.to_string()).or_default().clone()
+    }
+
+    /// Loads `name` at `revision` (default `latest`) and returns once its engine is healthy.
+    pub async fn load(&self, name: &str, revision: Option<&str>) -> Result<LoadResponse, AgentError> {
+        check_name("name", name)?;
+        let rev = revision.unwrap_or("latest");
+        check_name("revision", rev)?;
+        let lock = Self::lock_for(&self.loading, name);
+        let _one_at_a_time = lock.lock().await;
+        let started = Instant::now();
+        if let Some(st) = self.sup.status(name) {
+            if rev != "latest" && st.revision != rev {
+                return Err(AgentError::Conflict(format!(
+                    "`{name}` is loaded at revision {}; unload it before loading revision {rev}",
+                    st.revision
+                )));
+            }
+            let st = self.sup.ready(name, self.cfg.engines.start_timeout).await?;
+            return Ok(LoadResponse {
+                model: st.model,
+                revision: st.revision,
+                upstream: st.upstream,
+                state: st.state,
+                tier: st.tier,
+                load_ms: started.elapsed().as_millis() as u64,
+            });
+        }
+        let revision = self.registry.revision(name, rev).await?;
+        for f in &revision.files {
+            granary_registry::api::check_file_path(&f.path)
+                .map_err(|why| AgentError::Registry(format!("{name}@{}: {why}", revision.revision)))?;
+        }
+        let downloaded = self.fetch_files(name, &revision).await?;
+        let shas: Vec<String> = revision.files.iter().map(|f| f.sha256.to_ascii_lowercase()).collect();
+        self.tiers.touch(&shas);
+        if self.tiers.record_load(name) {
+            self.tiers.promote(&shas).await?;
+        }
+        self.tiers.pin(&shas);
+        let result = self.launch(name, &revision, &shas, downloaded).await;
+        if result.is_err() {
+            self.tiers.unpin(&shas);
+        }
+        let st = result?;
+        tracing::info!(model = name, revision = %st.revision, tier = st.tier.as_str(), ms = started.elapsed().as_millis() as u64, "loaded");
+        Ok(LoadResponse {
+            model: st.model,
+            revision: st.revision,
+            upstream: st.upstream,
+            state: st.state,
+            tier: st.tier,
+            load_ms: started.elapsed().as_millis() as u64,
+        })
+    }
+
+    async fn launch(
+        &self,
+        name: &str,
+        revision: &crate::registry::Revision,
+        shas: &[String],
+        downloaded: bool,
+    ) -> Result<EngineStatus, AgentError> {
+        let root = self.cfg.cache_dir.join("models").join(name).join(&revision.revision);
+        let files: Vec<(String, String)> =
+            revision.files.iter().zip(shas).map(|(f, s)| (f.path.clone(), s.clone())).collect();
+        let slowest = self.tiers.materialise(&root, &files)?;
+        let model_path: PathBuf = match revision.format.as_str() {
+            "gguf" => {
+                let f = revision.files.iter().find(|f| f.path.ends_with(".gguf")).ok_or_else(|| {
+                    AgentError::Registry(format!("{name}@{}: format gguf but no .gguf file", revision.revision))
+                })?;
+                root.join(&f.path)
+            }
+            _ => root.clone(),
+        };
+        let spec = LaunchSpec {
+            model: name.to_string(),
+            revision: revision.revision.clone(),
+            model_path,
+            files: shas.to_vec(),
+            tier: if downloaded { Tier::Registry } else { slowest },
+        };
+        self.sup.start(spec).await
+    }
+
+    /// Fetches every file of `revision` no tier holds; true when any was downloaded.
+    async fn fetch_files(&self, name: &str, revision: &crate::registry::Revision) -> Result<bool, AgentError> {
+        let jobs = revision.files.iter().map(|f| async move {
+            let sha = f.sha256.to_ascii_lowercase();
+            let lock = Self::lock_for(&self.fetching, &sha);
+            let _one = lock.lock().await;
+            if self.tiers.locate(&sha).is_some() {
+                return Ok(false);
+            }
+            let (url, bearer) = self.registry.file_source(name, &revision.revision, &f.path).await?;
+            let dest = self.tiers.begin_download(&sha, f.size, &f.path)?;
+            let req = FileRequest { url, bearer, size: f.size, sha256: sha.clone(), label: f.path.clone() };
+            let r = self.downloader.fetch(&req, &dest).await;
+            self.tiers.end_download(&sha, r.is_ok());
+            let stats = r?;
+            tracing::info!(file = %f.path, bytes = stats.bytes, resumed = stats.resumed_bytes, requests = stats.requests, "downloaded");
+            Ok::<bool, AgentError>(true)
+        });
+        let results = futures::future::join_all(jobs).await;
+        let mut any = false;
+        for r in results {
+            any |= r?;
+        }
+        Ok(any)
+    }
+
+    /// Stops `name`'s engine.
+    pub async fn unload(&self, name: &str) -> Result<(), AgentError> {
+        check_name("name", name)?;
+        let lock = Self::lock_for(&self.loading, name);
+        let _one_at_a_time = lock.lock().await;
+        let spec = self.sup.stop(name).await?;
+        self.tiers.unpin(&spec.files);
+        tracing::info!(model = name, "unloaded");
+        Ok(())
+    }
+
+    /// Reads each ready engine's metrics for activity, unloads idle ones,
+    /// demotes idle RAM copies.
+    async fn activity_loop(self: Arc<Self>) {
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(3)).build().expect("an HTTP client");
+        let mut seen: HashMap<String, f64> = HashMap::new();
+        let mut warned: std::collections::HashSet<String> = Default::default();
+        loop {
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep(self.cfg.idle_poll) => {}
+            }
+            self.tiers.demote_idle();
+            for st in self.sup.list() {
+                if st.state != EngineState::Ready {
+                    continue;
+                }
+                let text = match http.get(format!("{}/metrics", st.upstream)).send().await {
+                    Ok(r) if r.status().is_success() => r.text().await.unwrap_or_default(),
+                    _ => continue,
+                };
+                let Some(a) = crate::activity::parse(&text) else {
+                    if warned.insert(st.model.clone()) && self.cfg.idle_unload.is_some() {
+                        tracing::warn!(model = %st.model, "its metrics show no known request series; it is never unloaded for idleness");
+                    }
+                    continue;
+                };
+                let now = now_ms();
+                let moved = seen.insert(st.model.clone(), a.requests).is_some_and(|before| before != a.requests);
+                if moved || a.in_flight > 0.0 {
+                    self.sup.mark_active(&st.model, now);
+                }
+                let last = self.sup.last_active_ms(&st.model).unwrap_or(now);
+                if let Some(idle) = self.cfg.idle_unload {
+                    if now.saturating_sub(last) >= idle.as_millis() as u64 {
+                        tracing::info!(model = %st.model, idle_ms = now - last, "unloading an idle model");
+                        seen.remove(&st.model);
+                        if let Err(e) = self.unload(&st.model).await {
+                            tracing::warn!(model = %st.model, error = %e, "idle unload failed");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn catalog_loop(self: Arc<Self>) {
+        loop {
+            match self.registry.names().await {
+                Ok(names) => {
+                    let moved = *self.catalog.lock() != names;
+                    *self.catalog.lock() = names;
+                    if moved {
+                        self.sup.notify_changed();
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot list the registry's models"),
+            }
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep(self.cfg.catalog_refresh) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_plain() {
+        check_name("name", "SmolLM2-135M-Instruct").unwrap();
+        check_name("revision", "0.1.2").unwrap();
+        check_name("revision", "latest").unwrap();
+        for bad in ["", "..", ".hidden", "a/b", "a b", &"x".repeat(129)] {
+            let e = check_name("name", bad).unwrap_err();
+            assert_eq!(e.body()["error"]["param"], "name", "{bad:?}");
+        }
+    }
+}

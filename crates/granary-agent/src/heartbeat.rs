@@ -1,0 +1,110 @@
+//! Heartbeats to the gateway: `POST {gateway}/admin/v1/agents/heartbeat`
+//! every `heartbeat_interval`, and at once when an engine changes state (so
+//! a crashed engine leaves the gateway's routing within moments, not at the
+//! next tick). A failed heartbeat is logged, never fatal: the gateway drops
+//! an agent it has not heard from, and the next beat puts it back. With
+//! several gateway replicas each gets its own heartbeats (their upstream
+//! sets are per process).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::agent::Agent;
+use crate::supervisor::EngineState;
+
+/// The heartbeat body.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Heartbeat {
+    pub agent_id: String,
+    /// Where the gateway reaches this agent's control API.
+    pub url: String,
+    /// The control API's admin token, for the gateway's load calls.
+    pub token: Option<String>,
+    pub engines: Vec<HeartbeatEngine>,
+    /// Models this agent can load (the registry's list).
+    pub models: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HeartbeatEngine {
+    pub model: String,
+    pub upstream: String,
+    pub healthy: bool,
+    /// Whether it publishes `/v1/kv/events`: the embedded engine does; an
+    /// external one (vLLM, SGLang, llama.cpp) is not assumed to.
+    pub kv_events: bool,
+}
+
+/// What the agent would say now.
+pub fn body(agent: &Agent) -> Heartbeat {
+    let kv_events = agent.config().engines.command.is_none();
+    let engines = agent
+        .supervisor()
+        .list()
+        .into_iter()
+        // An engine starting for the first time is not an upstream yet: the
+        // load's answer announces it once it is healthy.
+        .filter(|e| e.state != EngineState::Stopped && e.ever_ready)
+        .map(|e| HeartbeatEngine {
+            healthy: e.state == EngineState::Ready,
+            model: e.model,
+            upstream: e.upstream,
+            kv_events,
+        })
+        .collect();
+    Heartbeat {
+        agent_id: agent.agent_id().to_string(),
+        url: agent.url().to_string(),
+        token: agent.config().admin_token.clone(),
+        engines,
+        models: agent.catalog(),
+    }
+}
+
+/// Beats to every configured gateway until the agent stops.
+pub async fn run(agent: Arc<Agent>) {
+    let beats: Vec<_> = agent.config().gateways.iter().map(|g| beat(agent.clone(), g.clone())).collect();
+    futures::future::join_all(beats).await;
+}
+
+async fn beat(agent: Arc<Agent>, gateway: String) {
+    let url = format!("{}/admin/v1/agents/heartbeat", gateway.trim_end_matches('/'));
+    let token = agent.config().gateway_token.clone().unwrap_or_default();
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("an HTTP client");
+    let mut changed = agent.supervisor().changed_signal();
+    let mut failing = false;
+    loop {
+        let b = body(&agent);
+        let sent = http.post(&url).bearer_auth(&token).json(&b).send().await;
+        let outcome = match sent {
+            Ok(r) if r.status().is_success() => Ok(()),
+            Ok(r) => {
+                let status = r.status();
+                Err(format!(
+                    "HTTP {status}: {}",
+                    r.text().await.unwrap_or_default().chars().take(300).collect::<String>()
+                ))
+            }
+            Err(e) => Err(e.to_string()),
+        };
+        match outcome {
+            Ok(()) if failing => {
+                tracing::info!(%gateway, "heartbeats reach the gateway again");
+                failing = false;
+            }
+            Ok(()) => {}
+            Err(e) if !failing => {
+                tracing::warn!(%gateway, error = %e, "heartbeat failed (retrying every interval)");
+                failing = true;
+            }
+            Err(e) => tracing::debug!(%gateway, error = %e, "heartbeat failed"),
+        }
+        tokio::select! {
+            _ = agent.stopping().cancelled() => return,
+            _ = changed.changed() => {}
+            _ = tokio::time::sleep(agent.config().heartbeat_interval) => {}
+        }
+    }
+}

@@ -1,0 +1,29 @@
+//! Granary's node agent: one per node, between the registry and the engines.
+//!
+//! - [`tiers`]: weight cache tiers (RAM on tmpfs, local disk, the registry
+//!   below), by sha256, with budgets, LRU, promotion and demotion;
+//! - [`download`]: parallel range downloads, resumable, sha256-verified,
+//!   clean on a full disk;
+//! - [`supervisor`]: engine processes (the embedded `granary engine` or a
+//!   command template for vLLM, SGLang, llama.cpp), health checks, restart
+//!   with backoff, logs, adoption after an agent restart;
+//! - [`agent`]: loads and unloads, idle unload (scale to zero);
+//! - [`api`]: the control API; [`heartbeat`]: reports to the gateway.
+//!
+//! `granary agent` runs it; tests start it in-process with
+//! [`Agent::start`] and [`api::serve`].
+
+pub mod activity;
+pub mod agent;
+pub mod api;
+pub mod config;
+pub mod download;
+pub mod error;
+pub mod heartbeat;
+pub mod registry;
+pub mod supervisor;
+pub mod tiers;
+
+pub use agent::{Agent, AgentStatus, LoadResponse};
+pub use config::AgentConfig;
+pub use error::AgentError;

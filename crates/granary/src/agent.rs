@@ -1,0 +1,205 @@
+//! `granary agent`: the node agent (weight tiers, engine supervision,
+//! heartbeats to the gateway, scale to zero). Defaults come from
+//! `granary_agent::AgentConfig`, then the `[agent]` table of `--config`,
+//! then flags.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use granary_agent::config::parse_opt_duration;
+use granary_agent::AgentConfig;
+use granary_core::ByteSize;
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e} (e.g. 500ms, 2s, 10m)"))
+}
+
+/// A duration or `off` (clap reads `Option<Option<_>>` as an optional value, so a newtype).
+#[derive(Debug, Clone, Copy)]
+pub struct OptDuration(Option<Duration>);
+
+fn opt_duration(s: &str) -> Result<OptDuration, String> {
+    parse_opt_duration(s).map(OptDuration)
+}
+
+#[derive(Args, Debug)]
+pub struct AgentArgs {
+    /// TOML config file (table [agent]; see docs/agent.md).
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Control API address [default: 127.0.0.1:8500]; beyond loopback only with --admin-token.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// Registry base URL [default: http://127.0.0.1:8400].
+    #[arg(long)]
+    pub registry: Option<String>,
+    /// Registry read token.
+    #[arg(long, env = "GRANARY_REGISTRY_TOKEN", hide_env_values = true)]
+    pub registry_token: Option<String>,
+    /// Disk tier, logs, models and the state file [default: the granary cache directory's agent/].
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+    /// RAM tier directory, on tmpfs [default: /dev/shm/granary when /dev/shm exists].
+    #[arg(long)]
+    pub ram_dir: Option<PathBuf>,
+    /// RAM tier budget (0 turns the tier off) [default: 2GiB].
+    #[arg(long)]
+    pub ram_budget: Option<ByteSize>,
+    /// Disk tier budget [default: 50GiB].
+    #[arg(long)]
+    pub disk_budget: Option<ByteSize>,
+    /// Loads within --promote-window that promote a model to RAM (0: never) [default: 2].
+    #[arg(long)]
+    pub promote_after: Option<u32>,
+    /// Window of --promote-after [default: 1h].
+    #[arg(long, value_parser = duration)]
+    pub promote_window: Option<Duration>,
+    /// Demote RAM copies unused this long even without pressure [default: off].
+    #[arg(long, value_parser = opt_duration)]
+    pub demote_after: Option<OptDuration>,
+    /// Gateway base URL to register with (heartbeats every 2 s); repeat for gateway replicas.
+    #[arg(long = "gateway")]
+    pub gateways: Vec<String>,
+    /// Time between heartbeats [default: 2s].
+    #[arg(long, value_parser = duration)]
+    pub heartbeat_interval: Option<Duration>,
+    /// The gateway's admin token.
+    #[arg(long, env = "GRANARY_GATEWAY_TOKEN", hide_env_values = true)]
+    pub gateway_token: Option<String>,
+    /// URL the gateway reaches this agent at [default: http://<listen>].
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// This node's name in the gateway [default: the host name].
+    #[arg(long)]
+    pub agent_id: Option<String>,
+    /// External engine command, run with sh -c: {model_path} {model_id} {port} {host}
+    /// are substituted [default: the embedded engine].
+    #[arg(long)]
+    pub engine_command: Option<String>,
+    /// The address engines listen on and are reported at [default: 127.0.0.1];
+    /// this node's address when the gateway runs elsewhere.
+    #[arg(long)]
+    pub engine_host: Option<String>,
+    /// A flag for the embedded engine, e.g. --engine-arg=--kv-cache=1GiB (repeatable).
+    #[arg(long = "engine-arg", allow_hyphen_values = true)]
+    pub engine_args: Vec<String>,
+    /// Unload an engine idle this long (scale to zero); `off` to keep them [default: off].
+    #[arg(long, value_parser = opt_duration)]
+    pub idle_unload: Option<OptDuration>,
+    /// How often each engine's metrics are read for idleness [default: 5s].
+    #[arg(long, value_parser = duration)]
+    pub idle_poll: Option<Duration>,
+    /// Time between an engine's health checks [default: 1s].
+    #[arg(long, value_parser = duration)]
+    pub health_interval: Option<Duration>,
+    /// Time an engine has to become healthy [default: 5m].
+    #[arg(long, value_parser = duration)]
+    pub start_timeout: Option<Duration>,
+    /// Longest wait between restarts of a failing engine [default: 30s].
+    #[arg(long, value_parser = duration)]
+    pub restart_backoff_max: Option<Duration>,
+    /// Range requests in flight per load [default: 8].
+    #[arg(long)]
+    pub download_parallel: Option<usize>,
+    /// Bytes per range request [default: 16MiB].
+    #[arg(long)]
+    pub download_chunk: Option<ByteSize>,
+    /// Admin token of the control API.
+    #[arg(long, env = "GRANARY_AGENT_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    agent: Option<AgentConfig>,
+}
+
+/// The agent's config from defaults, the file and the flags.
+pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
+    let mut c = match &a.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            toml::from_str::<File>(&text).with_context(|| format!("in {}", p.display()))?.agent.unwrap_or_default()
+        }
+        None => AgentConfig::default(),
+    };
+    macro_rules! set {
+        ($flag:expr => $($field:tt)+) => {
+            if let Some(v) = $flag.clone() {
+                c.$($field)+ = v;
+            }
+        };
+    }
+    set!(a.listen => listen);
+    set!(a.registry => registry);
+    set!(a.cache_dir => cache_dir);
+    set!(a.ram_budget => tiers.ram_budget);
+    set!(a.disk_budget => tiers.disk_budget);
+    set!(a.promote_after => tiers.promote_after);
+    set!(a.promote_window => tiers.promote_window);
+    if let Some(OptDuration(d)) = a.demote_after {
+        c.tiers.demote_after = d;
+    }
+    if let Some(OptDuration(d)) = a.idle_unload {
+        c.idle_unload = d;
+    }
+    set!(a.idle_poll => idle_poll);
+    set!(a.heartbeat_interval => heartbeat_interval);
+    set!(a.health_interval => engines.health_interval);
+    set!(a.start_timeout => engines.start_timeout);
+    set!(a.restart_backoff_max => engines.backoff_max);
+    set!(a.download_parallel => download.parallel);
+    set!(a.engine_host => engines.host);
+    if let Some(v) = a.download_chunk {
+        c.download.chunk_bytes = v.as_u64();
+    }
+    if a.ram_dir.is_some() {
+        c.tiers.ram_dir = a.ram_dir.clone();
+    }
+    for (flag, field) in [
+        (&a.registry_token, &mut c.registry_token),
+        (&a.gateway_token, &mut c.gateway_token),
+        (&a.advertise, &mut c.advertise),
+        (&a.agent_id, &mut c.agent_id),
+        (&a.engine_command, &mut c.engines.command),
+        (&a.admin_token, &mut c.admin_token),
+    ] {
+        if flag.is_some() {
+            *field = flag.clone();
+        }
+    }
+    if !a.gateways.is_empty() {
+        c.gateways = a.gateways.clone();
+    }
+    if !a.engine_args.is_empty() {
+        c.engines.engine_args = a.engine_args.clone();
+    }
+    c.validate().map_err(|m| anyhow::anyhow!(m))?;
+    Ok(c)
+}
+
+pub async fn run(a: AgentArgs) -> Result<()> {
+    let cfg = config(&a)?;
+    let listener =
+        tokio::net::TcpListener::bind(cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
+    let addr = listener.local_addr()?;
+    let mut cfg = cfg;
+    // With port 0 the advertised URL needs the bound port.
+    cfg.listen = addr;
+    let agent = granary_agent::Agent::start(cfg).await?;
+    println!(
+        "granary agent: control API on http://{addr} (agent id {}, registry {})",
+        agent.agent_id(),
+        agent.config().registry
+    );
+    println!("granary: ready");
+    let _ = std::io::stdout().flush();
+    granary_agent::api::serve(agent, listener, crate::warehouse::shutdown_signal()).await?;
+    Ok(())
+}
