@@ -331,7 +331,14 @@ impl Agent {
                     continue;
                 };
                 let now = now_ms();
-                let moved = seen.insert(st.model.clone(), a.requests).is_some_and(|before| before != a.requests);
+                // A first scrape that already counts requests saw them since
+                // the engine started (or since this agent adopted it): they
+                // are activity too, or a request served before the first
+                // scrape would go unnoticed.
+                let moved = match seen.insert(st.model.clone(), a.requests) {
+                    Some(before) => before != a.requests,
+                    None => a.requests > 0.0,
+                };
                 if moved || a.in_flight > 0.0 {
                     self.sup.mark_active(&st.model, now);
                 }

@@ -205,3 +205,92 @@ fn engine_quick_run_without_the_anchor() {
     }
     assert!(std::fs::metadata(out.join("engine.svg")).unwrap().len() > 1000);
 }
+
+/// Whether an external program runs, or `false` after saying why its part
+/// is skipped (a failure with GRANARY_REQUIRE_EXTERNAL=1).
+fn have(program: &str, test: &str) -> bool {
+    let ok = Command::new(program).arg("-v").output().is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(
+            std::env::var_os(granary_tokenizer::testing::REQUIRE_ENV).is_none_or(|v| v != "1"),
+            "{test}: {program} is required (GRANARY_REQUIRE_EXTERNAL=1) but does not run"
+        );
+        eprintln!("{test}: {program} not found; its row is skipped");
+    }
+    ok
+}
+
+/// A figure in a table row: the cells of the first line starting with `name`.
+fn row<'a>(stdout: &'a str, name: &str) -> Vec<&'a str> {
+    let line = stdout.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no row {name:?} in:\n{stdout}"));
+    line[name.len()..].split_whitespace().collect()
+}
+
+/// `granary bench gateway` with a few requests: direct, gateway and nginx
+/// rows with positive figures, and the three goal lines.
+#[test]
+fn gateway_quick_run_measures_every_path() {
+    let nginx = have("nginx", "gateway_quick_run_measures_every_path");
+    let run = Command::new(env!("CARGO_BIN_EXE_granary"))
+        .args(["bench", "gateway", "--requests", "40", "--connections", "4", "--seconds", "1"])
+        .env("GRANARY_LOG", "warn")
+        .output()
+        .expect("run granary bench gateway");
+    let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(run.status.success(), "bench failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let mut paths = vec!["direct", "granary gateway"];
+    if nginx {
+        paths.push("nginx proxy_pass");
+    }
+    for p in paths {
+        let cells = row(&stdout, p);
+        // p50, p99, (added p50, added p99,) req/s: every number positive
+        // except the added latencies, which may be below zero on noise.
+        let p50: f64 = cells[0].parse().unwrap();
+        let rps: f64 = cells[4].parse().unwrap();
+        assert!(p50 > 0.0 && rps > 0.0, "{p}: {cells:?}");
+    }
+    for goal in ["added p50 <= 0.3 ms", "added p99 <= 2 ms", "throughput >= 0.8x nginx"] {
+        assert!(stdout.lines().any(|l| l.contains(goal)), "no goal line {goal:?}:\n{stdout}");
+    }
+}
+
+/// `granary bench routing` on the first 1,500 requests of the Mooncake
+/// trace over 4 simulated engines: every policy's row, kv_aware above
+/// round_robin, the goal lines and the chart.
+#[test]
+fn routing_quick_run_ranks_kv_aware_above_round_robin() {
+    let trace = match granary_warehouse::sim::locate_mooncake_trace() {
+        Ok(t) => t,
+        Err(e) => {
+            assert!(
+                std::env::var_os(granary_tokenizer::testing::REQUIRE_ENV).is_none_or(|v| v != "1"),
+                "the Mooncake trace is required: {e}"
+            );
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let head: String = std::fs::read_to_string(trace).unwrap().lines().take(1500).map(|l| format!("{l}\n")).collect();
+    let small = tmp.path().join("trace.jsonl");
+    std::fs::write(&small, head).unwrap();
+    let chart = tmp.path().join("routing.svg");
+    let run = Command::new(env!("CARGO_BIN_EXE_granary"))
+        .args(["bench", "routing", "--engines", "4", "--sweep", "4", "--trace"])
+        .arg(&small)
+        .arg("--chart")
+        .arg(&chart)
+        .env("GRANARY_LOG", "warn")
+        .output()
+        .expect("run granary bench routing");
+    let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(run.status.success(), "bench failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let hit = |p: &str| -> f64 { row(&stdout, p)[0].trim_end_matches('%').parse().unwrap() };
+    for p in ["round_robin", "least_load", "session", "kv_aware"] {
+        assert!(hit(p) >= 0.0, "{p}");
+    }
+    assert!(hit("kv_aware") > hit("round_robin"), "kv_aware should hit more than round_robin:\n{stdout}");
+    assert!(stdout.contains("kv_aware hit rate >= 90% of the unbounded ceiling"), "{stdout}");
+    assert!(std::fs::metadata(&chart).unwrap().len() > 1000, "chart too small");
+}
