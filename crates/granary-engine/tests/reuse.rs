@@ -8,7 +8,6 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use granary_core::ByteSize;
 use granary_engine::connector::{Connector, ConnectorConfig, KvShape};
 use granary_engine::engine::{layout_of, Engine, EngineConfig};
@@ -143,7 +142,7 @@ async fn check_tier(tier: Tier) {
     let mut kv = model.new_kv(BT);
     for (i, b) in got.into_iter().enumerate() {
         let b = b.unwrap_or_else(|| panic!("{tier:?}: block {i} missing"));
-        kv.import_block(model.config().layers, i, BT, &b.payload).unwrap();
+        kv.import_block(model.config().layers, i, BT, b.payload.clone()).unwrap();
     }
     let reused = model.forward(&mut [Chunk { tokens: &prompt[96..], kv: &mut kv, logits: true }]).unwrap().unwrap();
     // Recomputed: the prefix from scratch, then the same tail step.
@@ -157,7 +156,7 @@ async fn check_tier(tier: Tier) {
     // The bytes themselves round-trip exactly.
     let again = full_kv.export_block(1, BT).unwrap();
     let stored = conn.get_many(&hashes[1..2], &shape).await.unwrap().remove(0).unwrap();
-    assert_eq!(Bytes::from(again), stored.payload, "{tier:?}: stored block differs from the computed KV");
+    assert_eq!(again, stored.payload, "{tier:?}: stored block differs from the computed KV");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -342,7 +342,7 @@ fn export_new_blocks(bt: usize, s: &mut Seq) -> Vec<(BlockHash, Bytes)> {
     let mut out = Vec::new();
     for i in s.blocks_known..full {
         match s.kv.export_block(i, bt) {
-            Ok(b) => out.push((s.hashes[i], Bytes::from(b))),
+            Ok(b) => out.push((s.hashes[i], b)),
             Err(e) => {
                 tracing::warn!(error = %e, block = i, "exporting a KV block failed");
                 break;
@@ -458,7 +458,7 @@ impl StepLoop {
         }
         let mut sources = Vec::new();
         for (i, (bytes, source)) in a.loaded.iter().enumerate() {
-            if let Err(e) = kv.import_block(layers, i, bt, bytes) {
+            if let Err(e) = kv.import_block(layers, i, bt, bytes.clone()) {
                 tracing::warn!(error = %e, block = i, "unusable KV block; computing from here");
                 break;
             }

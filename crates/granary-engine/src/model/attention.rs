@@ -31,11 +31,11 @@ pub(crate) struct Heads {
 pub(crate) struct SeqRows<'a> {
     /// Rotated queries of the new rows, `[n, heads, head_dim]`.
     pub q: &'a [f32],
-    /// K and V, `[kv_heads, cap, head_dim]`, positions `0..off + n` filled
+    /// The layer's KV per block of `block_tokens` positions: K then V, each
+    /// `[kv_heads, block_tokens, head_dim]`; positions `0..off + n` filled
     /// (the new rows already written).
-    pub k: &'a [f16],
-    pub v: &'a [f16],
-    pub cap: usize,
+    pub blocks: Vec<&'a [f16]>,
+    pub block_tokens: usize,
     /// Positions before the first new row.
     pub off: usize,
     pub n: usize,
@@ -69,7 +69,8 @@ pub(crate) fn attend(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32]
     debug_assert!(h.heads.is_multiple_of(h.kv_heads));
     for s in seqs {
         debug_assert_eq!(s.q.len(), s.n * row_len);
-        debug_assert!(s.off + s.n <= s.cap && s.k.len() >= s.cap * h.kv_heads * h.head_dim);
+        debug_assert!(s.off + s.n <= s.blocks.len() * s.block_tokens);
+        debug_assert!(s.blocks.iter().all(|b| b.len() == 2 * h.kv_heads * s.block_tokens * h.head_dim));
         debug_assert!(out.len() >= (s.out_row + s.n) * row_len);
     }
     // (sequence, kv head, first row, end row), longest first so that the
@@ -133,12 +134,16 @@ fn tile(
     sc.v.resize(KEY_TILE * d, 0.0);
     sc.s.resize(KEY_TILE, 0.0);
     let last = s.off + r1; // keys 0..last are visible to the tile's last row
+    let bt = s.block_tokens;
     let mut t0 = 0;
     while t0 < last {
-        let tl = KEY_TILE.min(last - t0);
-        let src = (kh * s.cap + t0) * d;
-        simd::f16_to_f32(lv, &s.k[src..src + tl * d], &mut sc.k[..tl * d]);
-        simd::f16_to_f32(lv, &s.v[src..src + tl * d], &mut sc.v[..tl * d]);
+        // A tile never spans two blocks.
+        let (blk, w) = (s.blocks[t0 / bt], t0 % bt);
+        let tl = KEY_TILE.min(last - t0).min(bt - w);
+        let k_at = (kh * bt + w) * d;
+        let v_at = ((h.kv_heads + kh) * bt + w) * d;
+        simd::f16_to_f32(lv, &blk[k_at..k_at + tl * d], &mut sc.k[..tl * d]);
+        simd::f16_to_f32(lv, &blk[v_at..v_at + tl * d], &mut sc.v[..tl * d]);
         for qi in 0..nq {
             let pos = s.off + r0 + qi / g;
             if pos < t0 {
@@ -193,7 +198,10 @@ mod tests {
 
     /// Plain f64 attention for one sequence: the reference.
     fn reference(h: Heads, s: &SeqRows<'_>, scale: f64) -> Vec<f64> {
-        let (q, k, v, off, n, cap) = (s.q, s.k, s.v, s.off, s.n, s.cap);
+        let (q, off, n, bt) = (s.q, s.off, s.n, s.block_tokens);
+        let kv_at = |j: usize, kind: usize, kh: usize, c: usize| -> f64 {
+            s.blocks[j / bt][((kind * h.kv_heads + kh) * bt + j % bt) * h.head_dim + c].to_f64()
+        };
         let (d, g) = (h.head_dim, h.heads / h.kv_heads);
         let mut out = vec![0.0; n * h.heads * d];
         for r in 0..n {
@@ -202,17 +210,13 @@ mod tests {
                 let qv = &q[(r * h.heads + hd) * d..][..d];
                 let vis = off + r + 1;
                 let scores: Vec<f64> = (0..vis)
-                    .map(|j| {
-                        let kr = &k[(kh * cap + j) * d..][..d];
-                        qv.iter().zip(kr).map(|(a, b)| *a as f64 * b.to_f64()).sum::<f64>() * scale
-                    })
+                    .map(|j| qv.iter().enumerate().map(|(c, a)| *a as f64 * kv_at(j, 0, kh, c)).sum::<f64>() * scale)
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for c in 0..d {
-                    out[(r * h.heads + hd) * d + c] =
-                        (0..vis).map(|j| e[j] * v[(kh * cap + j) * d + c].to_f64()).sum::<f64>() / z;
+                    out[(r * h.heads + hd) * d + c] = (0..vis).map(|j| e[j] * kv_at(j, 1, kh, c)).sum::<f64>() / z;
                 }
             }
         }
@@ -221,38 +225,40 @@ mod tests {
 
     #[test]
     fn matches_plain_attention_for_decode_and_prefill_rows() {
-        // (heads, kv_heads, head_dim, [(off, n)]): GQA and MHA, decode rows,
-        // chunks crossing key tiles, several sequences in one call.
-        type Case = (usize, usize, usize, Vec<(usize, usize)>);
+        // (heads, kv_heads, head_dim, block_tokens, [(off, n)]): GQA and MHA,
+        // decode rows, chunks crossing key tiles and blocks (blocks smaller
+        // than, equal to and larger than a key tile), several sequences in
+        // one call.
+        type Case = (usize, usize, usize, usize, Vec<(usize, usize)>);
         let cases: Vec<Case> = vec![
-            (9, 3, 64, vec![(0, 1)]),
-            (9, 3, 64, vec![(300, 1), (0, 70), (130, 33)]),
-            (4, 4, 32, vec![(63, 2), (64, 1), (5, 17)]),
-            (8, 2, 16, vec![(0, 200)]),
-            (6, 3, 12, vec![(10, 9), (0, 1)]),
+            (9, 3, 64, 256, vec![(0, 1)]),
+            (9, 3, 64, 256, vec![(300, 1), (0, 70), (130, 33)]),
+            (4, 4, 32, 16, vec![(63, 2), (64, 1), (5, 17)]),
+            (8, 2, 16, 64, vec![(0, 200)]),
+            (6, 3, 12, 24, vec![(10, 9), (0, 1), (47, 50)]),
         ];
-        for (heads, kv_heads, head_dim, shapes) in cases {
+        for (heads, kv_heads, head_dim, bt, shapes) in cases {
             let h = Heads { heads, kv_heads, head_dim };
             let scale = 1.0 / (head_dim as f32).sqrt();
-            let seeds: Vec<(Vec<f32>, Vec<f16>, Vec<f16>)> = shapes
+            let seeds: Vec<(Vec<f32>, Vec<Vec<f16>>)> = shapes
                 .iter()
                 .enumerate()
                 .map(|(i, &(off, n))| {
-                    let kvn = (off + n + 3) * kv_heads * head_dim;
-                    let f = |v: Vec<f32>| v.into_iter().map(f16::from_f32).collect::<Vec<_>>();
-                    (
-                        data(n * heads * head_dim, 10 + i as u64),
-                        f(data(kvn, 20 + i as u64)),
-                        f(data(kvn, 30 + i as u64)),
-                    )
+                    let blocks = (off + n).div_ceil(bt) + 1;
+                    let per = 2 * kv_heads * bt * head_dim;
+                    let kv = (0..blocks)
+                        .map(|b| data(per, 20 + (i * 31 + b) as u64).into_iter().map(f16::from_f32).collect())
+                        .collect();
+                    (data(n * heads * head_dim, 10 + i as u64), kv)
                 })
                 .collect();
             let mut out_row = 0;
             let seqs: Vec<SeqRows> = shapes
                 .iter()
                 .zip(&seeds)
-                .map(|(&(off, n), (q, k, v))| {
-                    let s = SeqRows { q, k, v, cap: off + n + 3, off, n, out_row };
+                .map(|(&(off, n), (q, kv))| {
+                    let blocks = kv.iter().map(Vec::as_slice).collect();
+                    let s = SeqRows { q, blocks, block_tokens: bt, off, n, out_row };
                     out_row += n;
                     s
                 })
@@ -265,7 +271,7 @@ mod tests {
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (*g as f64 - w).abs() < 2e-4,
-                        "heads {heads}/{kv_heads} d {head_dim} off {} n {}: element {i}: {g} vs {w}",
+                        "heads {heads}/{kv_heads} d {head_dim} blocks of {bt} off {} n {}: element {i}: {g} vs {w}",
                         s.off,
                         s.n
                     );

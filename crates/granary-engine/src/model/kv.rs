@@ -1,51 +1,80 @@
-//! The engine-owned KV cache of one sequence: per layer, K and V as
-//! `[kv_heads, capacity, head_dim]` f16, grown a block at a time, with whole
-//! blocks exported to and imported from the warehouse's byte layout (per
-//! layer, K then V, each `[kv_heads, tokens, head_dim]` f16 little-endian).
+//! The engine-owned KV cache of one sequence, in blocks of `block_tokens`
+//! tokens laid out exactly as the warehouse stores them: per layer, K then
+//! V, each `[kv_heads, block_tokens, head_dim]` f16 little-endian.
 //!
-//! On the CPU the cache is plain memory that the attention kernel reads in
-//! place and that blocks are copied in and out of head by head; on an
-//! accelerator it is a pair of device tensors per layer.
+//! On the CPU a block is either owned (being written) or shared: a payload
+//! the engine's block cache or the warehouse also holds, read in place by
+//! the attention kernel. A prefix loaded from the warehouse or from engine
+//! memory is therefore never copied into the sequence, and a full block is
+//! handed to the cache and the warehouse without a copy either. Writing
+//! into a shared block (a fully cached prompt recomputing its last token)
+//! copies that one block first. On an accelerator the cache is a pair of
+//! device tensors per layer, `[kv_heads, capacity, head_dim]`.
 
 use anyhow::{bail, ensure, Result};
+use bytes::Bytes;
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 
 use super::simd;
 use super::ModelConfig;
 
+enum HostBlock {
+    Owned(Vec<f16>),
+    /// A block payload (2-byte aligned), shared with whoever else holds it.
+    Shared(Bytes),
+}
+
+impl HostBlock {
+    fn elems(&self) -> &[f16] {
+        match self {
+            HostBlock::Owned(v) => v,
+            // Alignment and length were checked when the block was taken in.
+            HostBlock::Shared(b) => bytemuck::cast_slice(b),
+        }
+    }
+}
+
+/// Lets a `Vec<f16>` back a `Bytes` without a copy.
+struct F16Bytes(Vec<f16>);
+
+impl AsRef<[u8]> for F16Bytes {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
 enum Storage {
-    Host { k: Vec<Vec<f16>>, v: Vec<Vec<f16>> },
-    Device { k: Vec<Tensor>, v: Vec<Tensor> },
+    Host(Vec<HostBlock>),
+    Device { k: Vec<Tensor>, v: Vec<Tensor>, cap: usize },
 }
 
 /// KV of one sequence.
 pub struct KvCache {
     storage: Storage,
     len: usize,
-    cap: usize,
+    layers: usize,
     kv_heads: usize,
     head_dim: usize,
-    /// Capacity grows in multiples of this many tokens.
-    granule: usize,
+    block_tokens: usize,
     max_len: usize,
     device: Device,
 }
 
 impl KvCache {
-    pub fn new(cfg: &ModelConfig, device: &Device, granule: usize, max_len: usize) -> Self {
+    pub fn new(cfg: &ModelConfig, device: &Device, block_tokens: usize, max_len: usize) -> Self {
         let storage = if device.is_cpu() {
-            Storage::Host { k: Vec::new(), v: Vec::new() }
+            Storage::Host(Vec::new())
         } else {
-            Storage::Device { k: Vec::new(), v: Vec::new() }
+            Storage::Device { k: Vec::new(), v: Vec::new(), cap: 0 }
         };
         KvCache {
             storage,
             len: 0,
-            cap: 0,
+            layers: cfg.layers,
             kv_heads: cfg.kv_heads,
             head_dim: cfg.head_dim,
-            granule: granule.max(1),
+            block_tokens: block_tokens.max(1),
             max_len,
             device: device.clone(),
         }
@@ -60,52 +89,42 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Positions allocated per head.
-    pub(crate) fn capacity(&self) -> usize {
-        self.cap
+    pub fn block_tokens(&self) -> usize {
+        self.block_tokens
     }
 
-    fn layers(&self) -> usize {
-        match &self.storage {
-            Storage::Host { k, .. } => k.len(),
-            Storage::Device { k, .. } => k.len(),
-        }
+    /// Elements of one block.
+    fn block_elems(&self) -> usize {
+        2 * self.layers * self.kv_heads * self.block_tokens * self.head_dim
     }
 
-    /// Bytes allocated for this sequence.
+    /// Bytes allocated for this sequence (shared blocks included).
     pub fn allocated_bytes(&self) -> usize {
-        2 * self.layers() * self.kv_heads * self.cap * self.head_dim * 2
-    }
-
-    /// Elements of one layer's K (or V) for `tokens` tokens.
-    fn layer_block_elems(&self, tokens: usize) -> usize {
-        self.kv_heads * tokens * self.head_dim
-    }
-
-    /// Makes room for `new_len` tokens over `layers` layers.
-    pub fn reserve(&mut self, layers: usize, new_len: usize) -> Result<()> {
-        ensure!(new_len <= self.max_len, "sequence of {new_len} tokens exceeds the context of {}", self.max_len);
-        if new_len <= self.cap && self.layers() == layers {
-            return Ok(());
+        match &self.storage {
+            Storage::Host(blocks) => blocks.len() * self.block_bytes(self.block_tokens),
+            Storage::Device { cap, .. } => 2 * self.layers * self.kv_heads * cap * self.head_dim * 2,
         }
-        let want = new_len.div_ceil(self.granule) * self.granule;
-        let new_cap = want.max(self.cap.saturating_mul(2)).min(self.max_len.div_ceil(self.granule) * self.granule);
-        let (old_cap, len, kvh, d) = (self.cap, self.len, self.kv_heads, self.head_dim);
+    }
+
+    /// Makes room for `new_len` tokens.
+    pub fn reserve(&mut self, layers: usize, new_len: usize) -> Result<()> {
+        ensure!(layers == self.layers, "KV cache of {} layers asked for {layers}", self.layers);
+        ensure!(new_len <= self.max_len, "sequence of {new_len} tokens exceeds the context of {}", self.max_len);
+        let (bt, kvh, d, len) = (self.block_tokens, self.kv_heads, self.head_dim, self.len);
+        let elems = self.block_elems();
         match &mut self.storage {
-            Storage::Host { k, v } => {
-                let grow = |old: Option<&Vec<f16>>| {
-                    let mut n = vec![f16::ZERO; kvh * new_cap * d];
-                    if let Some(old) = old {
-                        for h in 0..kvh {
-                            n[h * new_cap * d..][..len * d].copy_from_slice(&old[h * old_cap * d..][..len * d]);
-                        }
-                    }
-                    n
-                };
-                *k = (0..layers).map(|l| grow(k.get(l))).collect();
-                *v = (0..layers).map(|l| grow(v.get(l))).collect();
+            Storage::Host(blocks) => {
+                let want = new_len.div_ceil(bt);
+                while blocks.len() < want {
+                    blocks.push(HostBlock::Owned(vec![f16::ZERO; elems]));
+                }
             }
-            Storage::Device { k, v } => {
+            Storage::Device { k, v, cap } => {
+                if new_len <= *cap && !k.is_empty() {
+                    return Ok(());
+                }
+                let want = new_len.div_ceil(bt) * bt;
+                let new_cap = want.max(cap.saturating_mul(2)).min(self.max_len.div_ceil(bt) * bt);
                 let shape = (kvh, new_cap, d);
                 let mut nk = Vec::with_capacity(layers);
                 let mut nv = Vec::with_capacity(layers);
@@ -121,46 +140,70 @@ impl KvCache {
                 }
                 *k = nk;
                 *v = nv;
+                *cap = new_cap;
             }
         }
-        self.cap = new_cap;
         Ok(())
     }
 
-    /// The host buffers of `layer` (`[kv_heads, capacity, head_dim]`).
-    pub(crate) fn host(&self, layer: usize) -> Option<(&[f16], &[f16])> {
+    /// Positions with room reserved.
+    fn capacity(&self) -> usize {
         match &self.storage {
-            Storage::Host { k, v } => Some((&k[layer], &v[layer])),
+            Storage::Host(blocks) => blocks.len() * self.block_tokens,
+            Storage::Device { cap, .. } => *cap,
+        }
+    }
+
+    /// Layer `layer` of every host block: K then V, each `[kv_heads,
+    /// block_tokens, head_dim]` (`None` for device caches).
+    pub(crate) fn host_layer(&self, layer: usize) -> Option<Vec<&[f16]>> {
+        let per_layer = 2 * self.kv_heads * self.block_tokens * self.head_dim;
+        match &self.storage {
+            Storage::Host(blocks) => {
+                Some(blocks.iter().map(|b| &b.elems()[layer * per_layer..(layer + 1) * per_layer]).collect())
+            }
             Storage::Device { .. } => None,
         }
     }
 
-    /// Stores K and V of `layer` for the rows of `kv`, each row `[K of
-    /// kv_heads heads | V of kv_heads heads]` f32, at positions `offset..`.
+    /// Stores K and V of `layer` for consecutive positions from `offset`;
+    /// each row of `rows` is `[K of kv_heads heads | V of kv_heads heads]`
+    /// f32. Room must have been reserved.
     pub(crate) fn write_host_rows(&mut self, layer: usize, offset: usize, rows: &[f32]) -> Result<()> {
-        let (kvh, d, cap) = (self.kv_heads, self.head_dim, self.cap);
+        let (kvh, d, bt) = (self.kv_heads, self.head_dim, self.block_tokens);
         let width = 2 * kvh * d;
         let n = rows.len() / width;
-        ensure!(offset + n <= cap, "KV write past the reserved capacity");
-        let Storage::Host { k, v } = &mut self.storage else { bail!("KV cache is not in host memory") };
+        ensure!(offset + n <= self.capacity(), "KV write past the reserved capacity");
+        let Storage::Host(blocks) = &mut self.storage else { bail!("KV cache is not in host memory") };
         let lv = simd::level();
+        let per_layer = 2 * kvh * bt * d;
         for (i, row) in rows.chunks_exact(width).enumerate() {
+            let pos = offset + i;
+            let block = &mut blocks[pos / bt];
+            if let HostBlock::Shared(b) = block {
+                // Copy on write: someone else holds these bytes.
+                *block = HostBlock::Owned(bytemuck::cast_slice::<u8, f16>(b).to_vec());
+            }
+            let HostBlock::Owned(data) = block else { unreachable!("made owned above") };
+            let layer_data = &mut data[layer * per_layer..(layer + 1) * per_layer];
+            let t = pos % bt;
             for h in 0..kvh {
-                let dst = (h * cap + offset + i) * d;
-                simd::f32_to_f16(lv, &row[h * d..(h + 1) * d], &mut k[layer][dst..dst + d]);
-                simd::f32_to_f16(lv, &row[(kvh + h) * d..(kvh + h + 1) * d], &mut v[layer][dst..dst + d]);
+                let k_at = (h * bt + t) * d;
+                let v_at = ((kvh + h) * bt + t) * d;
+                simd::f32_to_f16(lv, &row[h * d..(h + 1) * d], &mut layer_data[k_at..k_at + d]);
+                simd::f32_to_f16(lv, &row[(kvh + h) * d..(kvh + h + 1) * d], &mut layer_data[v_at..v_at + d]);
             }
         }
         Ok(())
     }
 
     /// Stores K and V (`[kv_heads, n, head_dim]`, any float dtype) of `layer`
-    /// at positions `offset..offset + n` (device caches). Capacity must have
+    /// at positions `offset..offset + n` (device caches). Room must have
     /// been reserved.
     pub(crate) fn write(&self, layer: usize, offset: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let n = k.dim(1)?;
-        ensure!(offset + n <= self.cap, "KV write past the reserved capacity");
-        let Storage::Device { k: ks, v: vs } = &self.storage else { bail!("KV cache is in host memory") };
+        ensure!(offset + n <= self.capacity(), "KV write past the reserved capacity");
+        let Storage::Device { k: ks, v: vs, .. } = &self.storage else { bail!("KV cache is in host memory") };
         ks[layer].slice_set(&k.to_dtype(DType::F16)?.contiguous()?, 1, offset)?;
         vs[layer].slice_set(&v.to_dtype(DType::F16)?.contiguous()?, 1, offset)?;
         Ok(())
@@ -168,12 +211,12 @@ impl KvCache {
 
     /// K and V of `layer` for positions `0..len` in `dtype` (device caches).
     pub(crate) fn read(&self, layer: usize, len: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
-        let Storage::Device { k, v } = &self.storage else { bail!("KV cache is in host memory") };
+        let Storage::Device { k, v, .. } = &self.storage else { bail!("KV cache is in host memory") };
         Ok((k[layer].narrow(1, 0, len)?.to_dtype(dtype)?, v[layer].narrow(1, 0, len)?.to_dtype(dtype)?))
     }
 
     pub(crate) fn set_len(&mut self, len: usize) {
-        debug_assert!(len <= self.cap);
+        debug_assert!(len <= self.capacity());
         self.len = len;
     }
 
@@ -182,66 +225,74 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
-    /// Bytes of block `index` (`tokens` per block): for each layer, K then V,
-    /// each `[kv_heads, tokens, head_dim]` f16 little-endian.
-    pub fn export_block(&self, index: usize, tokens: usize) -> Result<Vec<u8>> {
+    /// The payload of block `index` (`tokens` must be the cache's block
+    /// size): for each layer, K then V, each `[kv_heads, tokens, head_dim]`
+    /// f16 little-endian. On the CPU the block becomes shared with the
+    /// returned bytes (no copy).
+    pub fn export_block(&mut self, index: usize, tokens: usize) -> Result<Bytes> {
+        ensure!(tokens == self.block_tokens, "blocks of this cache hold {} tokens, not {tokens}", self.block_tokens);
         let start = index * tokens;
         ensure!(start + tokens <= self.len, "block {index} is not complete in this sequence");
-        let (kvh, d, cap) = (self.kv_heads, self.head_dim, self.cap);
-        let mut out: Vec<u8> = Vec::with_capacity(self.block_bytes(tokens));
-        match &self.storage {
-            Storage::Host { k, v } => {
-                for l in 0..k.len() {
-                    for t in [&k[l], &v[l]] {
-                        for h in 0..kvh {
-                            out.extend_from_slice(bytemuck::cast_slice(&t[(h * cap + start) * d..][..tokens * d]));
-                        }
-                    }
-                }
+        let elems = self.block_elems();
+        match &mut self.storage {
+            Storage::Host(blocks) => {
+                let block = &mut blocks[index];
+                let bytes = match std::mem::replace(block, HostBlock::Owned(Vec::new())) {
+                    HostBlock::Owned(v) => Bytes::from_owner(F16Bytes(v)),
+                    HostBlock::Shared(b) => b,
+                };
+                *block = HostBlock::Shared(bytes.clone());
+                Ok(bytes)
             }
-            Storage::Device { k, v } => {
+            Storage::Device { k, v, .. } => {
+                let mut out: Vec<u8> = Vec::with_capacity(elems * 2);
                 for l in 0..k.len() {
                     for t in [&k[l], &v[l]] {
                         let part = t.narrow(1, start, tokens)?.flatten_all()?.to_vec1::<f16>()?;
                         out.extend_from_slice(bytemuck::cast_slice(&part));
                     }
                 }
+                Ok(Bytes::from(out))
             }
         }
-        Ok(out)
     }
 
-    /// Size of one exported block.
+    /// Size of one exported block of `tokens` tokens.
     pub fn block_bytes(&self, tokens: usize) -> usize {
-        2 * self.layers().max(1) * self.layer_block_elems(tokens) * 2
+        2 * self.layers * self.kv_heads * tokens * self.head_dim * 2
     }
 
-    /// Loads block `index` from bytes made by [`KvCache::export_block`]; the
-    /// block must extend the sequence (`index * tokens == len`).
-    pub fn import_block(&mut self, layers: usize, index: usize, tokens: usize, bytes: &[u8]) -> Result<()> {
+    /// Takes in block `index` (bytes made by [`KvCache::export_block`]);
+    /// the block must extend the sequence (`index * tokens == len`). On the
+    /// CPU the bytes are used in place.
+    pub fn import_block(&mut self, layers: usize, index: usize, tokens: usize, bytes: Bytes) -> Result<()> {
+        ensure!(layers == self.layers, "KV cache of {} layers given a block of {layers}", self.layers);
+        ensure!(tokens == self.block_tokens, "blocks of this cache hold {} tokens, not {tokens}", self.block_tokens);
         let start = index * tokens;
         ensure!(start == self.len, "block {index} does not continue a sequence of {} tokens", self.len);
-        let per = self.layer_block_elems(tokens) * 2;
-        if bytes.len() != 2 * layers * per {
-            bail!("block of {} bytes, expected {}", bytes.len(), 2 * layers * per);
+        let want = self.block_bytes(tokens);
+        if bytes.len() != want {
+            bail!("block of {} bytes, expected {want}", bytes.len());
         }
-        self.reserve(layers, start + tokens)?;
-        let (kvh, d, cap) = (self.kv_heads, self.head_dim, self.cap);
-        let head_bytes = tokens * d * 2;
+        ensure!(start + tokens <= self.max_len, "block {index} runs past the context of {}", self.max_len);
+        let (kvh, d) = (self.kv_heads, self.head_dim);
         match &mut self.storage {
-            Storage::Host { k, v } => {
-                for l in 0..layers {
-                    for (j, dst) in [&mut k[l], &mut v[l]].into_iter().enumerate() {
-                        let part = &bytes[(2 * l + j) * per..][..per];
-                        for h in 0..kvh {
-                            let dst: &mut [u8] =
-                                bytemuck::cast_slice_mut(&mut dst[(h * cap + start) * d..][..tokens * d]);
-                            dst.copy_from_slice(&part[h * head_bytes..][..head_bytes]);
-                        }
-                    }
+            Storage::Host(blocks) => {
+                let block = if (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f16>()) {
+                    HostBlock::Shared(bytes)
+                } else {
+                    HostBlock::Owned(bytemuck::pod_collect_to_vec(&bytes))
+                };
+                if blocks.len() > index {
+                    blocks[index] = block;
+                } else {
+                    blocks.push(block);
                 }
             }
-            Storage::Device { k, v } => {
+            Storage::Device { .. } => {
+                self.reserve(layers, start + tokens)?;
+                let Storage::Device { k, v, .. } = &self.storage else { unreachable!() };
+                let per = kvh * tokens * d * 2;
                 let shape = (kvh, tokens, d);
                 for l in 0..layers {
                     for (j, dst) in [&k[l], &v[l]].into_iter().enumerate() {
@@ -254,5 +305,90 @@ impl KvCache {
         }
         self.len = start + tokens;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> ModelConfig {
+        ModelConfig {
+            architecture: "llama".into(),
+            vocab_size: 16,
+            hidden_size: 8,
+            intermediate_size: 8,
+            layers: 2,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            rope_theta: 10000.0,
+            rms_eps: 1e-5,
+            context_len: 64,
+            qkv_bias: false,
+            rope_interleaved: true,
+        }
+    }
+
+    fn row(pos: usize, layer: usize) -> Vec<f32> {
+        (0..8).map(|i| (pos * 100 + layer * 10 + i) as f32).collect()
+    }
+
+    fn fill(kv: &mut KvCache, from: usize, to: usize) {
+        kv.reserve(2, to).unwrap();
+        for l in 0..2 {
+            let rows: Vec<f32> = (from..to).flat_map(|p| row(p, l)).collect();
+            kv.write_host_rows(l, from, &rows).unwrap();
+        }
+        kv.set_len(to);
+    }
+
+    #[test]
+    fn exported_blocks_are_shared_and_import_without_a_copy() {
+        let mut kv = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        fill(&mut kv, 0, 10);
+        let b0 = kv.export_block(0, 4).unwrap();
+        let b1 = kv.export_block(1, 4).unwrap();
+        assert!(kv.export_block(2, 4).is_err(), "block 2 is not complete");
+        assert!(kv.export_block(0, 8).is_err(), "wrong block size");
+        // Layout: layer 0 K (head 0, tokens 0..4, 4 dims) starts the block.
+        let vals: &[f16] = bytemuck::cast_slice(&b0);
+        assert_eq!(vals.len(), 2 * 2 * 4 * 4);
+        assert_eq!(vals[4 * 3 + 2].to_f32(), 302.0, "K of position 3, dim 2");
+        assert_eq!(vals[16 + 4].to_f32(), 104.0, "V of position 1, dim 0 (row value 4)");
+        // Exporting again gives the same memory.
+        assert_eq!(kv.export_block(0, 4).unwrap().as_ptr(), b0.as_ptr());
+
+        let mut other = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        other.import_block(2, 0, 4, b0.clone()).unwrap();
+        other.import_block(2, 1, 4, b1.clone()).unwrap();
+        assert!(other.import_block(2, 3, 4, b1.clone()).is_err(), "a gap");
+        assert_eq!(other.len(), 8);
+        assert_eq!(other.host_layer(0).unwrap()[0].as_ptr() as *const u8, b0.as_ptr(), "used in place");
+        // Writing into a shared block copies it; the exported bytes stay.
+        other.truncate(7);
+        let before = b1.to_vec();
+        other.write_host_rows(1, 7, &[-1.0; 8]).unwrap();
+        assert_eq!(b1.to_vec(), before, "the shared payload is untouched");
+        let l1 = other.host_layer(1).unwrap();
+        assert_eq!(l1[1][3 * 4].to_f32(), -1.0, "K of position 7 in the copy");
+        assert_eq!(l1[0].as_ptr() as *const u8, b0.as_ptr().wrapping_add(2 * 16 * 2), "block 0 still shared");
+    }
+
+    #[test]
+    fn a_misaligned_payload_is_copied_and_a_short_one_refused() {
+        let mut kv = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        fill(&mut kv, 0, 4);
+        let b = kv.export_block(0, 4).unwrap();
+        let mut buf = vec![0u8; b.len() + 1];
+        buf[1..].copy_from_slice(&b);
+        let odd = Bytes::from(buf).slice(1..);
+        let mut other = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        if (odd.as_ptr() as usize) % 2 == 1 {
+            other.import_block(2, 0, 4, odd).unwrap();
+            assert_eq!(other.export_block(0, 4).unwrap(), b);
+        }
+        let mut third = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        assert!(third.import_block(2, 0, 4, b.slice(2..)).is_err());
     }
 }

@@ -449,9 +449,9 @@ impl Model {
         &self.source
     }
 
-    /// An empty KV cache for one sequence, grown `granule` tokens at a time.
-    pub fn new_kv(&self, granule: usize) -> KvCache {
-        KvCache::new(&self.cfg, &self.device, granule, self.context_len)
+    /// An empty KV cache for one sequence, in blocks of `block_tokens`.
+    pub fn new_kv(&self, block_tokens: usize) -> KvCache {
+        KvCache::new(&self.cfg, &self.device, block_tokens, self.context_len)
     }
 
     /// Runs one step over several sequences. Each chunk's tokens are appended
@@ -561,12 +561,10 @@ impl Model {
         let mut row = 0;
         for c in chunks.iter() {
             let n = c.tokens.len();
-            let (k, v) = c.kv.host(layer).context("KV cache is not in host memory")?;
             seqs.push(attention::SeqRows {
                 q: &q[row * q_w..(row + n) * q_w],
-                k,
-                v,
-                cap: c.kv.capacity(),
+                blocks: c.kv.host_layer(layer).context("KV cache is not in host memory")?,
+                block_tokens: c.kv.block_tokens(),
                 off: c.kv.len(),
                 n,
                 out_row: row,
