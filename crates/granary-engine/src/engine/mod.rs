@@ -450,12 +450,6 @@ impl StepLoop {
         let layers = sh.model.config().layers;
         let mut kv = sh.model.new_kv(bt);
         let prompt_len = a.req.prompt.len();
-        // Room for the prompt and a first stretch of generation at once, so
-        // imported blocks are copied once.
-        let room = (prompt_len + bt).min(sh.model.context_len());
-        if let Err(e) = kv.reserve(layers, room) {
-            tracing::warn!(error = %e, "reserving KV memory failed");
-        }
         let mut sources = Vec::new();
         for (i, (bytes, source)) in a.loaded.iter().enumerate() {
             if let Err(e) = kv.import_block(layers, i, bt, bytes.clone()) {
