@@ -10,8 +10,8 @@
 //! staging buffer and copied: each buffer becomes a `QTensor` or `Tensor`
 //! as it is. The file's blake3 (the model fingerprint that names KV blocks)
 //! is computed while the reads run, from the same memory, chunk by chunk in
-//! file order; header and padding bytes are read into small scratch
-//! buffers for it.
+//! file order, each chunk hashed on every core (blake3's tree); header and
+//! padding bytes are read into small scratch buffers for it.
 //!
 //! The naive path reads each whole file into one `Vec<u8>` and parses it
 //! with the library calls the engine used before (`Content::read` and
@@ -248,25 +248,13 @@ host_buffers!(QBuf {
     Q8K(BlockQ8K),
 });
 
-/// Vec with room for `n` elements, its pages asked to be huge (fewer page
-/// faults while the reads fill it).
+/// A `Vec` with room for `n` elements, not yet initialised. (Asking for
+/// transparent huge pages here was measured: fewer faults when free huge
+/// pages exist, but multi-second stalls in direct compaction when memory is
+/// fragmented, as on any long-running host. Pages are populated in bulk
+/// before each read instead, see [`populate`].)
 fn alloc<T>(n: usize) -> Vec<T> {
-    let v: Vec<T> = Vec::with_capacity(n);
-    advise_huge(v.as_ptr().cast::<u8>(), n * std::mem::size_of::<T>());
-    v
-}
-
-fn advise_huge(ptr: *const u8, len: usize) {
-    const HUGE: usize = 2 << 20;
-    if len < 2 * HUGE {
-        return;
-    }
-    let start = (ptr as usize).next_multiple_of(HUGE);
-    let end = (ptr as usize + len) / HUGE * HUGE;
-    if end > start {
-        // SAFETY: advice on pages of an allocation we own; it changes no contents.
-        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-    }
+    Vec::with_capacity(n)
 }
 
 impl QBuf {
@@ -569,6 +557,21 @@ pub fn read_safetensors(
     Ok(SafetensorsWeights { tensors, stats })
 }
 
+/// Maps the pages of `dst..dst+len` in one call rather than one fault per
+/// 4 KiB page as the read first touches them (a fresh allocation is
+/// unmapped; faulting it page by page costs about as much as the copy).
+/// Advice only: kernels before 5.14 refuse it and the read faults as usual.
+fn populate(dst: *mut u8, len: usize) {
+    const PAGE: usize = 4096;
+    let start = (dst as usize).next_multiple_of(PAGE);
+    let end = (dst as usize + len) / PAGE * PAGE;
+    if end > start {
+        // SAFETY: pages inside a live allocation this thread is about to
+        // write; populating them changes no contents.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) };
+    }
+}
+
 /// `pread` until `len` bytes are in `dst`.
 fn read_at(file: &File, dst: *mut u8, len: usize, offset: u64) -> std::io::Result<()> {
     let mut done = 0usize;
@@ -642,6 +645,7 @@ fn run(mut plan: Plan<'_>, opts: &ReadOptions, prefix: &[u8]) -> Result<Option<S
                 }
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(p) = pieces.get(i) else { return };
+                populate(p.dst.0, p.len);
                 match read_at(&plan.files[p.file], p.dst.0, p.len, p.offset) {
                     Ok(()) => done[i].store(true, Ordering::Release),
                     Err(e) => {
@@ -668,7 +672,13 @@ fn run(mut plan: Plan<'_>, opts: &ReadOptions, prefix: &[u8]) -> Result<Option<S
                 // SAFETY: the piece is read in full (its `done` flag was
                 // published with release ordering after the write) and no
                 // thread writes it again.
-                h.update(unsafe { std::slice::from_raw_parts(p.dst.0, p.len) });
+                let bytes = unsafe { std::slice::from_raw_parts(p.dst.0, p.len) };
+                // blake3's tree hashes large inputs on every core (same digest).
+                if bytes.len() >= 1 << 20 {
+                    h.update_rayon(bytes);
+                } else {
+                    h.update(bytes);
+                }
             }
         }
     });
