@@ -36,6 +36,13 @@ pub struct LoadResponse {
     /// else the slowest tier the engine reads from.
     pub tier: Tier,
     pub load_ms: u64,
+    /// Of `load_ms`: downloading from the registry (0 when every file was in a tier).
+    #[serde(default)]
+    pub fetch_ms: u64,
+    /// Of `load_ms`: from starting the engine's process until its first
+    /// healthy `/health` (0 when it was already running).
+    #[serde(default)]
+    pub engine_ms: u64,
 }
 
 /// `GET /status`.
@@ -46,6 +53,9 @@ pub struct AgentStatus {
     pub engines: Vec<EngineStatus>,
     pub tiers: TiersStatus,
     pub downloads: Vec<DownloadStatus>,
+    /// The answer of the last load that started each model's engine, by model name.
+    #[serde(default)]
+    pub loads: Vec<LoadResponse>,
 }
 
 /// One node's agent.
@@ -63,6 +73,8 @@ pub struct Agent {
     fetching: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Model names the registry lists (reported to the gateway).
     catalog: Mutex<Vec<String>>,
+    /// The last load that started each model's engine.
+    last_loads: Mutex<HashMap<String, LoadResponse>>,
     stop: CancellationToken,
 }
 
@@ -104,6 +116,7 @@ impl Agent {
             loading: Mutex::new(HashMap::new()),
             fetching: Mutex::new(HashMap::new()),
             catalog: Mutex::new(Vec::new()),
+            last_loads: Mutex::new(HashMap::new()),
             stop: CancellationToken::new(),
             cfg,
         });
@@ -177,6 +190,11 @@ impl Agent {
             engines: self.sup.list(),
             tiers: self.tiers.status(),
             downloads: self.downloader.downloads().snapshot(),
+            loads: {
+                let mut v: Vec<LoadResponse> = self.last_loads.lock().values().cloned().collect();
+                v.sort_by(|a, b| a.model.cmp(&b.model));
+                v
+            },
         }
     }
 
@@ -207,6 +225,8 @@ impl Agent {
                 state: st.state,
                 tier: st.tier,
                 load_ms: started.elapsed().as_millis() as u64,
+                fetch_ms: 0,
+                engine_ms: 0,
             });
         }
         let revision = self.registry.revision(name, rev).await?;
@@ -214,7 +234,9 @@ impl Agent {
             granary_registry::api::check_file_path(&f.path)
                 .map_err(|why| AgentError::Registry(format!("{name}@{}: {why}", revision.revision)))?;
         }
+        let fetching = Instant::now();
         let downloaded = self.fetch_files(name, &revision).await?;
+        let fetch_ms = if downloaded { fetching.elapsed().as_millis() as u64 } else { 0 };
         let shas: Vec<String> = revision.files.iter().map(|f| f.sha256.to_ascii_lowercase()).collect();
         self.tiers.touch(&shas);
         if self.tiers.record_load(name) {
@@ -225,16 +247,20 @@ impl Agent {
         if result.is_err() {
             self.tiers.unpin(&shas);
         }
-        let st = result?;
-        tracing::info!(model = name, revision = %st.revision, tier = st.tier.as_str(), ms = started.elapsed().as_millis() as u64, "loaded");
-        Ok(LoadResponse {
+        let (st, engine_ms) = result?;
+        tracing::info!(model = name, revision = %st.revision, tier = st.tier.as_str(), ms = started.elapsed().as_millis() as u64, fetch_ms, engine_ms, "loaded");
+        let answer = LoadResponse {
             model: st.model,
             revision: st.revision,
             upstream: st.upstream,
             state: st.state,
             tier: st.tier,
             load_ms: started.elapsed().as_millis() as u64,
-        })
+            fetch_ms,
+            engine_ms,
+        };
+        self.last_loads.lock().insert(name.to_string(), answer.clone());
+        Ok(answer)
     }
 
     async fn launch(
@@ -243,7 +269,7 @@ impl Agent {
         revision: &crate::registry::Revision,
         shas: &[String],
         downloaded: bool,
-    ) -> Result<EngineStatus, AgentError> {
+    ) -> Result<(EngineStatus, u64), AgentError> {
         let root = self.cfg.cache_dir.join("models").join(name).join(&revision.revision);
         let files: Vec<(String, String)> =
             revision.files.iter().zip(shas).map(|(f, s)| (f.path.clone(), s.clone())).collect();
@@ -264,7 +290,9 @@ impl Agent {
             files: shas.to_vec(),
             tier: if downloaded { Tier::Registry } else { slowest },
         };
-        self.sup.start(spec).await
+        let started = Instant::now();
+        let st = self.sup.start(spec).await?;
+        Ok((st, started.elapsed().as_millis() as u64))
     }
 
     /// Fetches every file of `revision` no tier holds; true when any was downloaded.

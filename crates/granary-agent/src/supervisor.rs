@@ -678,14 +678,33 @@ async fn supervise(sh: Arc<Shared>, engine: Arc<Engine>, mut proc: Proc, mut eve
     }
 }
 
+/// How often a starting engine's `/health` is tried (at most the
+/// configured interval): a load waits for the first healthy answer, so a
+/// slow poll would add up to a whole interval to every cold start.
+const STARTING_POLL: Duration = Duration::from_millis(50);
+
 /// Runs health checks until the process exits, fails them, or the engine is stopped.
 async fn watch_proc(sh: &Shared, engine: &Engine, proc: &mut Proc, ever_ready: &mut bool) -> Outcome {
     let started = Instant::now();
     let mut failures = 0u32;
-    let mut tick = tokio::time::interval(sh.cfg.health_interval);
+    let period = |s: EngineState| {
+        if s == EngineState::Starting {
+            sh.cfg.health_interval.min(STARTING_POLL)
+        } else {
+            sh.cfg.health_interval
+        }
+    };
+    let mut every = period(*engine.state.borrow());
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let health_url = format!("{}/health", engine.upstream(&sh.cfg.host));
     loop {
+        let want = period(*engine.state.borrow());
+        if want != every {
+            every = want;
+            tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        }
         tokio::select! {
             _ = engine.stop.cancelled() => return Outcome::Stop,
             _ = sh.detach.cancelled() => return Outcome::Detach,

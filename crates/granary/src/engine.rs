@@ -123,30 +123,84 @@ fn device(spec: &str) -> Result<candle_core::Device> {
     }
 }
 
+/// The prefix of the one-line JSON an engine prints after loading (see
+/// [`LoadReport`]); `granary bench coldstart` reads it from the engine's log.
+pub const LOAD_STATS_PREFIX: &str = "granary: load stats ";
+/// The prefix of the JSON line `{"ready_ms": ...}` an engine prints when it
+/// starts serving: milliseconds since its process started.
+pub const STARTUP_PREFIX: &str = "granary: startup ";
+
+/// Where an engine's start-up time went, printed as one JSON line.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct LoadReport {
+    /// `parallel` or `naive`.
+    pub loader: String,
+    /// Weight file bytes read.
+    pub weights_bytes: u64,
+    pub threads: usize,
+    /// Opening the weight files and parsing their headers.
+    pub header_ms: f64,
+    /// Reading the weights into tensors as stored, fingerprint included.
+    pub read_ms: f64,
+    /// Dequantizing / converting / re-quantizing them into the engine's layout.
+    pub convert_ms: f64,
+    pub tokenizer_ms: f64,
+    /// The whole load (model and tokenizer).
+    pub load_ms: f64,
+    /// From the process's start to the start of the load.
+    pub before_load_ms: f64,
+}
+
+fn since_process_start_ms() -> f64 {
+    crate::STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3)
+}
+
 /// Loads the model and tokenizer, reporting progress.
 pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
     let src: ModelSource = args.model.parse()?;
     let resolved = src.resolve()?;
+    let before_load_ms = since_process_start_ms();
     let started = Instant::now();
     eprintln!("granary: loading {} ...", resolved.path.display());
     let opts = LoadOptions { device: device(&args.device)?, max_context: args.max_context, ..Default::default() };
-    let model = Model::load(&resolved.path, &opts).with_context(|| format!("loading {}", resolved.path.display()))?;
+    let (model, stats) =
+        Model::load_timed(&resolved.path, &opts).with_context(|| format!("loading {}", resolved.path.display()))?;
+    let tok_started = Instant::now();
     let tokenizer = if resolved.path.is_dir() {
         Tokenizer::from_file(&resolved.path.join("tokenizer.json"))?
     } else {
         Tokenizer::from_gguf_path(&resolved.path)?
     };
+    let tokenizer_ms = tok_started.elapsed().as_secs_f64() * 1e3;
     let c = model.config();
+    let r = &stats.read;
     eprintln!(
-        "granary: loaded {} ({}; {} layers, {} KV heads x {}, context {}) in {:.1}s",
+        "granary: loaded {} ({}; {} layers, {} KV heads x {}, context {}) in {:.1}s: weights {:.1} MB read in {:.0} ms ({:.2} GB/s, {} thread(s)), conversion {:.0} ms",
         resolved.id,
         c.architecture,
         c.layers,
         c.kv_heads,
         c.head_dim,
         model.context_len(),
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        r.file_bytes as f64 / 1e6,
+        r.total().as_secs_f64() * 1e3,
+        r.gbps(),
+        r.threads,
+        stats.convert.as_secs_f64() * 1e3,
     );
+    let report = LoadReport {
+        loader: r.loader.to_string(),
+        weights_bytes: r.file_bytes,
+        threads: r.threads,
+        header_ms: r.header.as_secs_f64() * 1e3,
+        read_ms: r.read.as_secs_f64() * 1e3,
+        convert_ms: stats.convert.as_secs_f64() * 1e3,
+        tokenizer_ms,
+        load_ms: started.elapsed().as_secs_f64() * 1e3,
+        before_load_ms,
+    };
+    eprintln!("{LOAD_STATS_PREFIX}{}", serde_json::to_string(&report)?);
     let id = args.model_id.clone().unwrap_or(resolved.id);
     Ok((Arc::new(model), Arc::new(tokenizer), id))
 }
@@ -176,6 +230,7 @@ async fn serve_http(engine: Engine, listen: &str, trust_namespace_header: bool) 
     let addr: SocketAddr = listen.parse().with_context(|| format!("--listen {listen:?}: expected HOST:PORT"))?;
     let l = TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
     println!("granary: OpenAI API on http://{}/v1 (model {})", l.local_addr()?, engine.config().model_id);
+    println!("{STARTUP_PREFIX}{{\"ready_ms\":{:.1}}}", since_process_start_ms());
     println!("granary: ready");
     let mut opts = ApiOptions::default();
     if trust_namespace_header {

@@ -91,7 +91,12 @@ struct WarehouseArgs {
     tokens: Vec<(String, String)>,
 }
 
+/// When this process started (as near as `main` can tell): engines report
+/// their start-up time from it.
+pub(crate) static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
 fn main() -> Result<()> {
+    STARTED.get_or_init(std::time::Instant::now);
     // candle's CPU thread pool spins between tasks by default; on a machine
     // shared with other work that halves throughput. Set before any thread
     // starts; an explicit setting wins.

@@ -19,12 +19,14 @@
 mod attention;
 mod config;
 mod kv;
+pub mod load;
 mod qmatmul;
 mod simd;
 
+use std::collections::HashMap;
 use std::fs::File;
-use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
@@ -32,6 +34,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 
 pub use config::ModelConfig;
 pub use kv::KvCache;
+pub use load::{Loader, ReadOptions, ReadStats};
 
 /// Matmuls with at most this many rows use the quantized copy
 /// (`GRANARY_QUANT_MAX_ROWS` overrides it).
@@ -52,12 +55,35 @@ pub struct LoadOptions {
     pub native_quant: bool,
     /// Cap the context below the model's own (memory per sequence).
     pub max_context: Option<usize>,
+    /// How the weight files are read ([`load`]).
+    pub loader: Loader,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { device: Device::Cpu, quantized_decode: true, native_quant: false, max_context: None }
+        LoadOptions {
+            device: Device::Cpu,
+            quantized_decode: true,
+            native_quant: false,
+            max_context: None,
+            loader: Loader::default(),
+        }
     }
+}
+
+/// Where a load's time went.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LoadStats {
+    /// Reading the files into tensors as stored (and the fingerprint).
+    pub read: ReadStats,
+    /// Building the engine's weights from those tensors: dequantizing,
+    /// fusing projections, re-quantizing to int8 tiles, rotary tables.
+    #[serde(serialize_with = "duration_ms")]
+    pub convert: Duration,
+}
+
+fn duration_ms<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64((d.as_secs_f64() * 1e6).round() / 1e3)
 }
 
 struct Linear {
@@ -188,10 +214,26 @@ trait TensorSource {
     }
 }
 
+/// A GGUF's tensors, read up front ([`load`]); each is handed out once
+/// (its memory goes with it), one asked for again is read from the file.
 struct GgufSource<'a> {
     ct: &'a gguf_file::Content,
-    file: File,
+    tensors: HashMap<String, QTensor>,
+    path: &'a Path,
     device: Device,
+}
+
+impl GgufSource<'_> {
+    fn take(&mut self, name: &str) -> Result<Option<QTensor>> {
+        if !self.ct.tensor_infos.contains_key(name) {
+            return Ok(None);
+        }
+        if let Some(q) = self.tensors.remove(name) {
+            return Ok(Some(q));
+        }
+        let mut file = File::open(self.path).with_context(|| format!("open {}", self.path.display()))?;
+        Ok(Some(self.ct.tensor(&mut file, name, &self.device)?))
+    }
 }
 
 impl TensorSource for GgufSource<'_> {
@@ -199,23 +241,19 @@ impl TensorSource for GgufSource<'_> {
         self.get_opt(name)?.with_context(|| format!("GGUF has no tensor {name}"))
     }
     fn get_opt(&mut self, name: &str) -> Result<Option<Tensor>> {
-        if !self.ct.tensor_infos.contains_key(name) {
-            return Ok(None);
+        match self.take(name)? {
+            Some(q) => Ok(Some(q.dequantize(&self.device)?)),
+            None => Ok(None),
         }
-        let q = self.ct.tensor(&mut self.file, name, &self.device)?;
-        Ok(Some(q.dequantize(&self.device)?))
     }
     fn get_quantized(&mut self, name: &str) -> Result<Option<QTensor>> {
-        if !self.ct.tensor_infos.contains_key(name) {
-            return Ok(None);
-        }
-        Ok(Some(self.ct.tensor(&mut self.file, name, &self.device)?))
+        self.take(name)
     }
 }
 
+/// Safetensors tensors, read up front ([`load`]); each is handed out once.
 struct SafetensorsSource {
-    st: candle_core::safetensors::MmapedSafetensors,
-    device: Device,
+    tensors: HashMap<String, Tensor>,
 }
 
 impl TensorSource for SafetensorsSource {
@@ -223,41 +261,33 @@ impl TensorSource for SafetensorsSource {
         self.get_opt(name)?.with_context(|| format!("safetensors have no tensor {name}"))
     }
     fn get_opt(&mut self, name: &str) -> Result<Option<Tensor>> {
-        match self.st.load(name, &self.device) {
-            Ok(t) => Ok(Some(t.to_dtype(DType::F32)?)),
-            Err(_) if self.st.get(name).is_err() => Ok(None),
-            Err(e) => Err(e.into()),
+        match self.tensors.remove(name) {
+            Some(t) => Ok(Some(t.to_dtype(DType::F32)?)),
+            None => Ok(None),
         }
     }
-}
-
-/// blake3 of the files, in order, streamed.
-fn fingerprint_files(paths: &[PathBuf]) -> Result<String> {
-    let mut h = blake3::Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    for p in paths {
-        let mut f = File::open(p).with_context(|| format!("open {}", p.display()))?;
-        loop {
-            let n = f.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            h.update(&buf[..n]);
-        }
-    }
-    Ok(h.finalize().to_hex().to_string())
 }
 
 impl Model {
     /// Loads a GGUF file.
     pub fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<Self> {
-        let mut file = File::open(path).with_context(|| format!("open {}", path.display()))?;
-        let ct = gguf_file::Content::read(&mut file).with_context(|| format!("read GGUF {}", path.display()))?;
+        Ok(Self::load_gguf_timed(path, opts)?.0)
+    }
+
+    fn load_gguf_timed(path: &Path, opts: &LoadOptions) -> Result<(Self, LoadStats)> {
+        let w = match &opts.loader {
+            Loader::Parallel(r) => {
+                load::read_gguf(path, &opts.device, &ReadOptions { fingerprint: true, ..r.clone() })?
+            }
+            Loader::Naive => load::naive_gguf(path, &opts.device, true)?,
+        };
+        let load::GgufWeights { content: ct, tensors, stats } = w;
         let cfg = ModelConfig::from_gguf(&ct)?;
-        let mut src = GgufSource { ct: &ct, file, device: opts.device.clone() };
+        let fingerprint = stats.fingerprint.clone().context("the loader computed no fingerprint")?;
+        let started = Instant::now();
+        let mut src = GgufSource { ct: &ct, tensors, path, device: opts.device.clone() };
         let names = |i: usize, n: &str| format!("blk.{i}.{n}");
-        let fingerprint = fingerprint_files(&[path.to_path_buf()])?;
-        Self::build(cfg, &mut src, opts, fingerprint, path, |i, part| match part {
+        let model = Self::build(cfg, &mut src, opts, fingerprint, path, |i, part| match part {
             Part::Embed => "token_embd.weight".into(),
             Part::Norm => "output_norm.weight".into(),
             Part::LmHead => "output.weight".into(),
@@ -270,11 +300,16 @@ impl Model {
             Part::Gate => names(i, "ffn_gate"),
             Part::Up => names(i, "ffn_up"),
             Part::Down => names(i, "ffn_down"),
-        })
+        })?;
+        Ok((model, LoadStats { read: stats, convert: started.elapsed() }))
     }
 
     /// Loads a Hugging Face directory: `config.json` and `*.safetensors`.
     pub fn load_safetensors_dir(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        Ok(Self::load_safetensors_dir_timed(dir, opts)?.0)
+    }
+
+    fn load_safetensors_dir_timed(dir: &Path, opts: &LoadOptions) -> Result<(Self, LoadStats)> {
         let cfg_path = dir.join("config.json");
         let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("read {}", cfg_path.display()))?;
         let cfg = ModelConfig::from_hf_json(&text)?;
@@ -286,14 +321,21 @@ impl Model {
         if files.is_empty() {
             bail!("{} has no .safetensors files", dir.display());
         }
-        // SAFETY: the files are mapped read-only and not modified while loaded.
-        let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files)? };
-        let mut fp_files = vec![cfg_path];
-        fp_files.extend(files.iter().cloned());
-        let fingerprint = fingerprint_files(&fp_files)?;
-        let mut src = SafetensorsSource { st, device: opts.device.clone() };
+        // The fingerprint covers config.json, then the weight files in order.
+        let w = match &opts.loader {
+            Loader::Parallel(r) => load::read_safetensors(
+                &files,
+                text.as_bytes(),
+                &opts.device,
+                &ReadOptions { fingerprint: true, ..r.clone() },
+            )?,
+            Loader::Naive => load::naive_safetensors(&files, text.as_bytes(), &opts.device, true)?,
+        };
+        let fingerprint = w.stats.fingerprint.clone().context("the loader computed no fingerprint")?;
+        let started = Instant::now();
+        let mut src = SafetensorsSource { tensors: w.tensors };
         let names = |i: usize, n: &str| format!("model.layers.{i}.{n}");
-        Self::build(cfg, &mut src, opts, fingerprint, dir, |i, part| match part {
+        let model = Self::build(cfg, &mut src, opts, fingerprint, dir, |i, part| match part {
             Part::Embed => "model.embed_tokens.weight".into(),
             Part::Norm => "model.norm.weight".into(),
             Part::LmHead => "lm_head.weight".into(),
@@ -306,15 +348,21 @@ impl Model {
             Part::Gate => names(i, "mlp.gate_proj"),
             Part::Up => names(i, "mlp.up_proj"),
             Part::Down => names(i, "mlp.down_proj"),
-        })
+        })?;
+        Ok((model, LoadStats { read: w.stats, convert: started.elapsed() }))
     }
 
     /// A GGUF file, or a directory with `config.json` and safetensors.
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        Ok(Self::load_timed(path, opts)?.0)
+    }
+
+    /// [`Model::load`], with where the time went.
+    pub fn load_timed(path: &Path, opts: &LoadOptions) -> Result<(Self, LoadStats)> {
         if path.is_dir() {
-            Self::load_safetensors_dir(path, opts)
+            Self::load_safetensors_dir_timed(path, opts)
         } else {
-            Self::load_gguf(path, opts)
+            Self::load_gguf_timed(path, opts)
         }
     }
 
