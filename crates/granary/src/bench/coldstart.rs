@@ -120,7 +120,10 @@ impl Proc {
     fn start(name: &str, args: &[String], envs: &[(&str, &str)], addr_prefix: &str, ready: &str) -> Result<Proc> {
         let exe = std::env::current_exe().context("finding the granary executable")?;
         let mut cmd = Command::new(exe);
-        cmd.args(args).env("GRANARY_LOG", "error").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        // Their logs go to this process's stderr: errors only, unless
+        // GRANARY_BENCH_CHILD_LOG sets another filter (e.g. `info`).
+        let log = std::env::var("GRANARY_BENCH_CHILD_LOG").unwrap_or_else(|_| "error".into());
+        cmd.args(args).env("GRANARY_LOG", log).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         for (k, v) in envs {
             cmd.env(k, v);
         }
@@ -427,9 +430,12 @@ pub async fn run(args: Args) -> Result<()> {
     }
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let svg = args.out.join("coldstart.svg");
+    let png = args.out.join("coldstart.png");
     draw(&report, SVGBackend::new(&svg, (900, 520)).into_drawing_area())
         .with_context(|| format!("drawing {}", svg.display()))?;
-    println!("Chart: {}", svg.display());
+    draw(&report, BitMapBackend::new(&png, (900, 520)).into_drawing_area())
+        .with_context(|| format!("drawing {}", png.display()))?;
+    println!("Chart: {} and {}", svg.display(), png.display());
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
@@ -533,12 +539,14 @@ impl Setup {
         if loaded {
             self.agent_call(agent, reqwest::Method::POST, &format!("/models/{MODEL}/unload")).await?;
         }
-        self.wait_gateway(false).await
+        self.wait_gateway(agent, false).await
     }
 
-    /// Waits until the gateway lists the agent, with the model loadable and
-    /// (`loaded`) an engine for it or (not `loaded`) none.
-    async fn wait_gateway(&self, loaded: bool) -> Result<()> {
+    /// Waits until the gateway lists this agent (its URL: an agent started
+    /// again under the same id replaces the old entry at its first
+    /// heartbeat), with the model loadable and (`loaded`) an engine for it
+    /// or (not `loaded`) none.
+    async fn wait_gateway(&self, agent: &Agent, loaded: bool) -> Result<()> {
         let Some((gw, _)) = &self.gateway else { return Ok(()) };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -552,7 +560,8 @@ impl Setup {
                 .await?;
             let ok =
                 v["data"].as_array().and_then(|a| a.iter().find(|a| a["agent_id"] == "bench-node")).is_some_and(|a| {
-                    let listed = a["models"].as_array().is_some_and(|m| m.iter().any(|m| m == MODEL));
+                    let listed = a["url"] == agent.proc.base.as_str()
+                        && a["models"].as_array().is_some_and(|m| m.iter().any(|m| m == MODEL));
                     let engines = a["engines"].as_array().map_or(0, |e| e.len());
                     listed && (engines > 0) == loaded
                 });
@@ -714,7 +723,7 @@ async fn tier_phase(
                 let cache = s.base.join(format!("agent-registry-{i}"));
                 let ram = s.ram_parent.join(format!("registry-{i}"));
                 let agent = s.agent(&cache, &ram, 0)?;
-                s.wait_gateway(false).await?;
+                s.wait_gateway(&agent, false).await?;
                 for f in files_under(&registry_dir) {
                     drop_from_page_cache(&f)?;
                 }
@@ -734,7 +743,7 @@ async fn tier_phase(
             let ram = s.ram_parent.join(name);
             // RAM: promote on the first load, which is the warm-up.
             let agent = s.agent(&cache, &ram, if tier == TierName::Ram { 1 } else { 0 })?;
-            s.wait_gateway(false).await?;
+            s.wait_gateway(&agent, false).await?;
             pb.set_message(format!("{name}: warm-up load"));
             s.agent_call(&agent, reqwest::Method::POST, &format!("/models/{MODEL}/load")).await?;
             s.unload(&agent).await?;
@@ -849,32 +858,35 @@ where
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(64)
-        .build_cartesian_2d((0..n).into_segmented(), 0.0..top)
+        .build_cartesian_2d(0.0..n as f64, 0.0..top)
         .map_err(e)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .y_desc("ms (median of each part)")
-        .x_label_formatter(&|v| match v {
-            SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
-            _ => String::new(),
+        .x_labels(n * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if i < labels.len() && (x - (i as f64 + 0.5)).abs() < 0.05 {
+                labels[i].clone()
+            } else {
+                String::new()
+            }
         })
+        .y_desc("ms (median of each part)")
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .light_line_style(RGBColor(240, 240, 240))
         .draw()
         .map_err(e)?;
     for (k, (name, color)) in PARTS.iter().enumerate() {
         let color = *color;
-        let bars: Vec<Rectangle<(SegmentValue<usize>, f64)>> = r
+        let bars: Vec<Rectangle<(f64, f64)>> = r
             .tiers
             .iter()
             .enumerate()
             .map(|(i, t)| {
                 let below: f64 = t.median_parts[..k].iter().sum();
                 let v = t.median_parts[k];
-                Rectangle::new(
-                    [(SegmentValue::Exact(i), below), (SegmentValue::Exact(i + 1), below + v)],
-                    color.filled(),
-                )
+                Rectangle::new([(i as f64 + 0.2, below), (i as f64 + 0.8, below + v)], color.filled())
             })
             .collect();
         chart

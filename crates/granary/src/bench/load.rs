@@ -295,9 +295,12 @@ fn run_blocking(args: Args) -> Result<()> {
     }
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let svg = args.out.join("load.svg");
+    let png = args.out.join("load.png");
     draw(&report, SVGBackend::new(&svg, (900, 520)).into_drawing_area())
         .with_context(|| format!("drawing {}", svg.display()))?;
-    println!("Chart: {}", svg.display());
+    draw(&report, BitMapBackend::new(&png, (900, 520)).into_drawing_area())
+        .with_context(|| format!("drawing {}", png.display()))?;
+    println!("Chart: {} and {}", svg.display(), png.display());
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
@@ -668,8 +671,7 @@ where
     let e = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow::anyhow!("{e}");
     area.fill(&WHITE).map_err(e)?;
     let n = r.cases.len();
-    let m = METHODS.len();
-    let width = (m + 1) as f64;
+    let m = METHODS.len() as f64;
     let top = r
         .cases
         .iter()
@@ -678,24 +680,24 @@ where
         })
         .filter(|v| v.is_finite())
         .fold(0.1, f64::max)
-        * 1.25;
+        * 1.35;
     let labels: Vec<String> = r.cases.iter().map(|c| format!("{} ({})", c.case.label, size(c.case.bytes))).collect();
+    // File i's bars sit around x = i.
     let mut chart = ChartBuilder::on(&area)
         .caption("Weight load: file → tensors, page cache dropped (GB/s, median)", ("sans-serif", 20))
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(56)
-        .build_cartesian_2d(0.0..(n as f64 * width), 0.0..top)
+        .build_cartesian_2d(-0.5..(n as f64 - 0.5), 0.0..top)
         .map_err(e)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(n * 4)
+        .x_labels(n * 2 + 1)
         .x_label_formatter(&|x| {
-            let i = (x / width).floor() as usize;
-            let centre = i as f64 * width + m as f64 / 2.0;
-            if i < labels.len() && (x - centre).abs() < width / 8.0 {
-                labels[i].clone()
+            let i = x.round();
+            if (x - i).abs() < 0.05 && i >= 0.0 && (i as usize) < labels.len() {
+                labels[i as usize].clone()
             } else {
                 String::new()
             }
@@ -716,8 +718,8 @@ where
                     c.median.parallel_gbps,
                     c.median.parallel_fingerprint_gbps,
                 ][k];
-                let x = i as f64 * width + k as f64 + 0.5;
-                Rectangle::new([(x, 0.0), (x + 0.9, if v.is_finite() { v } else { 0.0 })], color.filled())
+                let x = i as f64 - 0.4 + k as f64 * 0.8 / m;
+                Rectangle::new([(x, 0.0), (x + 0.8 / m * 0.9, if v.is_finite() { v } else { 0.0 })], color.filled())
             })
             .collect();
         let color = *color;
