@@ -294,3 +294,109 @@ fn routing_quick_run_ranks_kv_aware_above_round_robin() {
     assert!(stdout.contains("kv_aware hit rate >= 90% of the unbounded ceiling"), "{stdout}");
     assert!(std::fs::metadata(&chart).unwrap().len() > 1000, "chart too small");
 }
+
+/// `granary bench load --quick` on the default model's GGUF and an 8 MiB
+/// synthetic checkpoint: one run, the table, the goal lines (two per file),
+/// the conversion table, JSON with every figure positive, the chart, and
+/// nothing left in the scratch directory.
+#[test]
+fn load_quick_run_prints_its_table_and_goals() {
+    let Some(model) = model("load_quick_run_prints_its_table_and_goals") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let files = tmp.path().join("files");
+    let json = tmp.path().join("load.json");
+    let stdout = run_bench(
+        &[
+            "bench",
+            "load",
+            "--quick",
+            "--synthetic",
+            "8MiB",
+            "--threads",
+            "3",
+            "--model",
+            model.to_str().unwrap(),
+            "--out",
+        ],
+        &[&out, std::path::Path::new("--dir"), &files, std::path::Path::new("--json"), &json],
+    );
+    assert!(stdout.contains("load: weights into tensors, GB/s"), "{stdout}");
+    assert!(stdout.contains("conversion"), "{stdout}");
+    let goal_lines: Vec<&str> =
+        stdout.lines().filter(|l| l.starts_with("PASS load") || l.starts_with("MISS load")).collect();
+    assert_eq!(goal_lines.len(), 4, "{stdout}");
+    assert!(
+        goal_lines.iter().any(|l| l.contains("0.8x raw disk")) && goal_lines.iter().any(|l| l.contains("3x naive"))
+    );
+
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["quick"], true);
+    assert_eq!(r["threads"], 3);
+    let cases = r["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 2, "the GGUF and the synthetic checkpoint");
+    assert_eq!(cases[0]["case"]["format"], "gguf");
+    assert_eq!(cases[0]["case"]["bytes"].as_u64(), Some(std::fs::metadata(&model).unwrap().len()));
+    assert_eq!(cases[1]["case"]["format"], "safetensors");
+    for c in cases {
+        let m = &c["median"];
+        for f in ["raw_gbps", "naive_gbps", "parallel_gbps", "parallel_fingerprint_gbps", "vs_raw", "vs_naive"] {
+            positive(&m[f], f);
+        }
+        assert!(m["max_cached"].as_f64().unwrap() < 0.5, "the page cache was not dropped: {m}");
+        assert_eq!(c["runs"]["parallel"].as_array().unwrap().len(), 1);
+    }
+    positive(&cases[0]["median"]["engine_read_ms"], "engine_read_ms");
+    positive(&cases[0]["median"]["engine_convert_ms"], "engine_convert_ms");
+    assert!(cases[1]["median"]["engine_read_ms"].is_null(), "no model is built from random bytes");
+    assert_eq!(r["goals"].as_array().unwrap().len(), 4);
+    assert!(std::fs::metadata(out.join("load.svg")).unwrap().len() > 1000);
+    assert!(std::fs::read_dir(&files).unwrap().next().is_none(), "files left in {}", files.display());
+}
+
+/// `granary bench coldstart --quick`: a real registry, gateway, agent and
+/// engines; one cold start per tier, each served from the tier it claims,
+/// with the breakdown filled in from the agent and the engine's log.
+#[test]
+fn coldstart_quick_run_measures_every_tier() {
+    let Some(model) = model("coldstart_quick_run_measures_every_tier") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let scratch = tmp.path().join("scratch");
+    let json = tmp.path().join("coldstart.json");
+    let stdout = run_bench(
+        &["bench", "coldstart", "--quick", "--max-tokens", "2", "--model", model.to_str().unwrap(), "--out"],
+        &[&out, std::path::Path::new("--dir"), &scratch, std::path::Path::new("--json"), &json],
+    );
+    assert!(stdout.contains("coldstart: request → first token"), "{stdout}");
+    assert!(stdout.contains("where the time went"), "{stdout}");
+
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["gateway"], true);
+    let tiers = r["tiers"].as_array().expect("tiers");
+    let names: Vec<&str> = tiers.iter().map(|t| t["tier"].as_str().unwrap()).collect();
+    assert_eq!(names, ["registry", "disk", "ram"]);
+    for t in tiers {
+        let runs = t["runs"].as_array().unwrap();
+        assert_eq!(runs.len(), 1);
+        let run = &runs[0];
+        assert_eq!(run["tier"], t["tier"]);
+        for f in ["ttft_ms", "warm_ttft_ms", "load_ms", "engine_ms", "read_ms", "convert_ms", "ready_ms"] {
+            positive(&run[f], f);
+        }
+        assert_eq!(run["loader"], "parallel");
+        assert_eq!(run["weights_bytes"].as_u64(), Some(std::fs::metadata(&model).unwrap().len()));
+        let ttft = run["ttft_ms"].as_f64().unwrap();
+        assert!(ttft >= run["load_ms"].as_f64().unwrap(), "{run}");
+        let parts: f64 = t["median_parts"].as_array().unwrap().iter().map(|p| p.as_f64().unwrap()).sum();
+        assert!((parts - ttft).abs() < 1.0 || parts > ttft, "{t}");
+        let fetched = run["fetch_ms"].as_f64().unwrap();
+        if t["tier"] == "registry" {
+            assert!(fetched > 0.0, "{run}");
+        } else {
+            assert_eq!(fetched, 0.0, "{run}");
+        }
+    }
+    assert!(std::fs::metadata(out.join("coldstart.svg")).unwrap().len() > 1000);
+    assert!(std::fs::read_dir(&scratch).unwrap().next().is_none(), "scratch directories left behind");
+}

@@ -370,15 +370,36 @@ fn file_len(f: &File, path: &Path) -> Result<u64> {
     Ok(f.metadata().with_context(|| format!("stat {}", path.display()))?.len())
 }
 
+/// Parses a GGUF header. From memory when it fits in the first few MiB
+/// (candle asks for the stream position before every string, and a file's
+/// is a system call: tens of thousands for a tokenizer's vocabulary);
+/// otherwise, or to report what is wrong, from the file.
+fn gguf_header(file: &File, path: &Path, len: u64) -> Result<gguf_file::Content> {
+    use std::io::{Seek, SeekFrom};
+    use std::os::unix::fs::FileExt;
+    for prefix in [4u64 << 20, 32 << 20] {
+        let n = prefix.min(len);
+        let mut head = vec![0u8; n as usize];
+        file.read_exact_at(&mut head, 0).with_context(|| format!("read {}", path.display()))?;
+        // A header longer than `head` fails with an early end: try more.
+        if let Ok(ct) = gguf_file::Content::read(&mut Cursor::new(&head)) {
+            return Ok(ct);
+        }
+        if n == len {
+            break;
+        }
+    }
+    let mut r = std::io::BufReader::with_capacity(1 << 20, file);
+    r.seek(SeekFrom::Start(0))?;
+    gguf_file::Content::read(&mut r).with_context(|| format!("read GGUF header of {}", path.display()))
+}
+
 /// Reads a GGUF file's tensors with parallel positioned reads.
 pub fn read_gguf(path: &Path, device: &Device, opts: &ReadOptions) -> Result<GgufWeights> {
     let t0 = Instant::now();
     let file = open(path)?;
     let len = file_len(&file, path)?;
-    let content = {
-        let mut r = std::io::BufReader::with_capacity(1 << 20, &file);
-        gguf_file::Content::read(&mut r).with_context(|| format!("read GGUF header of {}", path.display()))?
-    };
+    let content = gguf_header(&file, path, len)?;
     let header = t0.elapsed();
 
     let mut names: Vec<String> = content.tensor_infos.keys().cloned().collect();
@@ -572,32 +593,58 @@ fn populate(dst: *mut u8, len: usize) {
     }
 }
 
-/// `pread` until `len` bytes are in `dst`.
-fn read_at(file: &File, dst: *mut u8, len: usize, offset: u64) -> std::io::Result<()> {
-    let mut done = 0usize;
-    while done < len {
-        let want = (len - done).min(1 << 30);
-        // SAFETY: `dst..dst+len` is memory of a live allocation that only
-        // this thread writes while the read runs.
-        let n =
-            unsafe { libc::pread(file.as_raw_fd(), dst.add(done).cast(), want, (offset + done as u64) as libc::off_t) };
+/// Most buffers one `preadv` takes (Linux's `IOV_MAX`).
+const MAX_IOVECS: usize = 1024;
+
+/// Reads consecutive pieces (one contiguous range of one file) with
+/// vectored positioned reads, each piece's bytes straight into its buffer,
+/// until all are in. On failure: the index in `batch` of the piece being
+/// read, and the error.
+fn read_batch(file: &File, batch: &[Piece]) -> Result<(), (usize, std::io::Error)> {
+    let mut iov: Vec<libc::iovec> =
+        batch.iter().map(|p| libc::iovec { iov_base: p.dst.0.cast(), iov_len: p.len }).collect();
+    let mut first = 0;
+    let mut offset = batch.first().map_or(0, |p| p.offset);
+    while first < iov.len() {
+        if iov[first].iov_len == 0 {
+            first += 1;
+            continue;
+        }
+        let count = (iov.len() - first).min(MAX_IOVECS) as libc::c_int;
+        // SAFETY: every iovec points into a live allocation that only this
+        // thread writes while the read runs, with its length within it.
+        let n = unsafe { libc::preadv(file.as_raw_fd(), iov[first..].as_ptr(), count, offset as libc::off_t) };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(e);
+            return Err((first, e));
         }
         if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
+            return Err((first, std::io::ErrorKind::UnexpectedEof.into()));
         }
-        done += n as usize;
+        let mut n = n as usize;
+        offset += n as u64;
+        while n > 0 {
+            let v = &mut iov[first];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                first += 1;
+            } else {
+                // SAFETY: `n < iov_len`: still inside the same buffer.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
     }
     Ok(())
 }
 
-/// Splits pieces so that the threads share even a small file, then runs
-/// the reads; returns the fingerprint of `prefix` and the files, if asked.
+/// Splits large pieces so that the threads share even a small file, joins
+/// small neighbours into one vectored read, then runs the reads; returns
+/// the fingerprint of `prefix` and the files, if asked.
 fn run(mut plan: Plan<'_>, opts: &ReadOptions, prefix: &[u8]) -> Result<Option<String>> {
     let threads = opts.threads.max(1);
     let total: usize = plan.pieces.iter().map(|p| p.len).sum();
@@ -611,6 +658,26 @@ fn run(mut plan: Plan<'_>, opts: &ReadOptions, prefix: &[u8]) -> Result<Option<S
             let dst = Dst(unsafe { p.dst.0.add(at) });
             pieces.push(Piece { file: p.file, offset: p.offset + at as u64, len: n, dst, tensor: p.tensor });
             at += n;
+        }
+    }
+    // Neighbouring small pieces (norm vectors, small projections, padding)
+    // share one vectored read of up to `chunk` bytes.
+    let mut batches: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut bytes = 0;
+    for (i, p) in pieces.iter().enumerate() {
+        let joins = batches.last().is_some_and(|b| {
+            let prev = &pieces[b.end - 1];
+            prev.file == p.file
+                && prev.offset + prev.len as u64 == p.offset
+                && bytes + p.len <= chunk
+                && b.len() < MAX_IOVECS
+        });
+        if joins {
+            batches.last_mut().expect("checked above").end = i + 1;
+            bytes += p.len;
+        } else {
+            batches.push(i..i + 1);
+            bytes = p.len;
         }
     }
     for f in plan.files {
@@ -638,19 +705,26 @@ fn run(mut plan: Plan<'_>, opts: &ReadOptions, prefix: &[u8]) -> Result<Option<S
     };
     let mut hasher = opts.fingerprint.then(blake3::Hasher::new);
     std::thread::scope(|s| {
-        for _ in 0..threads.min(pieces.len()) {
+        for _ in 0..threads.min(batches.len()) {
             s.spawn(|| loop {
                 if failed.load(Ordering::Relaxed) {
                     return;
                 }
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(p) = pieces.get(i) else { return };
-                populate(p.dst.0, p.len);
-                match read_at(&plan.files[p.file], p.dst.0, p.len, p.offset) {
-                    Ok(()) => done[i].store(true, Ordering::Release),
-                    Err(e) => {
+                let b = next.fetch_add(1, Ordering::Relaxed);
+                let Some(range) = batches.get(b) else { return };
+                let batch = &pieces[range.clone()];
+                for p in batch {
+                    populate(p.dst.0, p.len);
+                }
+                match read_batch(&plan.files[batch[0].file], batch) {
+                    Ok(()) => {
+                        for d in &done[range.clone()] {
+                            d.store(true, Ordering::Release);
+                        }
+                    }
+                    Err((at, e)) => {
                         let mut slot = error.lock().unwrap_or_else(|e| e.into_inner());
-                        slot.get_or_insert(describe(p, e));
+                        slot.get_or_insert(describe(&batch[at], e));
                         failed.store(true, Ordering::Relaxed);
                     }
                 }

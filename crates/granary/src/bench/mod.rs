@@ -4,9 +4,11 @@
 use anyhow::Result;
 use clap::Subcommand;
 
+mod coldstart;
 mod engine;
 mod gateway;
 mod llm;
+mod load;
 mod routing;
 mod ttft;
 mod warehouse;
@@ -24,6 +26,10 @@ pub enum BenchCmd {
     Gateway(gateway::Args),
     /// Routing policies replayed over the Mooncake trace on simulated engines: hit rate and TTFT.
     Routing(routing::Args),
+    /// Weight load GB/s of the engine's parallel loader against the raw disk and the naive path.
+    Load(load::Args),
+    /// Request to first token for an unloaded model whose weights are in the registry, on disk or in RAM.
+    Coldstart(coldstart::Args),
 }
 
 pub async fn run(which: BenchCmd) -> Result<()> {
@@ -33,5 +39,7 @@ pub async fn run(which: BenchCmd) -> Result<()> {
         BenchCmd::Engine(args) => engine::run(args).await,
         BenchCmd::Gateway(args) => gateway::run(args).await,
         BenchCmd::Routing(args) => routing::run(args).await,
+        BenchCmd::Load(args) => load::run(args).await,
+        BenchCmd::Coldstart(args) => coldstart::run(args).await,
     }
 }

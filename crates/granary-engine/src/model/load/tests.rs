@@ -216,3 +216,28 @@ fn a_file_ending_mid_read_is_reported_by_the_reader() {
     assert!(err.contains("w.bin") && err.contains("tensor `blk.0.ffn_up.weight`"), "{err}");
     assert!(err.contains("cut short") && err.contains("3145728"), "{err}");
 }
+
+/// Small neighbouring tensors share one vectored read; the one the file
+/// ends in is the one named, and the bytes before it are where they belong.
+#[test]
+fn small_tensors_share_a_read_and_a_short_one_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("small.bin");
+    let data: Vec<u8> = (0..4500u32).map(|i| (i * 31 % 251) as u8).collect();
+    std::fs::write(&path, &data).unwrap();
+    let files = [File::open(&path).unwrap()];
+    let paths = [path.clone()];
+    let names: Vec<String> = (0..5).map(|i| format!("blk.{i}.attn_norm.weight")).collect();
+    let mut bufs: Vec<Vec<u8>> = (0..5).map(|_| vec![0u8; 1000]).collect();
+    let pieces: Vec<Piece> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| Piece { file: 0, offset: i as u64 * 1000, len: 1000, dst: Dst(b.as_mut_ptr()), tensor: Some(i) })
+        .collect();
+    let plan = Plan { files: &files, paths: &paths, names: &names, pieces };
+    let err = err_of(run(plan, &small_reads(2), b""));
+    assert!(err.contains("tensor `blk.4.attn_norm.weight`") && err.contains("4500"), "{err}");
+    for (i, b) in bufs.iter().take(4).enumerate() {
+        assert!(b[..] == data[i * 1000..(i + 1) * 1000], "tensor {i} was not read in place");
+    }
+}

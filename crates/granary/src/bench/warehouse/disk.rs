@@ -166,7 +166,7 @@ async fn tier_pass(dir: &Path, bs: u64, n: u64, pool: &[Bytes]) -> Result<(f64, 
     Ok((write, read, resident))
 }
 
-fn fio_version() -> Option<String> {
+pub(in crate::bench) fn fio_version() -> Option<String> {
     let out = Command::new("fio").arg("--version").output().ok()?;
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
@@ -190,7 +190,7 @@ fn fio_pass(file: &Path, rw: &str, bs: u64, total: u64) -> Result<f64> {
     parse_fio(&stdout, rw)
 }
 
-fn parse_fio(stdout: &str, rw: &str) -> Result<f64> {
+pub(in crate::bench) fn parse_fio(stdout: &str, rw: &str) -> Result<f64> {
     let json = stdout.find('{').map(|i| &stdout[i..]).context("fio printed no JSON")?;
     let v: serde_json::Value = serde_json::from_str(json).context("parsing fio's JSON")?;
     let bw = v["jobs"][0][rw]["bw_bytes"].as_f64().context("fio JSON lacks jobs[0].<rw>.bw_bytes")?;
