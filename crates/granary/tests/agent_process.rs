@@ -394,6 +394,12 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     let st = agent.status();
     let size = std::fs::metadata(&model).unwrap().len();
     assert!(st["tiers"]["disk"]["used"].as_u64().unwrap() >= size, "{st}");
+    // The load the gateway asked for, broken down: a download, then the engine's start.
+    let last = &st["loads"][0];
+    assert_eq!((last["model"].as_str(), last["tier"].as_str()), (Some(MODEL), Some("registry")), "{st}");
+    let (load_ms, fetch_ms, engine_ms) =
+        (last["load_ms"].as_u64().unwrap(), last["fetch_ms"].as_u64().unwrap(), last["engine_ms"].as_u64().unwrap());
+    assert!(fetch_ms > 0 && engine_ms > 0 && fetch_ms + engine_ms <= load_ms, "{last}");
     let (s, logs) = agent.call("GET", &format!("/models/{MODEL}/logs?tail=50"), None, Some(TOKEN));
     assert_eq!(s, 200);
     assert!(logs.contains("granary: ready"), "{logs}");
@@ -461,6 +467,9 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     // the second load within the window promotes it to RAM.
     let v = agent.load();
     assert_eq!(v["tier"], "disk", "{v}");
+    assert_eq!(v["fetch_ms"], 0, "nothing to download: {v}");
+    assert!(v["engine_ms"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(agent.status()["loads"][0]["upstream"], v["upstream"], "status keeps the last load");
     assert_eq!(agent.json("POST", &format!("/models/{MODEL}/unload"), None).0, 200);
     let v = agent.load();
     assert_eq!(v["tier"], "ram", "{v}");

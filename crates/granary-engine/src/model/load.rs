@@ -5,8 +5,10 @@
 //! `safetensors` crate's `Metadata`), allocates every tensor's final host
 //! buffer (the `Vec` of quantized blocks or elements candle will own), and
 //! then has several threads fill those buffers with large positioned reads
-//! (`pread`, up to [`ReadOptions::chunk_bytes`] each), taken in file order
-//! so the disk sees a few sequential streams. Nothing is read into a
+//! (`preadv`, up to [`ReadOptions::chunk_bytes`] each: a large tensor is
+//! split, small neighbours share one vectored read), taken in file order
+//! so the disk sees a few sequential streams; each read's pages are mapped
+//! in bulk first (`MADV_POPULATE_WRITE`). Nothing is read into a
 //! staging buffer and copied: each buffer becomes a `QTensor` or `Tensor`
 //! as it is. The file's blake3 (the model fingerprint that names KV blocks)
 //! is computed while the reads run, from the same memory, chunk by chunk in
