@@ -82,8 +82,12 @@ fn prompt_tokens(engine: &Engine, source: &str) -> u64 {
 }
 
 async fn check_tier(tier: Tier) {
+    check_tier_with(tier, LoadOptions::default()).await;
+}
+
+async fn check_tier_with(tier: Tier, opts: LoadOptions) {
     let Some(path) = common::default_model() else { return };
-    let model = Arc::new(Model::load(&path, &LoadOptions::default()).unwrap());
+    let model = Arc::new(Model::load(&path, &opts).unwrap());
     let tok = Arc::new(Tokenizer::from_gguf_path(&path).unwrap());
     let dir = tempfile::tempdir().unwrap();
     let cfg = EngineConfig { block_tokens: BT, local_cache_bytes: 0, ..Default::default() };
@@ -172,4 +176,11 @@ async fn reuse_from_disk_after_reopen_is_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reuse_from_remote_tier_is_exact() {
     check_tier(Tier::Remote).await;
+}
+
+/// The accelerator path (KV as tensors, exported and imported by copies;
+/// run here on the CPU) reuses blocks from disk as exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reuse_on_the_tensor_path_is_exact() {
+    check_tier_with(Tier::Disk, LoadOptions { tensor_ops: true, ..LoadOptions::default() }).await;
 }

@@ -62,8 +62,10 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(cfg: &ModelConfig, device: &Device, block_tokens: usize, max_len: usize) -> Self {
-        let storage = if device.is_cpu() {
+    /// `host`: blocks in host memory, read by the engine's own kernels
+    /// (CPU only); otherwise per-layer tensors on `device`.
+    pub fn new(cfg: &ModelConfig, device: &Device, host: bool, block_tokens: usize, max_len: usize) -> Self {
+        let storage = if host && device.is_cpu() {
             Storage::Host(Vec::new())
         } else {
             Storage::Device { k: Vec::new(), v: Vec::new(), cap: 0 }
@@ -345,7 +347,7 @@ mod tests {
 
     #[test]
     fn exported_blocks_are_shared_and_import_without_a_copy() {
-        let mut kv = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        let mut kv = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
         fill(&mut kv, 0, 10);
         let b0 = kv.export_block(0, 4).unwrap();
         let b1 = kv.export_block(1, 4).unwrap();
@@ -359,7 +361,7 @@ mod tests {
         // Exporting again gives the same memory.
         assert_eq!(kv.export_block(0, 4).unwrap().as_ptr(), b0.as_ptr());
 
-        let mut other = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        let mut other = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
         other.import_block(2, 0, 4, b0.clone()).unwrap();
         other.import_block(2, 1, 4, b1.clone()).unwrap();
         assert!(other.import_block(2, 3, 4, b1.clone()).is_err(), "a gap");
@@ -375,20 +377,52 @@ mod tests {
         assert_eq!(l1[0].as_ptr() as *const u8, b0.as_ptr().wrapping_add(2 * 16 * 2), "block 0 still shared");
     }
 
+    /// A cache of tensors (the accelerator layout, here on the CPU) exports
+    /// the same bytes as a host cache holding the same K and V, and takes
+    /// host blocks in: engines on either path share warehouse blocks.
+    #[test]
+    fn tensor_and_host_caches_share_one_block_layout() {
+        let mut host = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
+        fill(&mut host, 0, 8);
+        let mut dev = KvCache::new(&cfg(), &Device::Cpu, false, 4, 64);
+        assert!(dev.host_layer(0).is_none(), "tensor storage");
+        dev.reserve(2, 8).unwrap();
+        for l in 0..2 {
+            // A row is [K of the one KV head | V of it], 4 dims each.
+            let part = |r: std::ops::Range<usize>| -> Tensor {
+                let vals: Vec<f32> = (0..8).flat_map(|p| row(p, l)[r.clone()].to_vec()).collect();
+                Tensor::from_vec(vals, (1, 8, 4), &Device::Cpu).unwrap()
+            };
+            dev.write(l, 0, &part(0..4), &part(4..8)).unwrap();
+        }
+        dev.set_len(8);
+        for b in 0..2 {
+            assert_eq!(dev.export_block(b, 4).unwrap(), host.export_block(b, 4).unwrap(), "block {b}");
+        }
+        let mut back = KvCache::new(&cfg(), &Device::Cpu, false, 4, 64);
+        for b in 0..2 {
+            back.import_block(2, b, 4, host.export_block(b, 4).unwrap()).unwrap();
+        }
+        assert_eq!(back.len(), 8);
+        let (k, v) = back.read(1, 8, DType::F32).unwrap();
+        assert_eq!(k.to_vec3::<f32>().unwrap()[0][5], row(5, 1)[..4]);
+        assert_eq!(v.to_vec3::<f32>().unwrap()[0][6], row(6, 1)[4..]);
+    }
+
     #[test]
     fn a_misaligned_payload_is_copied_and_a_short_one_refused() {
-        let mut kv = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        let mut kv = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
         fill(&mut kv, 0, 4);
         let b = kv.export_block(0, 4).unwrap();
         let mut buf = vec![0u8; b.len() + 1];
         buf[1..].copy_from_slice(&b);
         let odd = Bytes::from(buf).slice(1..);
-        let mut other = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        let mut other = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
         if (odd.as_ptr() as usize) % 2 == 1 {
             other.import_block(2, 0, 4, odd).unwrap();
             assert_eq!(other.export_block(0, 4).unwrap(), b);
         }
-        let mut third = KvCache::new(&cfg(), &Device::Cpu, 4, 64);
+        let mut third = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
         assert!(third.import_block(2, 0, 4, b.slice(2..)).is_err());
     }
 }

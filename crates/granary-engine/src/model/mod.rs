@@ -57,6 +57,11 @@ pub struct LoadOptions {
     pub max_context: Option<usize>,
     /// How the weight files are read ([`load`]).
     pub loader: Loader,
+    /// Run every step with candle tensor operations and keep the KV as
+    /// tensors, as on an accelerator, even on the CPU (where the engine's
+    /// own kernels are otherwise used). This is how the accelerator path's
+    /// logic is tested on machines without one.
+    pub tensor_ops: bool,
 }
 
 impl Default for LoadOptions {
@@ -67,6 +72,7 @@ impl Default for LoadOptions {
             native_quant: false,
             max_context: None,
             loader: Loader::default(),
+            tensor_ops: false,
         }
     }
 }
@@ -190,6 +196,9 @@ pub struct Chunk<'a> {
 pub struct Model {
     cfg: ModelConfig,
     device: Device,
+    /// The engine's own host kernels (CPU), or candle tensor operations
+    /// (accelerators, or [`LoadOptions::tensor_ops`]).
+    host: bool,
     embed: Tensor,
     layers: Vec<Layer>,
     norm: Tensor,
@@ -374,7 +383,8 @@ impl Model {
         source: &Path,
         name: impl Fn(usize, Part) -> String,
     ) -> Result<Self> {
-        let quantize = opts.quantized_decode && opts.device.is_cpu();
+        let host = opts.device.is_cpu() && !opts.tensor_ops;
+        let quantize = opts.quantized_decode && host;
         // Linear weights: `name` gives the stem, ".weight"/".bias" follow.
         let native = opts.native_quant;
         let linear = |src: &mut dyn TensorSource, base: String, bias: bool, quantize: bool| -> Result<Linear> {
@@ -461,6 +471,7 @@ impl Model {
         Ok(Model {
             cfg,
             device: opts.device.clone(),
+            host,
             embed,
             layers,
             norm,
@@ -499,7 +510,7 @@ impl Model {
 
     /// An empty KV cache for one sequence, in blocks of `block_tokens`.
     pub fn new_kv(&self, block_tokens: usize) -> KvCache {
-        KvCache::new(&self.cfg, &self.device, block_tokens, self.context_len)
+        KvCache::new(&self.cfg, &self.device, self.host, block_tokens, self.context_len)
     }
 
     /// Runs one step over several sequences. Each chunk's tokens are appended
@@ -530,7 +541,7 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let qkv = layer.qkv.forward(&h)?;
-            let attn = if self.device.is_cpu() {
+            let attn = if self.host {
                 self.attention_host(li, &qkv, chunks)?
             } else {
                 self.attention_device(li, &qkv, chunks)?
@@ -538,7 +549,7 @@ impl Model {
             x = (x + layer.wo.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let gu = layer.gate_up.forward(&h)?;
-            let act = if self.device.is_cpu() {
+            let act = if self.host {
                 silu_mul_host(&gu, inter)?
             } else {
                 (gu.narrow(1, 0, inter)?.silu()? * gu.narrow(1, inter, inter)?)?
