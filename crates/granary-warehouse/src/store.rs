@@ -307,8 +307,14 @@ impl Store {
                 d.offer(Op::Put { ns: ns.to_string(), key: key.clone(), value: value.clone(), meta });
             }
         }
-        let evicted = self.inner.memory.put_sync(ns, key.clone(), value, meta);
-        self.emit(EventKind::Stored, ns, &key, TierKind::Memory);
+        let mut evicted = self.inner.memory.put_sync(ns, key.clone(), value, meta);
+        // A value too big for memory comes straight back: it was never
+        // stored there, and it is still in the tier it was read from.
+        let before = evicted.len();
+        evicted.retain(|e| !(e.namespace == ns && e.key == key));
+        if evicted.len() == before {
+            self.emit(EventKind::Stored, ns, &key, TierKind::Memory);
+        }
         self.handle_evicted(evicted);
     }
 

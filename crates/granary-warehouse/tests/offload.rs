@@ -23,11 +23,19 @@ struct Lower {
     kind: TierKind,
     write_delay: Duration,
     puts: AtomicU64,
+    /// Whether `contains_local` answers (an object store's tier cannot).
+    local_index: bool,
 }
 
 impl Lower {
     fn new(kind: TierKind, write_delay: Duration) -> Arc<Lower> {
-        Arc::new(Lower { inner: MemoryTier::new(0, PolicyKind::Lru), kind, write_delay, puts: AtomicU64::new(0) })
+        Arc::new(Lower {
+            inner: MemoryTier::new(0, PolicyKind::Lru),
+            kind,
+            write_delay,
+            puts: AtomicU64::new(0),
+            local_index: true,
+        })
     }
 }
 
@@ -43,7 +51,11 @@ impl Tier for Lower {
         self.inner.contains(ns, key).await
     }
     fn contains_local(&self, ns: &str, key: &[u8]) -> Option<bool> {
-        self.inner.contains_local(ns, key)
+        if self.local_index {
+            self.inner.contains_local(ns, key)
+        } else {
+            None
+        }
     }
     async fn put(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta) -> Result<Vec<Evicted>> {
         if !self.write_delay.is_zero() {
@@ -120,6 +132,34 @@ async fn mode_evicted_copies_only_what_memory_drops_and_reads_promote_back() {
     assert!(kinds.contains(&(EventKind::Removed, TierKind::Memory)));
     assert!(kinds.contains(&(EventKind::Stored, TierKind::Disk)));
     assert_eq!(s.lookup_local("n", &[k(0), k(1)]).tiers, vec![TierKind::Memory, TierKind::Disk]);
+}
+
+/// A value read from below that is too big for the memory tier is not
+/// announced as stored in memory, and not written back to the tier it was
+/// just read from.
+#[tokio::test]
+async fn a_promotion_too_big_for_memory_is_not_written_back() {
+    let remote = Arc::new(Lower {
+        inner: MemoryTier::new(0, PolicyKind::Lru),
+        kind: TierKind::Remote,
+        write_delay: Duration::ZERO,
+        puts: AtomicU64::new(0),
+        local_index: false,
+    });
+    let s = Store::with_tiers(cfg(OffloadMode::Evicted, 1024), None, Some(remote.clone()));
+    let big = Bytes::from(vec![7u8; 4096]);
+    remote.inner.put("n", k(1), big.clone(), EntryMeta::default()).await.unwrap();
+    let mut rx = s.subscribe();
+    for _ in 0..3 {
+        let hit = s.get("n", &k(1)).await.unwrap().unwrap();
+        assert_eq!((hit.tier, hit.value.len()), (TierKind::Remote, big.len()));
+    }
+    s.flush(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(remote.puts.load(Ordering::Relaxed), 0, "read back from where it came from");
+    assert_eq!(s.stats().promotions_from_remote, 3);
+    while let Ok(e) = rx.try_recv() {
+        assert_ne!((e.kind, e.tier), (EventKind::Stored, TierKind::Memory), "never stored in memory");
+    }
 }
 
 #[tokio::test]
