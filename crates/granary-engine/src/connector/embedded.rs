@@ -3,10 +3,14 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
 use granary_core::BlockHash;
 use granary_warehouse::{PutOptions, Store};
 
 use super::{key_of, ConnectorConfig, Result, Source};
+
+/// Block reads an embedded `get_many` keeps going at once.
+const READS_IN_FLIGHT: usize = 4;
 
 pub(super) struct Embedded {
     store: Arc<Store>,
@@ -23,13 +27,20 @@ impl Embedded {
         Ok(self.store.lookup(&self.ns, &keys).await?.matched)
     }
 
+    /// Reads up to [`READS_IN_FLIGHT`] blocks at once (a lower tier's reads
+    /// overlap), answers in order.
     pub(super) async fn get_many(&self, keys: &[BlockHash]) -> Result<Vec<Option<(Bytes, Source)>>> {
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            let hit = self.store.get(&self.ns, &key_of(k)).await?;
-            out.push(hit.map(|h| (h.value, Source::from(h.tier))));
-        }
-        Ok(out)
+        let reads: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                let (store, ns, key) = (self.store.clone(), self.ns.clone(), key_of(k));
+                async move {
+                    let hit = store.get(&ns, &key).await?;
+                    Ok(hit.map(|h| (h.value, Source::from(h.tier))))
+                }
+            })
+            .collect();
+        futures::stream::iter(reads).buffered(READS_IN_FLIGHT).try_collect().await
     }
 
     pub(super) async fn put_many(&self, frames: &[(BlockHash, Bytes)]) -> Result<()> {

@@ -359,7 +359,50 @@ fn identity(ns: &str, key: &[u8]) -> Vec<u8> {
 }
 
 fn head_len_plain(h: &RecordHead) -> usize {
-    1 + 2 + h.namespace.len() + 4 + h.key.len() + 1 + 8 + 4 + 8
+    head_len_of(h.namespace.len(), h.key.len())
+}
+
+fn head_len_of(ns_len: usize, key_len: usize) -> usize {
+    1 + 2 + ns_len + 4 + key_len + 1 + 8 + 4 + 8
+}
+
+/// Where the value starts in a plain (neither compressed nor encrypted)
+/// record of `ns` and `key`.
+pub fn value_offset(ns: &str, key: &[u8]) -> usize {
+    PREAMBLE + head_len_of(ns.len(), key.len())
+}
+
+/// Alignment [`AlignedBuf`] gives a record's value.
+pub const VALUE_ALIGN: usize = 64;
+
+/// A read buffer placed so that byte `value_at` of what is read into it
+/// lands on a [`VALUE_ALIGN`] boundary. Values are usually KV block frames
+/// (a 64-byte header, then f16 K and V): aligned, the engine uses them in
+/// place instead of copying a misaligned payload.
+pub struct AlignedBuf {
+    buf: Vec<u8>,
+    pad: usize,
+}
+
+impl AlignedBuf {
+    /// Room for `len` bytes, the value of the record at `value_at`.
+    pub fn new(len: usize, value_at: usize) -> Self {
+        let mut buf = Vec::with_capacity(len + VALUE_ALIGN);
+        let addr = buf.as_ptr() as usize + value_at;
+        let pad = (VALUE_ALIGN - addr % VALUE_ALIGN) % VALUE_ALIGN;
+        buf.resize(pad, 0);
+        AlignedBuf { buf, pad }
+    }
+
+    /// The buffer to append the read to (it already holds the padding).
+    pub fn vec(&mut self) -> &mut Vec<u8> {
+        &mut self.buf
+    }
+
+    /// What was read (still aligned unless it outgrew the room asked for).
+    pub fn freeze(self) -> Bytes {
+        Bytes::from(self.buf).slice(self.pad..)
+    }
 }
 
 fn encode_head(ns: &str, key: &[u8], meta: EntryMeta, value_len: u64) -> Vec<u8> {

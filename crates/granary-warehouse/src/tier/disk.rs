@@ -61,7 +61,7 @@ use super::{Tier, TierKind};
 use crate::config::DiskConfig;
 use crate::error::{Result, WarehouseError};
 use crate::policy::{EntryId, Policy, PolicyKind};
-use crate::tier::at_rest::{AtRest, PREAMBLE};
+use crate::tier::at_rest::{value_offset, AlignedBuf, AtRest, PREAMBLE};
 use crate::tier::memory::cut_page;
 use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
 
@@ -534,7 +534,7 @@ impl Shared {
     /// when it is missing or fails verification.
     fn read_verified(&self, ns: &str, key: &[u8], id: EntryId) -> Result<Option<crate::tier::at_rest::Record>> {
         let path = self.path_of(ns, key);
-        let bytes = match read_whole(&path) {
+        let bytes = match read_whole(&path, value_offset(ns, key)) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 self.drop_corrupt(ns, key, id, &"file missing");
@@ -545,7 +545,7 @@ impl Shared {
                 return Err(io_err(e));
             }
         };
-        match self.at_rest.open(Bytes::from(bytes), Some((ns, key))) {
+        match self.at_rest.open(bytes, Some((ns, key))) {
             Ok(r) => Ok(Some(r)),
             Err(c) => {
                 self.drop_corrupt(ns, key, id, &c);
@@ -659,7 +659,9 @@ const SYNCFS_ABOVE: usize = 16;
 /// Reads a whole file with one buffer of its exact size, first asking the
 /// kernel to fetch all of it (one burst of I/O instead of readahead windows
 /// paced by the copy).
-fn read_whole(path: &Path) -> io::Result<Vec<u8>> {
+/// The whole file, placed so that a plain record's value is aligned
+/// (`value_at`: see [`AlignedBuf`]).
+fn read_whole(path: &Path, value_at: usize) -> io::Result<Bytes> {
     let mut f = File::open(path)?;
     let len = f.metadata()?.len() as usize;
     #[cfg(target_os = "linux")]
@@ -669,9 +671,9 @@ fn read_whole(path: &Path) -> io::Result<Vec<u8>> {
             libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&f), 0, len as libc::off_t, libc::POSIX_FADV_WILLNEED)
         };
     }
-    let mut buf = Vec::with_capacity(len);
-    f.read_to_end(&mut buf)?;
-    Ok(buf)
+    let mut buf = AlignedBuf::new(len, value_at);
+    f.read_to_end(buf.vec())?;
+    Ok(buf.freeze())
 }
 
 #[async_trait]

@@ -33,12 +33,12 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
-use object_store::{GetOptions, GetRange, ObjectStore, PutPayload};
+use object_store::{GetOptions, GetRange, GetResult, GetResultPayload, ObjectStore, PutPayload};
 
 use super::{Tier, TierKind};
 use crate::config::RemoteConfig;
 use crate::error::{Result, WarehouseError};
-use crate::tier::at_rest::{AtRest, Corrupt, Record, RecordHead, MAX_HEAD, PREAMBLE};
+use crate::tier::at_rest::{value_offset, AlignedBuf, AtRest, Corrupt, Record, RecordHead, MAX_HEAD, PREAMBLE};
 use crate::tier::memory::cut_page;
 use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
 
@@ -121,10 +121,11 @@ impl RemoteTier {
         remote_err(op, path, e)
     }
 
-    /// The whole object, `None` if absent.
-    async fn fetch(&self, path: &Path) -> Result<Option<Bytes>> {
+    /// The whole object, `None` if absent; placed so that a plain record's
+    /// value (at `value_at`) is aligned (see [`AlignedBuf`]).
+    async fn fetch(&self, path: &Path, value_at: usize) -> Result<Option<Bytes>> {
         let got = match self.store.get(path).await {
-            Ok(g) => g.bytes().await,
+            Ok(g) => read_aligned(g, value_at).await,
             Err(e) => Err(e),
         };
         match got {
@@ -164,7 +165,7 @@ impl RemoteTier {
     /// Reads and verifies an entry; `None` when absent or corrupt (dropped).
     async fn read(&self, ns: &str, key: &[u8]) -> Result<Option<Record>> {
         let path = self.object_path(ns, key);
-        let Some(bytes) = self.fetch(&path).await? else { return Ok(None) };
+        let Some(bytes) = self.fetch(&path, value_offset(ns, key)).await? else { return Ok(None) };
         match self.at_rest.open(bytes, Some((ns, key))) {
             Ok(r) => Ok(Some(r)),
             Err(c) => {
@@ -355,6 +356,35 @@ impl Tier for RemoteTier {
             corrupt_dropped: self.c.corrupt_dropped.load(Relaxed),
             errors: self.c.errors.load(Relaxed),
             ..Default::default()
+        }
+    }
+}
+
+/// An object's bytes in an [`AlignedBuf`]: a local file is read straight
+/// into it, a stream's chunks are gathered into it.
+async fn read_aligned(got: GetResult, value_at: usize) -> object_store::Result<Bytes> {
+    let len = (got.range.end - got.range.start) as usize;
+    let generic = |e: std::io::Error| object_store::Error::Generic { store: "remote tier", source: Box::new(e) };
+    match got.payload {
+        GetResultPayload::File(mut file, _) => {
+            let start = got.range.start;
+            let read = tokio::task::spawn_blocking(move || {
+                use std::io::{Read, Seek, SeekFrom};
+                let mut buf = AlignedBuf::new(len, value_at);
+                file.seek(SeekFrom::Start(start))?;
+                file.take(len as u64).read_to_end(buf.vec())?;
+                Ok::<_, std::io::Error>(buf.freeze())
+            })
+            .await
+            .map_err(|e| generic(std::io::Error::other(e)))?;
+            read.map_err(generic)
+        }
+        GetResultPayload::Stream(mut chunks) => {
+            let mut buf = AlignedBuf::new(len, value_at);
+            while let Some(chunk) = chunks.next().await {
+                buf.vec().extend_from_slice(&chunk?);
+            }
+            Ok(buf.freeze())
         }
     }
 }
