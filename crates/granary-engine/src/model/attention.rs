@@ -62,9 +62,33 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+/// A decode row is split across threads (each part a range of at least
+/// this many keys, merged after) when a step has too few items to keep
+/// every thread busy: one long sequence decoding alone, say.
+const SPLIT_KEYS: usize = 512;
+
+/// Work: rows `r0..r1` of sequence `si` for KV head `kh` against keys
+/// `k0..k1` (clipped to what each row may see). `part`: where to leave an
+/// unnormalised partial result (output, maximum and sum per query head) for
+/// [`merge`], or `None` to write the finished rows.
+#[derive(Clone, Copy)]
+struct Item {
+    si: usize,
+    kh: usize,
+    r0: usize,
+    r1: usize,
+    k0: usize,
+    k1: usize,
+    part: Option<usize>,
+}
+
 /// Computes softmax(q kᵀ · scale) v for every row of every sequence into
 /// `out` (`[rows, heads, head_dim]`, rows in `out_row` order).
 pub(crate) fn attend(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32]) {
+    attend_with(h, seqs, scale, out, candle_core::utils::get_num_threads());
+}
+
+fn attend_with(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32], threads: usize) {
     let row_len = h.heads * h.head_dim;
     debug_assert!(h.heads.is_multiple_of(h.kv_heads));
     for s in seqs {
@@ -73,46 +97,106 @@ pub(crate) fn attend(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32]
         debug_assert!(s.blocks.iter().all(|b| b.len() == 2 * h.kv_heads * s.block_tokens * h.head_dim));
         debug_assert!(out.len() >= (s.out_row + s.n) * row_len);
     }
-    // (sequence, kv head, first row, end row), longest first so that the
-    // long items start early and short ones fill the gaps.
-    let mut items: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut items: Vec<Item> = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
         let tile = if s.n == 1 { 1 } else { ROW_TILE };
         let mut r = 0;
         while r < s.n {
             let end = (r + tile).min(s.n);
             for kh in 0..h.kv_heads {
-                items.push((si, kh, r, end));
+                items.push(Item { si, kh, r0: r, r1: end, k0: 0, k1: s.off + end, part: None });
             }
             r = end;
         }
     }
-    items.sort_by_key(|&(si, _, _, end)| std::cmp::Reverse(seqs[si].off + end));
+    // Too few items for the threads: cut long single-row items by keys.
+    let g = h.heads / h.kv_heads;
+    let part_len = g * (h.head_dim + 2);
+    let mut groups: Vec<(Item, std::ops::Range<usize>)> = Vec::new();
+    let want = 4 * threads;
+    if threads > 1 && items.len() < want {
+        let per_item = want.div_ceil(items.len());
+        let mut split = Vec::with_capacity(want);
+        let mut parts = 0;
+        for it in items {
+            let n = (it.k1 / SPLIT_KEYS).min(per_item);
+            if it.r1 - it.r0 != 1 || n < 2 {
+                split.push(it);
+                continue;
+            }
+            // Part boundaries on key-tile multiples.
+            let step = it.k1.div_ceil(n).div_ceil(KEY_TILE) * KEY_TILE;
+            let first = parts;
+            let mut k0 = 0;
+            while k0 < it.k1 {
+                let k1 = (k0 + step).min(it.k1);
+                split.push(Item { k0, k1, part: Some(parts * part_len), ..it });
+                parts += 1;
+                k0 = k1;
+            }
+            groups.push((it, first..parts));
+        }
+        items = split;
+    }
+    // Longest first, so that the long items start early and short ones
+    // fill the gaps.
+    items.sort_by_key(|it| std::cmp::Reverse((it.k1 - it.k0) * (it.r1 - it.r0)));
+    let mut partials = vec![0f32; items.iter().filter(|it| it.part.is_some()).count() * part_len];
     let lv = simd::level();
     let out_ptr = OutPtr(out.as_mut_ptr());
+    let part_ptr = OutPtr(partials.as_mut_ptr());
     let run = |i: usize| {
-        let (si, kh, r0, r1) = items[i];
-        SCRATCH.with(|sc| tile(lv, h, &seqs[si], kh, r0, r1, scale, &out_ptr, &mut sc.borrow_mut()));
+        let it = items[i];
+        SCRATCH.with(|sc| tile(lv, h, &seqs[it.si], it, scale, &out_ptr, &part_ptr, &mut sc.borrow_mut()));
     };
     if items.len() == 1 {
         run(0);
-        return;
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| range.for_each(run));
     }
-    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| range.for_each(run));
+    if !groups.is_empty() {
+        merge(h, seqs, &groups, &partials, out);
+    }
+}
+
+/// Combines the key-range parts of each split row (`groups`: the row and
+/// its part slots, in key order): rescales every part to the largest
+/// maximum, adds outputs and sums, and writes output / sum.
+fn merge(h: Heads, seqs: &[SeqRows<'_>], groups: &[(Item, std::ops::Range<usize>)], partials: &[f32], out: &mut [f32]) {
+    let (d, g) = (h.head_dim, h.heads / h.kv_heads);
+    let part_len = g * (d + 2);
+    let mut acc = vec![0f32; d];
+    for (it, slots) in groups {
+        let parts: Vec<&[f32]> =
+            partials[slots.start * part_len..slots.end * part_len].chunks_exact(part_len).collect();
+        let s = &seqs[it.si];
+        for qi in 0..g {
+            let (m_at, l_at) = (g * d + qi, g * d + g + qi);
+            let m = parts.iter().map(|p| p[m_at]).fold(f32::NEG_INFINITY, f32::max);
+            acc.iter_mut().for_each(|x| *x = 0.0);
+            let mut l = 0f32;
+            for p in &parts {
+                if p[l_at] == 0.0 {
+                    continue;
+                }
+                let c = (p[m_at] - m).exp2();
+                l += p[l_at] * c;
+                for (a, o) in acc.iter_mut().zip(&p[qi * d..(qi + 1) * d]) {
+                    *a += o * c;
+                }
+            }
+            let dst = ((s.out_row + it.r0) * h.heads + it.kh * g + qi) * d;
+            let inv = 1.0 / l;
+            for (o, a) in out[dst..dst + d].iter_mut().zip(&acc) {
+                *o = a * inv;
+            }
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
-fn tile(
-    lv: Level,
-    h: Heads,
-    s: &SeqRows<'_>,
-    kh: usize,
-    r0: usize,
-    r1: usize,
-    scale: f32,
-    out: &OutPtr,
-    sc: &mut Scratch,
-) {
+fn tile(lv: Level, h: Heads, s: &SeqRows<'_>, it: Item, scale: f32, out: &OutPtr, partials: &OutPtr, sc: &mut Scratch) {
+    let Item { kh, r0, r1, k0, k1, part, .. } = it;
     let d = h.head_dim;
     let g = h.heads / h.kv_heads;
     let rows = r1 - r0;
@@ -133,9 +217,10 @@ fn tile(
     sc.k.resize(KEY_TILE * d, 0.0);
     sc.v.resize(KEY_TILE * d, 0.0);
     sc.s.resize(KEY_TILE, 0.0);
-    let last = s.off + r1; // keys 0..last are visible to the tile's last row
+    // Keys up to `last` are visible to the item's last row.
+    let last = (s.off + r1).min(k1);
     let bt = s.block_tokens;
-    let mut t0 = 0;
+    let mut t0 = k0;
     while t0 < last {
         // A tile never spans two blocks.
         let (blk, w) = (s.blocks[t0 / bt], t0 % bt);
@@ -166,6 +251,15 @@ fn tile(
             simd::weighted_sum(lv, scores, &sc.v[..vis * d], o);
         }
         t0 += tl;
+    }
+    if let Some(at) = part {
+        // SAFETY: every part has its own slot of `g * (d + 2)` floats inside
+        // `partials` (single-row items: nq == g).
+        let slot = unsafe { std::slice::from_raw_parts_mut(partials.0.add(at), g * (d + 2)) };
+        slot[..nq * d].copy_from_slice(&sc.o);
+        slot[g * d..g * d + g].copy_from_slice(&sc.m);
+        slot[g * d + g..].copy_from_slice(&sc.l);
+        return;
     }
     for qi in 0..nq {
         let r = r0 + qi / g;
@@ -236,6 +330,10 @@ mod tests {
             (4, 4, 32, 16, vec![(63, 2), (64, 1), (5, 17)]),
             (8, 2, 16, 64, vec![(0, 200)]),
             (6, 3, 12, 24, vec![(10, 9), (0, 1), (47, 50)]),
+            // Long decode rows, split by keys when threads outnumber items.
+            (9, 3, 64, 256, vec![(2100, 1)]),
+            (9, 3, 64, 256, vec![(1500, 1), (3000, 1), (20, 30)]),
+            (4, 1, 32, 100, vec![(1023, 1)]),
         ];
         for (heads, kv_heads, head_dim, bt, shapes) in cases {
             let h = Heads { heads, kv_heads, head_dim };
@@ -263,19 +361,27 @@ mod tests {
                     s
                 })
                 .collect();
-            let mut out = vec![f32::NAN; out_row * heads * head_dim];
-            attend(h, &seqs, scale, &mut out);
-            for s in &seqs {
-                let want = reference(h, s, scale as f64);
-                let got = &out[s.out_row * heads * head_dim..][..want.len()];
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        (*g as f64 - w).abs() < 2e-4,
-                        "heads {heads}/{kv_heads} d {head_dim} blocks of {bt} off {} n {}: element {i}: {g} vs {w}",
-                        s.off,
-                        s.n
-                    );
-                }
+            for threads in [1, 2, 8] {
+                let mut out = vec![f32::NAN; out_row * heads * head_dim];
+                attend_with(h, &seqs, scale, &mut out, threads);
+                check(h, &seqs, scale, &out, threads);
+            }
+        }
+    }
+
+    fn check(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &[f32], threads: usize) {
+        let Heads { heads, kv_heads, head_dim } = h;
+        for s in seqs {
+            let want = reference(h, s, scale as f64);
+            let got = &out[s.out_row * heads * head_dim..][..want.len()];
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (*g as f64 - w).abs() < 2e-4,
+                    "heads {heads}/{kv_heads} d {head_dim} blocks of {} off {} n {}, {threads} threads: element {i}: {g} vs {w}",
+                    s.block_tokens,
+                    s.off,
+                    s.n
+                );
             }
         }
     }
