@@ -186,6 +186,33 @@ mod x86 {
         let qp = q.as_ptr();
         let kp = keys.as_ptr();
         let mut j = 0;
+        // Eight keys at a time: eight independent FMA chains, one load of q
+        // per eight products.
+        while j + 8 <= n {
+            let k = kp.add(j * d);
+            let mut a = [_mm256_setzero_ps(); 8];
+            let mut c = 0;
+            while c < d {
+                let qc = _mm256_loadu_ps(qp.add(c));
+                a[0] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k.add(c)), a[0]);
+                a[1] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k.add(d + c)), a[1]);
+                a[2] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k.add(2 * d + c)), a[2]);
+                a[3] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k.add(3 * d + c)), a[3]);
+                a[4] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k.add(4 * d + c)), a[4]);
+                a[5] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k.add(5 * d + c)), a[5]);
+                a[6] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k.add(6 * d + c)), a[6]);
+                a[7] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k.add(7 * d + c)), a[7]);
+                c += 8;
+            }
+            // Pairwise sums leave (s0..s3) and (s4..s7) split over the two
+            // 128-bit halves; adding the halves finishes them.
+            let h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            let h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+            let lo = _mm256_permute2f128_ps::<0x20>(h0123, h4567);
+            let hi = _mm256_permute2f128_ps::<0x31>(h0123, h4567);
+            _mm256_storeu_ps(out.as_mut_ptr().add(j), _mm256_add_ps(lo, hi));
+            j += 8;
+        }
         while j + 4 <= n {
             let (k0, k1, k2, k3) = (kp.add(j * d), kp.add((j + 1) * d), kp.add((j + 2) * d), kp.add((j + 3) * d));
             let mut a0 = _mm256_setzero_ps();
@@ -230,6 +257,31 @@ mod x86 {
         let n = p.len();
         let vp = values.as_ptr();
         let mut c = 0;
+        // Eight independent accumulators (64 columns) hide the FMA latency;
+        // fewer leave each chain waiting on the previous row.
+        while c + 64 <= d {
+            let ap = acc.as_mut_ptr().add(c);
+            let mut o = [_mm256_setzero_ps(); 8];
+            for (i, o) in o.iter_mut().enumerate() {
+                *o = _mm256_loadu_ps(ap.add(8 * i));
+            }
+            for (j, &w) in p.iter().enumerate().take(n) {
+                let w = _mm256_set1_ps(w);
+                let row = vp.add(j * d + c);
+                o[0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), o[0]);
+                o[1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8)), o[1]);
+                o[2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(16)), o[2]);
+                o[3] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(24)), o[3]);
+                o[4] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(32)), o[4]);
+                o[5] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(40)), o[5]);
+                o[6] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(48)), o[6]);
+                o[7] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(56)), o[7]);
+            }
+            for (i, o) in o.iter().enumerate() {
+                _mm256_storeu_ps(ap.add(8 * i), *o);
+            }
+            c += 64;
+        }
         while c + 16 <= d {
             let mut o0 = _mm256_loadu_ps(acc.as_ptr().add(c));
             let mut o1 = _mm256_loadu_ps(acc.as_ptr().add(c + 8));
@@ -343,7 +395,7 @@ mod tests {
     #[test]
     fn dots_and_weighted_sums_match_f64() {
         for lv in levels() {
-            for (d, n) in [(64, 13), (128, 4), (8, 1), (24, 9), (6, 5)] {
+            for (d, n) in [(64, 13), (128, 4), (8, 1), (24, 9), (6, 5), (64, 64), (80, 17), (96, 8), (32, 23)] {
                 let q = data(d, 1);
                 let k = data(d * n, 2);
                 let mut out = vec![0.0; n];
