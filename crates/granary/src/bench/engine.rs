@@ -15,10 +15,11 @@
 //! run with `--python`, through llama-cpp-python's low-level API: one
 //! context per level with that many sequences, prompts evaluated in
 //! `n_batch` chunks, then one batched decode step per token over all
-//! sequences. Its `OMP_WAIT_POLICY` is set to `PASSIVE` unless already set,
-//! as granary's thread pool does not spin either
-//! (`CANDLE_BARRIER_POOL_SPIN_LIMIT=0`): on a shared machine spinning
-//! threads slow both down by an order of magnitude. If the interpreter or
+//! sequences, with OpenMP's default wait policy (threads spin a while
+//! before sleeping; `OMP_WAIT_POLICY`, if set, is passed on), as granary's
+//! thread pool spins briefly too (`CANDLE_BARRIER_POOL_SPIN_LIMIT=2000`,
+//! see `main`). Never spinning (`PASSIVE`) costs llama.cpp most of its
+//! decode speed: 20 against 150 tok/s at one stream on 2 cores. If the interpreter or
 //! `llama_cpp` is missing, granary's figures are printed alone.
 
 use std::io::Write as _;
@@ -308,13 +309,15 @@ async fn granary_level(m: &Loaded, args: &Args, prompt: &[u32], c: usize) -> Res
 /// Runs the llama.cpp script; never fails the command: a missing
 /// interpreter or module, or a failing script, is reported instead.
 fn run_anchor(m: &Loaded, args: &Args, prompt: &[u32]) -> (Anchor, Vec<AnchorLevel>) {
-    let wait = std::env::var("OMP_WAIT_POLICY").unwrap_or_else(|_| "PASSIVE".into());
+    // llama.cpp runs as its users run it: OpenMP's default wait policy
+    // (spin a while, then sleep) unless the caller set one.
+    let wait = std::env::var("OMP_WAIT_POLICY").ok();
     let mut anchor = Anchor {
         python: args.python.clone(),
         unavailable: None,
         llama_cpp_python: None,
         system_info: None,
-        omp_wait_policy: wait.clone(),
+        omp_wait_policy: wait.clone().unwrap_or_else(|| "default".into()),
         threads: args.threads,
         levels: Vec::new(),
         errors: Vec::new(),
@@ -342,7 +345,7 @@ fn run_anchor(m: &Loaded, args: &Args, prompt: &[u32]) -> (Anchor, Vec<AnchorLev
         Ok(_) => {}
     }
     eprintln!("engine: llama.cpp ({}) ...", args.python);
-    match anchor_subprocess(m, args, prompt, &wait) {
+    match anchor_subprocess(m, args, prompt, wait.as_deref()) {
         Ok(out) => {
             if let Some(e) = out.error {
                 anchor.unavailable = Some(format!("the llama.cpp script failed: {e}"));
@@ -368,7 +371,7 @@ fn run_anchor(m: &Loaded, args: &Args, prompt: &[u32]) -> (Anchor, Vec<AnchorLev
     }
 }
 
-fn anchor_subprocess(m: &Loaded, args: &Args, prompt: &[u32], wait: &str) -> Result<AnchorOut> {
+fn anchor_subprocess(m: &Loaded, args: &Args, prompt: &[u32], wait: Option<&str>) -> Result<AnchorOut> {
     let dir = tempfile::Builder::new().prefix("granary-bench-engine-").tempdir()?;
     let script = dir.path().join("llama_cpp_engine.py");
     std::fs::write(&script, SCRIPT)?;
@@ -380,9 +383,12 @@ fn anchor_subprocess(m: &Loaded, args: &Args, prompt: &[u32], wait: &str) -> Res
         "threads": args.threads,
         "batch": args.max_batch_tokens,
     });
-    let mut child = Command::new(&args.python)
+    let mut cmd = Command::new(&args.python);
+    if let Some(w) = wait {
+        cmd.env("OMP_WAIT_POLICY", w);
+    }
+    let mut child = cmd
         .arg(&script)
-        .env("OMP_WAIT_POLICY", wait)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
