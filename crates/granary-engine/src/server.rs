@@ -28,15 +28,23 @@ pub fn router(engine: Engine, opts: ApiOptions) -> Router {
 /// Server-sent events, one JSON [`KvEvent`] each: first a `stored` event per
 /// namespace for what the engine holds now, then changes as they happen. A
 /// subscriber that falls behind gets a fresh snapshot (preceded by a `reset`
-/// event) instead of a gap.
+/// event) instead of a gap. The stream ends when the engine closes, so a
+/// graceful shutdown does not wait on subscribers.
 async fn kv_events(State(engine): State<Engine>) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let mut rx = engine.subscribe_events();
     let stream = async_stream::stream! {
         for ev in snapshot(&engine) {
             yield Ok(to_sse(&ev));
         }
+        let closed = engine.closed();
+        tokio::pin!(closed);
         loop {
-            match rx.recv().await {
+            let got = tokio::select! {
+                biased;
+                _ = &mut closed => break,
+                got = rx.recv() => got,
+            };
+            match got {
                 Ok(ev) => yield Ok(to_sse(&ev)),
                 Err(RecvError::Lagged(_)) => {
                     yield Ok(to_sse(&KvEvent { kind: "reset", namespace: String::new(), tier: "engine", hashes: vec![] }));

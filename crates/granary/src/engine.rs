@@ -237,7 +237,14 @@ async fn serve_http(engine: Engine, listen: &str, trust_namespace_header: bool) 
         opts.namespace_header = Some(axum::http::HeaderName::from_static(granary_engine::api::NAMESPACE_HEADER));
     }
     let app = granary_engine::server::router(engine.clone(), opts);
-    axum::serve(l, app).with_graceful_shutdown(crate::warehouse::shutdown_signal()).await?;
+    // On a signal the engine closes first: its KV event streams end, and
+    // the server then waits only for requests in flight.
+    let closing = engine.clone();
+    let shutdown = async move {
+        crate::warehouse::shutdown_signal().await;
+        closing.close();
+    };
+    axum::serve(l, app).with_graceful_shutdown(shutdown).await?;
     engine.close();
     Ok(())
 }

@@ -135,6 +135,23 @@ fn serve_answers_the_openai_client_and_publishes_kv_events() {
     let again = completion(&serve.url(""), &prompt, 1);
     assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 48, "{again}");
     assert!(serve.metric("granary_engine_ttft_seconds_count") >= 2.0);
+
+    // SIGTERM with the event stream still open: the stream ends and the
+    // process exits cleanly instead of waiting on the subscriber.
+    let mut serve = serve;
+    let pid = serve.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(st) = serve.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "granary serve still running 10 s after SIGTERM with a KV event subscriber");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "exit after SIGTERM: {status}");
+    let mut rest = Vec::new();
+    let _ = events.read_to_end(&mut rest);
 }
 
 #[test]

@@ -139,6 +139,8 @@ struct Shared {
     runtime: tokio::runtime::Handle,
     created: u64,
     closed: AtomicBool,
+    /// Turns true once, on [`Engine::close`]: long-lived streams end on it.
+    closing: tokio::sync::watch::Sender<bool>,
 }
 
 /// A running engine; cheap to clone.
@@ -170,6 +172,7 @@ impl Engine {
             runtime: tokio::runtime::Handle::try_current()?,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             closed: AtomicBool::new(false),
+            closing: tokio::sync::watch::Sender::new(false),
             cfg,
             model,
             tokenizer,
@@ -224,8 +227,17 @@ impl Engine {
     }
 
     /// Stops accepting requests.
+    /// Stops accepting requests and ends the KV event streams (requests
+    /// already running finish).
     pub fn close(&self) {
         self.shared.closed.store(true, Ordering::SeqCst);
+        self.shared.closing.send_replace(true);
+    }
+
+    /// Resolves once [`Engine::close`] has been called.
+    pub async fn closed(&self) {
+        let mut rx = self.shared.closing.subscribe();
+        let _ = rx.wait_for(|closed| *closed).await;
     }
 
     /// Starts a request; see [`Event`] for what the receiver gets.
