@@ -97,43 +97,63 @@ struct Linear {
     quant: Option<QMatMul>,
     /// Int8 tiles for every row count (CPUs with AVX-512 VNNI).
     int8: Option<qmatmul::Q8Matrix>,
+    /// 4-bit tiles instead of int8 ones, for weights stored as Q4_1 (they
+    /// come back exactly): a decode step reads half the bytes (about 20%
+    /// faster), prefill is ~5% slower (the nibbles are unpacked). Used for
+    /// every row count, so a row's result never depends on what it is
+    /// batched with.
+    int4: Option<qmatmul::Q4Matrix>,
     bias: Option<Tensor>,
 }
 
 impl Linear {
-    fn new(dense: Tensor, bias: Option<Tensor>, quantize: bool) -> Result<Self> {
+    /// `four_bit`: the weights were stored as Q4_1 (see [`Linear::int4`]).
+    fn new(dense: Tensor, bias: Option<Tensor>, quantize: bool, four_bit: bool) -> Result<Self> {
         let (n, k) = dense.dims2()?;
         if quantize && dense.device().is_cpu() && qmatmul::Q8Matrix::supported() && qmatmul::Q8Matrix::fits(n, k) {
             let w = dense.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            if four_bit && int4_enabled() {
+                let int4 = Some(qmatmul::Q4Matrix::quantize(&w, n, k)?);
+                return Ok(Linear { dense: None, quant: None, int8: None, int4, bias });
+            }
             let int8 = Some(qmatmul::Q8Matrix::quantize(&w, n, k)?);
-            return Ok(Linear { dense: None, quant: None, int8, bias });
+            return Ok(Linear { dense: None, quant: None, int8, int4: None, bias });
         }
         let quant = if quantize && k % GgmlDType::Q8_0.block_size() == 0 {
             Some(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?)
         } else {
             None
         };
-        Ok(Linear { dense: Some(dense), quant, int8: None, bias })
+        Ok(Linear { dense: Some(dense), quant, int8: None, int4: None, bias })
     }
 
     fn native(q: QTensor, bias: Option<Tensor>) -> Result<Self> {
-        Ok(Linear { dense: None, quant: Some(QMatMul::from_qtensor(q)?), int8: None, bias })
+        Ok(Linear { dense: None, quant: Some(QMatMul::from_qtensor(q)?), int8: None, int4: None, bias })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(w) = &self.int8 {
+        let tiles = match (&self.int4, &self.int8) {
+            (Some(w4), _) => Some((w4.in_features(), w4.out_features())),
+            (None, Some(w8)) => Some((w8.in_features(), w8.out_features())),
+            (None, None) => None,
+        };
+        if let Some((k_in, n_out)) = tiles {
             let (m, k) = x.dims2()?;
             let (storage, lay) = x.storage_and_layout();
             let data: &[f32] = match (&*storage, lay.contiguous_offsets()) {
                 (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) => &v[a..b],
                 _ => bail!("matmul input is not a contiguous f32 host tensor"),
             };
-            ensure!(k == w.in_features(), "matmul input of width {k}, weights take {}", w.in_features());
+            ensure!(k == k_in, "matmul input of width {k}, weights take {k_in}");
             let xq = qmatmul::Q8Rows::quantize(data, m, k);
             drop(storage);
-            let mut y = vec![0f32; m * w.out_features()];
-            w.matmul(&xq, &mut y);
-            let y = Tensor::from_vec(y, (m, w.out_features()), x.device())?;
+            let mut y = vec![0f32; m * n_out];
+            match (&self.int4, &self.int8) {
+                (Some(w4), _) => w4.matmul(&xq, &mut y),
+                (None, Some(w8)) => w8.matmul(&xq, &mut y),
+                (None, None) => unreachable!("checked above"),
+            }
+            let y = Tensor::from_vec(y, (m, n_out), x.device())?;
             return Ok(match &self.bias {
                 Some(b) => y.broadcast_add(b)?,
                 None => y,
@@ -221,6 +241,15 @@ trait TensorSource {
     fn get_quantized(&mut self, _name: &str) -> Result<Option<QTensor>> {
         Ok(None)
     }
+    /// Whether the tensor is stored as Q4_1 (without reading it).
+    fn stored_q4_1(&self, _name: &str) -> bool {
+        false
+    }
+}
+
+/// 4-bit decode tiles are on unless `GRANARY_INT4=0`.
+fn int4_enabled() -> bool {
+    std::env::var_os("GRANARY_INT4").is_none_or(|v| v != "0")
 }
 
 /// A GGUF's tensors, read up front ([`load`]); each is handed out once
@@ -257,6 +286,9 @@ impl TensorSource for GgufSource<'_> {
     }
     fn get_quantized(&mut self, name: &str) -> Result<Option<QTensor>> {
         self.take(name)
+    }
+    fn stored_q4_1(&self, name: &str) -> bool {
+        self.ct.tensor_infos.get(name).is_some_and(|i| i.ggml_dtype == GgmlDType::Q4_1)
     }
 }
 
@@ -394,8 +426,10 @@ impl Model {
                     return Linear::native(q, b);
                 }
             }
-            let w = src.get(&format!("{base}.weight"))?;
-            Linear::new(w, b, quantize)
+            let name = format!("{base}.weight");
+            let four_bit = src.stored_q4_1(&name);
+            let w = src.get(&name)?;
+            Linear::new(w, b, quantize, four_bit)
         };
         // Weights of several projections stacked into one matrix (dense), or
         // kept apart when multiplying the stored quantized tensors.
@@ -405,6 +439,7 @@ impl Model {
                     bases.into_iter().map(|b| linear(src, b, bias, quantize)).collect::<Result<Vec<_>>>()?,
                 ));
             }
+            let four_bit = bases.iter().all(|b| src.stored_q4_1(&format!("{b}.weight")));
             let mut ws = Vec::new();
             let mut bs = Vec::new();
             for b in &bases {
@@ -425,7 +460,7 @@ impl Model {
             } else {
                 None
             };
-            Ok(Proj::Fused(Linear::new(Tensor::cat(&ws, 0)?, bias, quantize)?))
+            Ok(Proj::Fused(Linear::new(Tensor::cat(&ws, 0)?, bias, quantize, four_bit)?))
         };
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
@@ -452,15 +487,17 @@ impl Model {
             );
         }
         let head = name(0, Part::LmHead);
+        let head_q4 = src.stored_q4_1(&head);
+        let embed_q4 = src.stored_q4_1(&name(0, Part::Embed));
         let head_native = if native { src.get_quantized(&head)? } else { None };
         let lm_head = match (head_native, src.get_opt(&head)?) {
             (Some(q), _) => Linear::native(q, None)?,
-            (None, Some(w)) => Linear::new(w, None, quantize)?,
+            (None, Some(w)) => Linear::new(w, None, quantize, head_q4)?,
             (None, None) if native => match src.get_quantized(&name(0, Part::Embed))? {
                 Some(q) => Linear::native(q, None)?,
-                None => Linear::new(embed.clone(), None, quantize)?,
+                None => Linear::new(embed.clone(), None, quantize, embed_q4)?,
             },
-            (None, None) => Linear::new(embed.clone(), None, quantize)?,
+            (None, None) => Linear::new(embed.clone(), None, quantize, embed_q4)?,
         };
         let norm = src.get(&name(0, Part::Norm))?;
         let context_len = opts.max_context.map_or(cfg.context_len, |m| m.min(cfg.context_len));

@@ -44,6 +44,93 @@ pub(crate) struct Q8Rows {
     offsets: Vec<i32>,
 }
 
+/// A weight matrix `[n, k]` in 4-bit tiles, for few-row (decode) steps,
+/// where a step is bound by reading the weights: half the bytes of
+/// [`Q8Matrix`]. Blocks of 32 inputs per row hold `d · q + m` with `q` in
+/// 0..=15 (GGML's Q4_1 form: weights stored that way come back exactly).
+/// Layout as [`Q8Matrix`], with two 4-position groups per byte: for each
+/// pair of groups, 64 bytes of 16 rows × 4 positions, the first group in
+/// the low nibbles. Unsigned nibbles times signed int8 activations is what
+/// `vpdpbusd` multiplies, so no offset is needed; `m` is added back with
+/// each activation block's sum.
+pub(crate) struct Q4Matrix {
+    n: usize,
+    k: usize,
+    /// `[n / 16][k / 32][4 pairs][16 rows][4]`.
+    qs: Vec<u8>,
+    /// `[n / 16][k / 32][16 rows]` scales `d`, then the same for `m`.
+    d: Vec<f32>,
+    m: Vec<f32>,
+}
+
+impl Q4Matrix {
+    /// Quantizes a row-major f32 matrix (see [`Q8Matrix::fits`]).
+    pub(crate) fn quantize(w: &[f32], n: usize, k: usize) -> Result<Self> {
+        ensure!(Q8Matrix::fits(n, k), "a {n}x{k} matrix does not fit 16-row 4-bit tiles");
+        ensure!(w.len() == n * k, "matrix data of {} values, expected {n}x{k}", w.len());
+        let kb = k / BLOCK;
+        let tiles = n / TILE;
+        let mut qs = vec![0u8; tiles * kb * TILE_BLOCK_BYTES / 2];
+        let mut ds = vec![0f32; tiles * kb * TILE];
+        let mut ms = vec![0f32; tiles * kb * TILE];
+        for row in 0..n {
+            let (t, r) = (row / TILE, row % TILE);
+            for b in 0..kb {
+                let vals = &w[row * k + b * BLOCK..][..BLOCK];
+                let lo = vals.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = vals.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = (hi - lo) / 15.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                ds[(t * kb + b) * TILE + r] = d;
+                ms[(t * kb + b) * TILE + r] = lo;
+                let base = (t * kb + b) * TILE_BLOCK_BYTES / 2;
+                for (i, v) in vals.iter().enumerate() {
+                    let q = ((v - lo) * inv).round().clamp(0.0, 15.0) as u8;
+                    let (g, j) = (i / 4, i % 4);
+                    let at = base + (g / 2) * TILE * 4 + r * 4 + j;
+                    qs[at] |= if g % 2 == 0 { q } else { q << 4 };
+                }
+            }
+        }
+        Ok(Q4Matrix { n, k, qs, d: ds, m: ms })
+    }
+
+    pub(crate) fn out_features(&self) -> usize {
+        self.n
+    }
+
+    pub(crate) fn in_features(&self) -> usize {
+        self.k
+    }
+
+    /// `y = x wᵀ` for `x` quantized by [`Q8Rows::quantize`]; `y` is `[m, n]`.
+    pub(crate) fn matmul(&self, x: &Q8Rows, y: &mut [f32]) {
+        assert_eq!(x.k, self.k, "activation width {} vs weight input {}", x.k, self.k);
+        assert_eq!(y.len(), x.m * self.n);
+        assert!(Q8Matrix::supported(), "4-bit matmul without AVX-512 VNNI");
+        let tiles = self.n / TILE;
+        let per_unit = if x.m < 8 { 8 } else { 1 };
+        let units = tiles.div_ceil(per_unit);
+        let out = OutPtr(y.as_mut_ptr());
+        let run = |u: usize| {
+            for t in u * per_unit..((u + 1) * per_unit).min(tiles) {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as in `Q8Matrix::matmul`.
+                unsafe {
+                    x86::tile4(self, x, t, &out)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = (t, &out);
+            }
+        };
+        if units == 1 {
+            run(0);
+        } else {
+            candle_core::utils::barrier_pool().execute_chunked(units, |r| r.for_each(run));
+        }
+    }
+}
+
 impl Q8Matrix {
     /// Whether this CPU runs the kernel.
     pub(crate) fn supported() -> bool {
@@ -165,7 +252,7 @@ impl Q8Rows {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{OutPtr, Q8Matrix, Q8Rows, BLOCK, TILE, TILE_BLOCK_BYTES};
+    use super::{OutPtr, Q4Matrix, Q8Matrix, Q8Rows, BLOCK, TILE, TILE_BLOCK_BYTES};
 
     /// Rows of activations sharing each load of a weight tile.
     const ROWS: usize = 4;
@@ -193,6 +280,48 @@ mod x86 {
                     let s = _mm512_sub_epi32(s, _mm512_set1_epi32(x.offsets[row * kb + b]));
                     let scale = _mm512_mul_ps(scale_w, _mm512_set1_ps(x.scales[row * kb + b]));
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, *a);
+                }
+            }
+            for (r, a) in acc.iter().enumerate().take(rows) {
+                _mm512_storeu_ps(out.0.add((r0 + r) * w.n + t * TILE), *a);
+            }
+            r0 += rows;
+        }
+    }
+
+    /// [`tile`] for 4-bit weights: two nibble groups per load.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn tile4(w: &Q4Matrix, x: &Q8Rows, t: usize, out: &OutPtr) {
+        let kb = w.k / BLOCK;
+        let half = TILE_BLOCK_BYTES / 2;
+        let wq = w.qs.as_ptr().add(t * kb * half);
+        let wd = w.d.as_ptr().add(t * kb * TILE);
+        let wm = w.m.as_ptr().add(t * kb * TILE);
+        let low = _mm512_set1_epi8(0x0F);
+        let mut r0 = 0;
+        while r0 < x.m {
+            let rows = ROWS.min(x.m - r0);
+            let mut acc = [_mm512_setzero_ps(); ROWS];
+            for b in 0..kb {
+                let wb = wq.add(b * half);
+                let d_w = _mm512_loadu_ps(wd.add(b * TILE));
+                let m_w = _mm512_loadu_ps(wm.add(b * TILE));
+                for (r, a) in acc.iter_mut().enumerate().take(rows) {
+                    let row = r0 + r;
+                    let xq = x.qs.as_ptr().add(row * x.k + b * BLOCK) as *const i32;
+                    let mut s = _mm512_setzero_si512();
+                    for p in 0..BLOCK / 8 {
+                        let v = _mm512_loadu_si512(wb.add(p * TILE * 4) as *const _);
+                        let lo = _mm512_and_si512(v, low);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                        s = _mm512_dpbusd_epi32(s, lo, _mm512_set1_epi32(xq.add(2 * p).read_unaligned()));
+                        s = _mm512_dpbusd_epi32(s, hi, _mm512_set1_epi32(xq.add(2 * p + 1).read_unaligned()));
+                    }
+                    let dx = x.scales[row * kb + b];
+                    // Σ q_x of the block (the stored offsets are 128 times it).
+                    let sum_x = (x.offsets[row * kb + b] / 128) as f32;
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d_w, _mm512_set1_ps(dx)), *a);
+                    *a = _mm512_fmadd_ps(m_w, _mm512_set1_ps(dx * sum_x), *a);
                 }
             }
             for (r, a) in acc.iter().enumerate().take(rows) {
@@ -273,6 +402,65 @@ mod tests {
             for j in 0..n {
                 let want: f32 = (0..k).map(|c| x[i * k + c] * w[j * k + c]).sum();
                 assert_eq!(y[i * n + j], want, "({i},{j})");
+            }
+        }
+    }
+
+    #[test]
+    fn int4_matmul_is_exact_on_4bit_weights_and_close_on_others() {
+        if !Q8Matrix::supported() {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+            return;
+        }
+        // Weights already of the form d·q + m (q in 0..=15, every block
+        // using 0 and 15) come back exactly; activations that are integers
+        // with a 127 in every block quantize exactly: the product is exact.
+        let (m, n, k) = (3, 48, 96);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let (row, b) = (i / k, (i % k) / 32);
+                let q = match i % 32 {
+                    0 => 0,
+                    1 => 15,
+                    j => (j * 7 + row * 3 + b) % 16,
+                };
+                0.5 * q as f32 - 2.0 + row as f32 * 0.25
+            })
+            .collect();
+        let x: Vec<f32> =
+            (0..m * k).map(|i| if i % 32 == 5 { 127.0 } else { ((i * 37) % 255) as f32 - 127.0 }).collect();
+        let q4 = Q4Matrix::quantize(&w, n, k).unwrap();
+        let xq = Q8Rows::quantize(&x, m, k);
+        let mut y = vec![f32::NAN; m * n];
+        q4.matmul(&xq, &mut y);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
+                assert!(
+                    (y[i * n + j] as f64 - want).abs() < 1e-6 * want.abs().max(1.0),
+                    "({i},{j}) {} vs {want}",
+                    y[i * n + j]
+                );
+            }
+        }
+        // Arbitrary weights: within 4-bit quantization error.
+        for (m, n, k) in [(1, 16, 32), (4, 32, 576), (7, 160, 1536)] {
+            let w = data(n * k, 3 + m as u64);
+            let x = data(m * k, 4 + n as u64);
+            let q4 = Q4Matrix::quantize(&w, n, k).unwrap();
+            let mut y = vec![f32::NAN; m * n];
+            q4.matmul(&Q8Rows::quantize(&x, m, k), &mut y);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * w[j * k + c] as f64).sum();
+                    // Each weight is off by up to 1/30 of its block's range (2).
+                    let tol = 0.08 * (k as f64).sqrt();
+                    assert!(
+                        (y[i * n + j] as f64 - want).abs() < tol,
+                        "m={m} n={n} k={k} ({i},{j}): {} vs {want}",
+                        y[i * n + j]
+                    );
+                }
             }
         }
     }
