@@ -108,26 +108,15 @@ impl Q4Matrix {
         assert_eq!(x.k, self.k, "activation width {} vs weight input {}", x.k, self.k);
         assert_eq!(y.len(), x.m * self.n);
         assert!(Q8Matrix::supported(), "4-bit matmul without AVX-512 VNNI");
-        let tiles = self.n / TILE;
-        let per_unit = if x.m < 8 { 8 } else { 1 };
-        let units = tiles.div_ceil(per_unit);
-        let out = OutPtr(y.as_mut_ptr());
-        let run = |u: usize| {
-            for t in u * per_unit..((u + 1) * per_unit).min(tiles) {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as in `Q8Matrix::matmul`.
-                unsafe {
-                    x86::tile4(self, x, t, &out)
-                };
-                #[cfg(not(target_arch = "x86_64"))]
-                let _ = (t, &out);
-            }
-        };
-        if units == 1 {
-            run(0);
-        } else {
-            candle_core::utils::barrier_pool().execute_chunked(units, |r| r.for_each(run));
-        }
+        for_each_tile(self.n / TILE, x.m, y, |t, out| {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `Q8Matrix::matmul`.
+            unsafe {
+                x86::tile4(self, x, t, out)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (t, out);
+        });
     }
 }
 
@@ -193,28 +182,31 @@ impl Q8Matrix {
         assert_eq!(x.k, self.k, "activation width {} vs weight input {}", x.k, self.k);
         assert_eq!(y.len(), x.m * self.n);
         assert!(Self::supported(), "int8 matmul without AVX-512 VNNI");
-        let tiles = self.n / TILE;
-        // Several tiles per work unit for few rows (decode), one otherwise.
-        let per_unit = if x.m < 8 { 8 } else { 1 };
-        let units = tiles.div_ceil(per_unit);
-        let out = OutPtr(y.as_mut_ptr());
-        let run = |u: usize| {
-            for t in u * per_unit..((u + 1) * per_unit).min(tiles) {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `supported()` checked the CPU; each tile writes only
-                // its own 16 columns of every output row.
-                unsafe {
-                    x86::tile(self, x, t, &out)
-                };
-                #[cfg(not(target_arch = "x86_64"))]
-                let _ = (t, &out);
-            }
-        };
-        if units == 1 {
-            run(0);
-        } else {
-            candle_core::utils::barrier_pool().execute_chunked(units, |r| r.for_each(run));
-        }
+        for_each_tile(self.n / TILE, x.m, y, |t, out| {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `supported()` checked the CPU; each tile writes only
+            // its own 16 columns of every output row.
+            unsafe {
+                x86::tile(self, x, t, out)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (t, out);
+        });
+    }
+}
+
+/// Runs `tile(t, out)` for every output tile of an `[m, tiles * 16]`
+/// result `y` on the thread pool: several tiles per work unit for few rows
+/// (decode), one otherwise.
+fn for_each_tile(tiles: usize, m: usize, y: &mut [f32], tile: impl Fn(usize, &OutPtr) + Sync) {
+    let per_unit = if m < 8 { 8 } else { 1 };
+    let units = tiles.div_ceil(per_unit);
+    let out = OutPtr(y.as_mut_ptr());
+    let run = |u: usize| (u * per_unit..((u + 1) * per_unit).min(tiles)).for_each(|t| tile(t, &out));
+    if units == 1 {
+        run(0);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(units, |r| r.for_each(run));
     }
 }
 
