@@ -24,7 +24,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         namespace: "test".into(),
         prompt,
         max_tokens,
-        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, seed: None },
+        sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
     }
 }

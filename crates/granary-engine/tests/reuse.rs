@@ -61,7 +61,7 @@ async fn run(engine: &Engine, prompt: Vec<u32>) -> (Vec<u32>, usize) {
         namespace: "reuse".into(),
         prompt,
         max_tokens: 8,
-        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, seed: None },
+        sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
     };
     let mut rx = engine.generate(req).unwrap();

@@ -110,7 +110,7 @@ fn a_hugging_face_checkpoint_from_a_local_hub_mirror_matches_the_gguf() {
     assert_eq!(resolved.path, snapshot);
     let opts = LoadOptions { quantized_decode: false, ..LoadOptions::default() };
     let hf = Model::load(&resolved.path, &opts).unwrap();
-    assert!(!hf.config().rope_interleaved);
+    assert_eq!(hf.config().rope_style, granary_engine::model::RopeStyle::Halves);
     let from_gguf = Model::load(&gguf, &opts).unwrap();
 
     let tok = Tokenizer::from_file(&resolved.path.join("tokenizer.json")).unwrap();

@@ -551,8 +551,7 @@ fn prompt_tokens(tok: &Tokenizer, endpoint: Endpoint, body: &serde_json::Map<Str
                 };
                 out.push(ChatMessage::new(role, content));
             }
-            let text = tok.apply_chat_template(&out, true).ok()?;
-            tok.encode(&text, true).ok()
+            tok.encode_chat(&out, true).ok()
         }
         Endpoint::Completions => match body.get("prompt")? {
             Value::String(s) => tok.encode(s, true).ok(),

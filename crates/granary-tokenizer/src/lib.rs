@@ -337,6 +337,16 @@ impl Tokenizer {
         )
     }
 
+    /// The token ids of `messages` rendered with the chat template, encoded
+    /// the way transformers' `apply_chat_template(tokenize=True)` does:
+    /// without adding special tokens, since the template writes BOS itself
+    /// where the model wants one (so a template that starts with
+    /// `{{ bos_token }}` never yields two).
+    pub fn encode_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>> {
+        let text = self.apply_chat_template(messages, add_generation_prompt)?;
+        self.encode(&text, false)
+    }
+
     /// Incremental detokenizer for streaming: push ids, get the newly
     /// completed text (never splits a UTF-8 character).
     pub fn decode_stream(&self, skip_special: bool) -> DecodeStream<'_> {

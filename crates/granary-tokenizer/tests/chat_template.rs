@@ -118,3 +118,40 @@ fn missing_tokenizer_json_is_a_load_error() {
     let dir = tempfile::tempdir().unwrap();
     assert!(matches!(Tokenizer::from_pretrained_dir(dir.path()), Err(TokenizerError::Load(_))));
 }
+
+#[test]
+fn a_template_that_writes_bos_is_encoded_with_one_bos() {
+    // A Llama-2-style tokenizer.json: its post-processor adds `<s>` to
+    // every encoding made with special tokens, and its chat template
+    // writes `{{ bos_token }}` too.
+    let dir = tempfile::tempdir().unwrap();
+    let vocab: Vocab = ["<s>", "</s>", "[INST]", "[/INST]", "a", "b", " "]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    let bpe = BPE::builder().vocab_and_merges(vocab, vec![]).build().unwrap();
+    let mut tok = tokenizers::Tokenizer::new(bpe);
+    tok.add_special_tokens(["<s>", "</s>", "[INST]", "[/INST]"].map(|t| AddedToken::from(t, true))).unwrap();
+    let post = tokenizers::processors::template::TemplateProcessing::builder()
+        .try_single("<s> $A")
+        .unwrap()
+        .special_tokens(vec![("<s>", 0)])
+        .build()
+        .unwrap();
+    tok.with_post_processor(Some(post));
+    tok.save(dir.path().join("tokenizer.json"), false).unwrap();
+    let template = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]\
+                    {% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}";
+    let config =
+        serde_json::json!({"chat_template": template, "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let tok = Tokenizer::from_file(&dir.path().join("tokenizer.json")).unwrap();
+    let m = msgs(&[("user", "ab"), ("assistant", "b"), ("user", "a")]);
+    assert_eq!(tok.apply_chat_template(&m, true).unwrap(), "<s>[INST]ab[/INST]b</s>[INST]a[/INST]");
+    // <s> [INST] a b [/INST] b </s> [INST] a [/INST]: one BOS, as
+    // transformers encodes it.
+    assert_eq!(tok.encode_chat(&m, true).unwrap(), [0, 2, 4, 5, 3, 5, 1, 2, 4, 3]);
+    // Plain text still gets the BOS the tokenizer adds.
+    assert_eq!(tok.encode("ab", true).unwrap(), [0, 4, 5]);
+}

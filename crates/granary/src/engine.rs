@@ -58,6 +58,46 @@ pub struct ModelArgs {
     /// prefixes a request may reuse.
     #[arg(long)]
     pub trust_namespace_header: bool,
+    /// Tokenizer to use instead of the model's own: a `tokenizer.json`
+    /// (with `tokenizer_config.json` beside it for the chat template), a
+    /// directory holding one, or a GGUF file.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Sampling defaults for requests that leave fields out, as
+    /// KEY=VALUE[,KEY=VALUE...] (temperature, top_p, top_k, min_p,
+    /// repetition_penalty); they override the model's
+    /// generation_config.json, which overrides llama.cpp server's defaults
+    /// (temperature=0.8,top_k=40,top_p=0.95,min_p=0.05).
+    #[arg(long)]
+    pub sampling: Option<String>,
+}
+
+/// The sampling defaults of a model loaded from `source`: llama.cpp
+/// server's, then the model's `generation_config.json` (in its directory,
+/// or beside its GGUF file), then `--sampling`.
+pub fn sampling_defaults(a: &ModelArgs, source: &std::path::Path) -> Result<granary_engine::SamplingDefaults> {
+    let mut d = granary_engine::SamplingDefaults::default();
+    let dir = if source.is_dir() { Some(source) } else { source.parent() };
+    if let Some(path) = dir.map(|d| d.join("generation_config.json")).filter(|p| p.is_file()) {
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        d.apply_generation_config(&text).with_context(|| format!("{}", path.display()))?;
+        eprintln!("granary: sampling defaults from {}", path.display());
+    }
+    if let Some(spec) = &a.sampling {
+        d.apply_overrides(spec).context("--sampling")?;
+    }
+    Ok(d)
+}
+
+/// The tokenizer named by `--tokenizer`.
+fn tokenizer_from(path: &std::path::Path) -> Result<Tokenizer> {
+    let json = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+    let tok = if json.extension().is_some_and(|e| e == "gguf") {
+        Tokenizer::from_gguf_path(&json)
+    } else {
+        Tokenizer::from_file(&json)
+    };
+    tok.with_context(|| format!("--tokenizer {}", path.display()))
 }
 
 #[derive(Args, Debug, Clone)]
@@ -166,11 +206,21 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
     let (model, stats) =
         Model::load_timed(&resolved.path, &opts).with_context(|| format!("loading {}", resolved.path.display()))?;
     let tok_started = Instant::now();
-    let tokenizer = if resolved.path.is_dir() {
+    let tokenizer = if let Some(t) = &args.tokenizer {
+        tokenizer_from(t)?
+    } else if resolved.path.is_dir() {
         Tokenizer::from_file(&resolved.path.join("tokenizer.json"))?
     } else {
-        Tokenizer::from_gguf_path(&resolved.path)?
+        Tokenizer::from_gguf_path(&resolved.path)
+            .with_context(|| format!("{} (pass --tokenizer to use another tokenizer)", resolved.path.display()))?
     };
+    if tokenizer.vocab_size() > model.config().vocab_size {
+        bail!(
+            "the tokenizer has {} tokens but the model's vocabulary holds {}",
+            tokenizer.vocab_size(),
+            model.config().vocab_size
+        );
+    }
     let tokenizer_ms = tok_started.elapsed().as_secs_f64() * 1e3;
     let c = model.config();
     let r = &stats.read;
@@ -275,7 +325,9 @@ pub async fn run_engine(a: EngineArgs) -> Result<()> {
         }
         other => Connector::new(other, conn_cfg, None)?,
     };
-    start_and_serve(&a.model, engine_config(&a.model, id, a.role), model, tok, connector).await?;
+    let mut cfg = engine_config(&a.model, id, a.role);
+    cfg.sampling = sampling_defaults(&a.model, model.source())?;
+    start_and_serve(&a.model, cfg, model, tok, connector).await?;
     if let Some(s) = store {
         s.flush(Duration::from_secs(10)).await?;
     }
@@ -289,7 +341,9 @@ pub async fn run_serve(a: ServeArgs) -> Result<()> {
     let store = embedded_store(Some(&data_dir), &a.budgets).await?;
     eprintln!("granary: warehouse in memory + disk at {}", data_dir.join("warehouse").display());
     let connector = Connector::embedded(store.clone(), ConnectorConfig::default())?;
-    start_and_serve(&a.model, engine_config(&a.model, id, Role::Both), model, tok, connector).await?;
+    let mut cfg = engine_config(&a.model, id, Role::Both);
+    cfg.sampling = sampling_defaults(&a.model, model.source())?;
+    start_and_serve(&a.model, cfg, model, tok, connector).await?;
     store.flush(Duration::from_secs(10)).await?;
     Ok(())
 }

@@ -95,7 +95,33 @@ struct WarehouseArgs {
 /// their start-up time from it.
 pub(crate) static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
-fn main() -> Result<()> {
+/// Runs the command; a failure is one line on stderr (the error and its
+/// causes, no backtrace) and exit status 1.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("granary: error: {}", one_line(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// `e` and its causes joined by ": ", each cut to its first line (some
+/// libraries append a backtrace to their message).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        let first = text.lines().next().unwrap_or("").trim().to_string();
+        if !first.is_empty() && !parts.iter().any(|p| p.contains(&first)) {
+            parts.push(first);
+        }
+    }
+    parts.join(": ")
+}
+
+fn run() -> Result<()> {
     STARTED.get_or_init(std::time::Instant::now);
     // candle's CPU thread pool spins 25,000 times before a worker sleeps;
     // on a machine shared with other work that halves throughput. Never

@@ -17,7 +17,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::error::ApiError;
 use super::response::{Chunker, UsageBody};
 use super::stop::{Matched, StopMatcher};
-use crate::types::{Event, FinishReason};
+use crate::types::{Event, FinishReason, TokenLogprobs};
 
 /// Turns token ids into text as characters complete.
 pub(crate) trait Detokenize: Send {
@@ -41,11 +41,16 @@ impl Detokenize for DecodeStream<'_> {
 /// source, so the detokenizer may borrow it).
 pub(crate) trait DecoderSource: Send + 'static {
     fn decoder(&self) -> Box<dyn Detokenize + '_>;
+    /// One token's text, as log probabilities name it.
+    fn token_text(&self, id: u32) -> String;
 }
 
 impl DecoderSource for Arc<Tokenizer> {
     fn decoder(&self) -> Box<dyn Detokenize + '_> {
         Box::new(self.decode_stream(true))
+    }
+    fn token_text(&self, id: u32) -> String {
+        self.decode(&[id], false).unwrap_or_default()
     }
 }
 
@@ -70,11 +75,26 @@ pub(crate) struct Generation {
     pub completion_tokens: usize,
     /// Prompt tokens loaded instead of computed, once the backend said.
     cached_tokens: usize,
+    /// Log probabilities announced for the next token.
+    pending_logprobs: Option<Box<TokenLogprobs>>,
+    /// Tokens with their log probabilities, not yet sent.
+    logprobs: Vec<(u32, TokenLogprobs)>,
 }
 
 impl Generation {
     pub fn new(stop: Vec<String>) -> Self {
-        Generation { stop: StopMatcher::new(stop), completion_tokens: 0, cached_tokens: 0 }
+        Generation {
+            stop: StopMatcher::new(stop),
+            completion_tokens: 0,
+            cached_tokens: 0,
+            pending_logprobs: None,
+            logprobs: Vec::new(),
+        }
+    }
+
+    /// The tokens (with log probabilities) received since the last call.
+    pub fn take_logprobs(&mut self) -> Vec<(u32, TokenLogprobs)> {
+        std::mem::take(&mut self.logprobs)
     }
 
     /// Takes the next event (`None`: the backend dropped its sender).
@@ -85,8 +105,15 @@ impl Generation {
                 self.cached_tokens = cached_tokens;
                 Step::Text(String::new())
             }
+            Some(Event::Logprobs(lp)) => {
+                self.pending_logprobs = Some(lp);
+                Step::Text(String::new())
+            }
             Some(Event::Token(id)) => {
                 self.completion_tokens += 1;
+                if let Some(lp) = self.pending_logprobs.take() {
+                    self.logprobs.push((id, *lp));
+                }
                 let piece = match decoder.push(id) {
                     Ok(Some(piece)) => piece,
                     Ok(None) => return Step::Text(String::new()),
@@ -131,6 +158,8 @@ pub(crate) struct Outcome {
     pub reason: FinishReason,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
+    /// The tokens' log probabilities, when the request asked for them.
+    pub logprobs: Vec<(u32, TokenLogprobs)>,
 }
 
 /// Runs a generation to its end. Returns the backend's failure message
@@ -148,7 +177,14 @@ pub(crate) async fn collect(
             Step::Text(t) => out.push_str(&t),
             Step::Done { text, reason, cached_tokens } => {
                 out.push_str(&text);
-                return Ok(Outcome { text: out, reason, completion_tokens: gen.completion_tokens, cached_tokens });
+                let logprobs = gen.take_logprobs();
+                return Ok(Outcome {
+                    text: out,
+                    reason,
+                    completion_tokens: gen.completion_tokens,
+                    cached_tokens,
+                    logprobs,
+                });
             }
             Step::Failed(msg) => return Err(msg),
         }
@@ -168,6 +204,17 @@ pub(crate) fn sse_data<S: DecoderSource>(
     async_stream::stream! {
         let mut decoder = source.decoder();
         let mut gen = Generation::new(stop);
+        let mut offset = 0usize;
+        let mut lp_json = |gen: &mut Generation, decoder: &S| {
+            let lps = gen.take_logprobs();
+            if lps.is_empty() {
+                return None;
+            }
+            let name = |id: u32| decoder.token_text(id);
+            let v = super::response::logprobs_json(chunker.endpoint(), &lps, &name, offset);
+            offset += lps.iter().map(|(id, _)| decoder.token_text(*id).len()).sum::<usize>();
+            Some(v)
+        };
         if let Some(start) = chunker.start() {
             yield start;
         }
@@ -176,13 +223,15 @@ pub(crate) fn sse_data<S: DecoderSource>(
             match gen.step(event, &mut *decoder) {
                 Step::Text(t) => {
                     if !t.is_empty() {
-                        yield chunker.text(&t);
+                        let lp = lp_json(&mut gen, &source);
+                        yield chunker.text_with(&t, lp);
                     }
                 }
                 Step::Done { text, reason, cached_tokens } => {
                     drop(rx);
-                    if !text.is_empty() {
-                        yield chunker.text(&text);
+                    let lp = lp_json(&mut gen, &source);
+                    if !text.is_empty() || lp.is_some() {
+                        yield chunker.text_with(&text, lp);
                     }
                     yield chunker.finish(reason);
                     if let Some(usage) = chunker.usage(UsageBody::new(prompt_tokens, gen.completion_tokens, cached_tokens)) {
@@ -246,6 +295,9 @@ pub(crate) mod tests {
         fn decoder(&self) -> Box<dyn Detokenize + '_> {
             Box::new(BytesDecoder::new(self.0))
         }
+        fn token_text(&self, id: u32) -> String {
+            String::from_utf8_lossy(self.0[id as usize]).into_owned()
+        }
     }
 
     /// "Hello", " wor", "ld", "\n", first and second half of "é", "</", "s>", "!"
@@ -278,7 +330,11 @@ pub(crate) mod tests {
         assert_eq!(
             out,
             Outcome {
-                text: "Hello woré".into(), reason: FinishReason::Length, completion_tokens: 4, cached_tokens: 2
+                text: "Hello woré".into(),
+                reason: FinishReason::Length,
+                completion_tokens: 4,
+                cached_tokens: 2,
+                logprobs: vec![]
             }
         );
     }
@@ -296,7 +352,13 @@ pub(crate) mod tests {
         // Cached tokens come from `Started`: the backend never finishes.
         assert_eq!(
             out,
-            Outcome { text: "Hello".into(), reason: FinishReason::Stop, completion_tokens: 3, cached_tokens: 256 }
+            Outcome {
+                text: "Hello".into(),
+                reason: FinishReason::Stop,
+                completion_tokens: 3,
+                cached_tokens: 256,
+                logprobs: vec![]
+            }
         );
         assert!(tx.is_closed(), "the receiver must be dropped so the backend cancels");
     }

@@ -15,12 +15,17 @@
 //! client that goes away cancels its generation (see [`generate`]).
 //!
 //! Choices where OpenAI leaves room:
-//! - without `max_tokens` a request may use the whole remaining context;
-//!   a prompt that leaves no room, or a `max_tokens` beyond the room left,
-//!   is refused with `context_length_exceeded` (never silently clamped);
-//! - `presence_penalty` / `frequency_penalty` are accepted only as 0;
-//!   `n` and `best_of` only as 1; log probabilities, `echo` and `suffix`
-//!   are refused; `user` and unknown fields are ignored;
+//! - without `max_tokens` a chat request may use the whole remaining
+//!   context, a completion request 16 tokens (OpenAI's default); a prompt
+//!   that leaves no room, or a `max_tokens` beyond the room left, is
+//!   refused with `context_length_exceeded` (never silently clamped);
+//! - sampling fields a request leaves out come from the model's defaults
+//!   ([`crate::SamplingDefaults`]: its `generation_config.json`, else
+//!   llama.cpp server's); vLLM's `top_k`, `min_p` and `repetition_penalty`
+//!   are accepted too;
+//! - `n` and `best_of` only as 1; `echo` and `suffix` are refused, and so
+//!   are tools, `response_format` other than `text` and other servers'
+//!   structured-output fields; `user` and unknown fields are ignored;
 //! - a `developer` message is given to the chat template as `system`;
 //!   text content parts are joined with newlines;
 //! - `usage.prompt_tokens_details.cached_tokens` is the backend's count
@@ -215,7 +220,16 @@ async fn generate(st: &AppState, namespace: String, v: Validated, endpoint: Endp
     let (prompt, stop_token_ids) = tokenize(tokenizer.clone(), v.input).await?;
     let max_tokens = budget(prompt.len(), model.context_len, v.max_tokens, prompt_param)?;
     let prompt_tokens = prompt.len();
-    let req = GenerateRequest { namespace, prompt, max_tokens, sampling: v.sampling, stop_token_ids };
+    let vocab = tokenizer.vocab_size();
+    if let Some(&(id, _)) = v.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+        return Err(ApiError::invalid(
+            format!("logit_bias.{id}"),
+            "invalid_value",
+            format!("Invalid value for `logit_bias`: token id {id} is outside the vocabulary of {vocab} tokens."),
+        ));
+    }
+    let sampling = v.sampling.resolve(&model.sampling);
+    let req = GenerateRequest { namespace, prompt, max_tokens, sampling, stop_token_ids };
     let rx = st.backend.submit(&model.id, req).map_err(|e| submit_error(e, prompt_param))?;
     let header = Header::new(endpoint, model.id);
     if v.stream {
@@ -229,7 +243,11 @@ async fn generate(st: &AppState, namespace: String, v: Validated, endpoint: Endp
         ApiError::generation_failed(&msg)
     })?;
     let usage = UsageBody::new(prompt_tokens, out.completion_tokens, out.cached_tokens);
-    Ok(Json(header.complete(&out.text, out.reason, usage)).into_response())
+    let logprobs = v.sampling.logprobs.map(|_| {
+        let name = |id: u32| generate::DecoderSource::token_text(&tokenizer, id);
+        response::logprobs_json(endpoint, &out.logprobs, &name, 0)
+    });
+    Ok(Json(header.complete_with(&out.text, out.reason, usage, logprobs)).into_response())
 }
 
 /// The prompt's tokens and the tokens that end generation. Runs on the
@@ -239,10 +257,12 @@ async fn tokenize(tokenizer: Arc<Tokenizer>, input: Input) -> Result<(Vec<u32>, 
         let tok = &*tokenizer;
         let prompt = match input {
             Input::Chat(messages) => {
-                let text = tok.apply_chat_template(&messages, true).map_err(|e| {
-                    ApiError::invalid("messages", "invalid_value", format!("Invalid value for `messages`: {e}."))
-                })?;
-                tok.encode(&text, true).map_err(|e| ApiError::internal(&e))?
+                tok.encode_chat(&messages, true).map_err(|e| match e {
+                    granary_tokenizer::TokenizerError::Template(_) => {
+                        ApiError::invalid("messages", "invalid_value", format!("Invalid value for `messages`: {e}."))
+                    }
+                    other => ApiError::internal(&other),
+                })?
             }
             Input::Text(text) => tok.encode(&text, true).map_err(|e| ApiError::internal(&e))?,
             Input::Tokens(ids) => {

@@ -4,7 +4,9 @@
 //! Type errors are caught while parsing (see [`super::body`]); range and
 //! support checks happen in [`ChatRequest::validate`] and
 //! [`CompletionRequest::validate`]. Fields this server does not know are
-//! ignored, as OpenAI does; `user` is one of them.
+//! ignored, as OpenAI does (`user`, `metadata`, `store`...); fields it knows
+//! and cannot honour (`tools`, `response_format` other than text, vLLM's
+//! `guided_*`...) are refused with a 400 naming them, never ignored.
 
 use std::fmt;
 
@@ -13,7 +15,7 @@ use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use super::error::ApiError;
-use crate::types::SamplingParams;
+use crate::types::{SamplingDefaults, SamplingParams};
 
 /// Most stop sequences per request (OpenAI's limit).
 pub const MAX_STOP_SEQUENCES: usize = 4;
@@ -49,6 +51,83 @@ pub(crate) struct ChatRequest {
     pub logprobs: Option<bool>,
     #[serde(default)]
     pub top_logprobs: Option<u64>,
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
+    /// Token id (as a string) to a bias in [-100, 100].
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// vLLM's and llama.cpp's structured-output fields: refused by name.
+    #[serde(default)]
+    pub guided_json: Option<serde_json::Value>,
+    #[serde(default)]
+    pub guided_regex: Option<serde_json::Value>,
+    #[serde(default)]
+    pub guided_choice: Option<serde_json::Value>,
+    #[serde(default)]
+    pub guided_grammar: Option<serde_json::Value>,
+    #[serde(default)]
+    pub grammar: Option<serde_json::Value>,
+    #[serde(default)]
+    pub json_schema: Option<serde_json::Value>,
+    #[serde(default)]
+    pub tools: Option<serde_json::Value>,
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    #[serde(default)]
+    pub functions: Option<serde_json::Value>,
+    #[serde(default)]
+    pub function_call: Option<serde_json::Value>,
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
+    #[serde(default)]
+    pub modalities: Option<Vec<String>>,
+    #[serde(default)]
+    pub audio: Option<serde_json::Value>,
+    #[serde(default)]
+    pub prediction: Option<serde_json::Value>,
+    #[serde(default)]
+    pub web_search_options: Option<serde_json::Value>,
+}
+
+/// Sampling fields beyond OpenAI's that vLLM and llama.cpp servers take,
+/// OpenAI's `logit_bias`, and structured-output fields of other servers.
+#[derive(Debug, Default)]
+struct ExtraSampling {
+    top_k: Option<i64>,
+    min_p: Option<f64>,
+    repetition_penalty: Option<f64>,
+    logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// (name, set): fields refused when set.
+    refused: Vec<(&'static str, bool)>,
+}
+
+macro_rules! extra_of {
+    ($r:expr) => {
+        ExtraSampling {
+            top_k: $r.top_k,
+            min_p: $r.min_p,
+            repetition_penalty: $r.repetition_penalty,
+            logit_bias: $r.logit_bias,
+            refused: vec![
+                ("guided_json", is_set(&$r.guided_json)),
+                ("guided_regex", is_set(&$r.guided_regex)),
+                ("guided_choice", is_set(&$r.guided_choice)),
+                ("guided_grammar", is_set(&$r.guided_grammar)),
+                ("grammar", is_set(&$r.grammar)),
+                ("json_schema", is_set(&$r.json_schema)),
+            ],
+        }
+    };
+}
+
+fn is_set(v: &Option<serde_json::Value>) -> bool {
+    v.as_ref().is_some_and(|v| !v.is_null())
 }
 
 /// The body of `POST /v1/completions`.
@@ -84,6 +163,28 @@ pub(crate) struct CompletionRequest {
     pub best_of: Option<u64>,
     #[serde(default)]
     pub suffix: Option<String>,
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
+    /// Token id (as a string) to a bias in [-100, 100].
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// vLLM's and llama.cpp's structured-output fields: refused by name.
+    #[serde(default)]
+    pub guided_json: Option<serde_json::Value>,
+    #[serde(default)]
+    pub guided_regex: Option<serde_json::Value>,
+    #[serde(default)]
+    pub guided_choice: Option<serde_json::Value>,
+    #[serde(default)]
+    pub guided_grammar: Option<serde_json::Value>,
+    #[serde(default)]
+    pub grammar: Option<serde_json::Value>,
+    #[serde(default)]
+    pub json_schema: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -328,13 +429,46 @@ pub(crate) struct MaxTokens {
     pub param: &'static str,
 }
 
+/// The sampling fields a request set; [`SamplingRequest::resolve`] fills
+/// in the rest from the model's defaults.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct SamplingRequest {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: Option<f32>,
+    pub logit_bias: Vec<(u32, f32)>,
+    pub seed: Option<u64>,
+    pub logprobs: Option<usize>,
+}
+
+impl SamplingRequest {
+    pub fn resolve(&self, d: &SamplingDefaults) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            logit_bias: self.logit_bias.clone(),
+            seed: self.seed,
+            logprobs: self.logprobs,
+        }
+    }
+}
+
 /// A request that passed validation.
 #[derive(Debug, PartialEq)]
 pub(crate) struct Validated {
     pub model: String,
     pub input: Input,
     pub max_tokens: Option<MaxTokens>,
-    pub sampling: SamplingParams,
+    pub sampling: SamplingRequest,
     /// Non-empty stop strings.
     pub stop: Vec<String>,
     pub stream: bool,
@@ -363,19 +497,76 @@ struct Shared {
     stream_options: Option<StreamOptions>,
     presence_penalty: Option<f64>,
     frequency_penalty: Option<f64>,
+    logprobs: Option<usize>,
+    extra: ExtraSampling,
+}
+
+/// Most alternatives `top_logprobs` (chat) may ask for, as OpenAI allows.
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+/// Most alternatives completions' `logprobs` may ask for, as OpenAI allows.
+pub const MAX_COMPLETION_LOGPROBS: u64 = 5;
+
+/// A 400 for a field that is known but not supported, when it is set.
+fn refuse_if(set: bool, param: &str, why: &str) -> Result<(), ApiError> {
+    if set {
+        return Err(unsupported(param, format!("`{param}` is not supported by this server: {why}")));
+    }
+    Ok(())
 }
 
 impl ChatRequest {
     pub fn validate(self) -> Result<Validated, ApiError> {
-        if self.logprobs == Some(true) {
-            return Err(unsupported("logprobs", "`logprobs` is not supported: log probabilities are not returned."));
+        let structured = "structured outputs and tool calls are not available; the request was not run.";
+        refuse_if(
+            self.tools.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())),
+            "tools",
+            structured,
+        )?;
+        refuse_if(self.tool_choice.as_ref().is_some_and(|t| !t.is_null() && t != "none"), "tool_choice", structured)?;
+        refuse_if(is_set(&self.functions), "functions", structured)?;
+        refuse_if(
+            self.function_call.as_ref().is_some_and(|t| !t.is_null() && t != "none"),
+            "function_call",
+            structured,
+        )?;
+        if let Some(rf) = self.response_format.as_ref().filter(|v| !v.is_null()) {
+            let kind = rf.get("type").and_then(|t| t.as_str()).unwrap_or("");
+            if kind != "text" {
+                return Err(unsupported(
+                    "response_format",
+                    format!(
+                        "`response_format` of type `{kind}` is not supported by this server: only `text` is; \
+                         the request was not run."
+                    ),
+                ));
+            }
         }
-        if self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(unsupported(
-                "top_logprobs",
-                "`top_logprobs` is not supported: log probabilities are not returned.",
-            ));
-        }
+        refuse_if(
+            self.modalities.as_ref().is_some_and(|m| m.iter().any(|m| m != "text")),
+            "modalities",
+            "only text output is produced.",
+        )?;
+        refuse_if(is_set(&self.audio), "audio", "only text output is produced.")?;
+        refuse_if(is_set(&self.prediction), "prediction", "predicted outputs are not used.")?;
+        refuse_if(is_set(&self.web_search_options), "web_search_options", "there is no web search.")?;
+        let _ = self.parallel_tool_calls;
+        let logprobs = match (self.logprobs, self.top_logprobs) {
+            (Some(true), top) => {
+                let top = top.unwrap_or(0);
+                if top > MAX_TOP_LOGPROBS {
+                    return Err(out_of_range("top_logprobs", top as f64, "between 0 and 20"));
+                }
+                Some(top as usize)
+            }
+            (_, Some(top)) if top > 0 => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "invalid_value",
+                    "Invalid value for `top_logprobs`: `logprobs` must be true when `top_logprobs` is set.",
+                ))
+            }
+            _ => None,
+        };
         if self.messages.is_empty() {
             return Err(ApiError::invalid(
                 "messages",
@@ -393,6 +584,7 @@ impl ChatRequest {
             (None, Some(v)) => Some(("max_tokens", v)),
             (None, None) => None,
         };
+        let extra = extra_of!(self);
         let shared = Shared {
             max_tokens: max_tokens.map(|(p, v)| max_tokens_value(p, v)).transpose()?,
             temperature: self.temperature,
@@ -404,16 +596,24 @@ impl ChatRequest {
             stream_options: self.stream_options,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            logprobs,
+            extra,
         };
         shared.validate(self.model, Input::Chat(messages))
     }
 }
 
+/// `max_tokens` of a completion request that sets none, as OpenAI's API has it.
+pub const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
+
 impl CompletionRequest {
     pub fn validate(self) -> Result<Validated, ApiError> {
-        if self.logprobs.is_some() {
-            return Err(unsupported("logprobs", "`logprobs` is not supported: log probabilities are not returned."));
-        }
+        let logprobs = match self.logprobs {
+            Some(n) if n > MAX_COMPLETION_LOGPROBS => {
+                return Err(out_of_range("logprobs", n as f64, "between 0 and 5"));
+            }
+            other => other.map(|n| n as usize),
+        };
         if self.echo == Some(true) {
             return Err(unsupported("echo", "`echo` is not supported: the prompt is never echoed."));
         }
@@ -434,8 +634,13 @@ impl CompletionRequest {
             }
             Prompt::Tokens(ids) => Input::Tokens(ids),
         };
+        let extra = extra_of!(self);
+        let max_tokens = match self.max_tokens {
+            Some(v) => max_tokens_value("max_tokens", v)?,
+            None => MaxTokens { value: COMPLETION_DEFAULT_MAX_TOKENS, param: "max_tokens" },
+        };
         let shared = Shared {
-            max_tokens: self.max_tokens.map(|v| max_tokens_value("max_tokens", v)).transpose()?,
+            max_tokens: Some(max_tokens),
             temperature: self.temperature,
             top_p: self.top_p,
             n: self.n,
@@ -445,6 +650,8 @@ impl CompletionRequest {
             stream_options: self.stream_options,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            logprobs,
+            extra,
         };
         shared.validate(self.model, input)
     }
@@ -452,18 +659,39 @@ impl CompletionRequest {
 
 impl Shared {
     fn validate(self, model: String, input: Input) -> Result<Validated, ApiError> {
+        for (param, set) in &self.extra.refused {
+            refuse_if(*set, param, "structured outputs are not available; the request was not run.")?;
+        }
         if let Some(n) = self.n {
             if n != 1 {
                 return Err(unsupported("n", format!("Only `n` = 1 is supported, got {n}.")));
             }
         }
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(out_of_range("temperature", temperature, "between 0 and 2"));
+        if let Some(t) = self.temperature {
+            if !(0.0..=2.0).contains(&t) {
+                return Err(out_of_range("temperature", t, "between 0 and 2"));
+            }
         }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(out_of_range("top_p", top_p, "greater than 0 and at most 1"));
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(out_of_range("top_p", p, "greater than 0 and at most 1"));
+            }
+        }
+        // vLLM's convention: -1 (or 0) disables top_k.
+        let top_k = match self.extra.top_k {
+            Some(k) if k < -1 => return Err(out_of_range("top_k", k as f64, "-1 (off), 0 (off) or a positive count")),
+            Some(k) => Some(k.max(0) as usize),
+            None => None,
+        };
+        if let Some(p) = self.extra.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(out_of_range("min_p", p, "between 0 and 1"));
+            }
+        }
+        if let Some(r) = self.extra.repetition_penalty {
+            if !(r > 0.0 && r <= 2.0) {
+                return Err(out_of_range("repetition_penalty", r, "greater than 0 and at most 2"));
+            }
         }
         for (param, value) in
             [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
@@ -472,9 +700,21 @@ impl Shared {
             if !(-2.0..=2.0).contains(&v) {
                 return Err(out_of_range(param, v, "between -2 and 2"));
             }
-            if v != 0.0 {
-                return Err(unsupported(param, format!("`{param}` is not supported; only 0 is accepted, got {v}.")));
+        }
+        let mut logit_bias = Vec::new();
+        for (k, &v) in self.extra.logit_bias.iter().flatten() {
+            let param = format!("logit_bias.{k}");
+            let Ok(id) = k.parse::<u32>() else {
+                return Err(ApiError::invalid(
+                    &param,
+                    "invalid_value",
+                    format!("Invalid value for `{param}`: `{k}` is not a token id."),
+                ));
+            };
+            if !(-100.0..=100.0).contains(&v) {
+                return Err(out_of_range(&param, v, "between -100 and 100"));
             }
+            logit_bias.push((id, v as f32));
         }
         let stop = self.stop.map(|s| s.0).unwrap_or_default();
         if stop.len() > MAX_STOP_SEQUENCES {
@@ -492,10 +732,17 @@ impl Shared {
             model,
             input,
             max_tokens: self.max_tokens,
-            sampling: SamplingParams {
-                temperature: temperature as f32,
-                top_p: top_p as f32,
+            sampling: SamplingRequest {
+                temperature: self.temperature.map(|t| t as f32),
+                top_p: self.top_p.map(|p| p as f32),
+                top_k,
+                min_p: self.extra.min_p.map(|p| p as f32),
+                presence_penalty: self.presence_penalty.unwrap_or(0.0) as f32,
+                frequency_penalty: self.frequency_penalty.unwrap_or(0.0) as f32,
+                repetition_penalty: self.extra.repetition_penalty.map(|r| r as f32),
+                logit_bias,
                 seed: self.seed.map(|s| s.0),
+                logprobs: self.logprobs,
             },
             stop,
             stream: self.stream.unwrap_or(false),
@@ -603,7 +850,9 @@ mod tests {
         assert_eq!(v.model, "m");
         assert_eq!(v.input, Input::Chat(vec![ChatMessage { role: "user".into(), content: "hi".into() }]));
         assert_eq!(v.max_tokens, None);
-        assert_eq!(v.sampling, SamplingParams { temperature: 1.0, top_p: 1.0, seed: None });
+        assert_eq!(v.sampling, SamplingRequest::default());
+        let d = SamplingDefaults::default();
+        assert_eq!(v.sampling.resolve(&d).temperature, d.temperature, "left-out fields take the defaults");
         assert!(v.stop.is_empty());
         assert!(!v.stream && !v.include_usage);
         assert_eq!(v.prompt_param(), "messages");
@@ -629,7 +878,10 @@ mod tests {
         let got: Vec<(&str, &str)> = msgs.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
         assert_eq!(got, [("system", "be brief"), ("user", "a\nb"), ("assistant", ""), ("tool", "42")]);
         assert_eq!(v.max_tokens, Some(MaxTokens { value: 9, param: "max_tokens" }));
-        assert_eq!(v.sampling, SamplingParams { temperature: 0.0, top_p: 0.5, seed: Some(u64::MAX) });
+        assert_eq!(
+            v.sampling,
+            SamplingRequest { temperature: Some(0.0), top_p: Some(0.5), seed: Some(u64::MAX), ..Default::default() }
+        );
         assert_eq!(v.stop, ["\n\n"]);
         assert!(v.stream && v.include_usage);
     }
@@ -710,11 +962,58 @@ mod tests {
     fn unsupported_parameters() {
         assert_field_error(chat_with(json!({"n": 2})), "n", "Only `n` = 1");
         assert_field_error(chat_with(json!({"n": 0})), "n", "got 0");
-        assert_field_error(chat_with(json!({"logprobs": true})), "logprobs", "not supported");
-        assert_field_error(chat_with(json!({"top_logprobs": 3})), "top_logprobs", "not supported");
-        assert_field_error(chat_with(json!({"presence_penalty": 0.5})), "presence_penalty", "only 0");
-        assert_field_error(chat_with(json!({"frequency_penalty": -1})), "frequency_penalty", "only 0");
+        assert_field_error(chat_with(json!({"top_logprobs": 3})), "top_logprobs", "must be true");
+        assert_field_error(
+            chat_with(json!({"logprobs": true, "top_logprobs": 21})),
+            "top_logprobs",
+            "between 0 and 20",
+        );
         assert_field_error(chat_with(json!({"frequency_penalty": 3})), "frequency_penalty", "between -2 and 2");
+        // Known fields that cannot be honoured are refused by name, never ignored.
+        let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+        assert_field_error(chat_with(json!({"tools": tool})), "tools", "not supported");
+        assert_field_error(chat_with(json!({"tool_choice": "required"})), "tool_choice", "not supported");
+        assert_field_error(
+            chat_with(json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+            "json_object",
+        );
+        assert_field_error(chat_with(json!({"guided_json": {"type": "object"}})), "guided_json", "not supported");
+        assert_field_error(chat_with(json!({"modalities": ["audio"]})), "modalities", "not supported");
+        assert!(chat_with(json!({"response_format": {"type": "text"}, "tool_choice": "none", "tools": []})).is_ok());
+    }
+
+    #[test]
+    fn sampling_fields_are_read_and_checked() {
+        let v = chat_with(json!({
+            "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+            "frequency_penalty": -1, "logit_bias": {"15": -100, "7": 2.5}, "logprobs": true, "top_logprobs": 3,
+        }))
+        .unwrap();
+        assert_eq!(
+            v.sampling,
+            SamplingRequest {
+                top_k: Some(20),
+                min_p: Some(0.1),
+                repetition_penalty: Some(1.1),
+                presence_penalty: 0.5,
+                frequency_penalty: -1.0,
+                logit_bias: vec![(15, -100.0), (7, 2.5)],
+                logprobs: Some(3),
+                ..Default::default()
+            }
+        );
+        assert_eq!(chat_with(json!({"top_k": -1})).unwrap().sampling.top_k, Some(0));
+        assert_eq!(chat_with(json!({"logprobs": true})).unwrap().sampling.logprobs, Some(0));
+        assert_field_error(chat_with(json!({"top_k": -2})), "top_k", "positive count");
+        assert_field_error(chat_with(json!({"min_p": 1.5})), "min_p", "between 0 and 1");
+        assert_field_error(chat_with(json!({"repetition_penalty": 0})), "repetition_penalty", "greater than 0");
+        assert_field_error(chat_with(json!({"logit_bias": {"x": 1}})), "logit_bias.x", "not a token id");
+        assert_field_error(chat_with(json!({"logit_bias": {"5": 101}})), "logit_bias.5", "between -100 and 100");
+        // Request fields win over the model's defaults; the rest come from them.
+        let d = SamplingDefaults { temperature: 0.3, top_p: 0.9, top_k: 50, min_p: 0.0, repetition_penalty: 1.05 };
+        let p = chat_with(json!({"temperature": 1.2, "min_p": 0.2})).unwrap().sampling.resolve(&d);
+        assert_eq!((p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty), (1.2, 0.9, 50, 0.2, 1.05));
     }
 
     #[test]
@@ -755,17 +1054,20 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(v.max_tokens, Some(MaxTokens { value: 8, param: "max_tokens" }));
-        assert_eq!(v.sampling, SamplingParams { temperature: 0.8, top_p: 1.0, seed: Some(3) });
+        assert_eq!(v.sampling, SamplingRequest { temperature: Some(0.8), seed: Some(3), ..Default::default() });
         assert_eq!(v.stop, ["\n"]);
         assert!(v.stream && !v.include_usage);
         assert_eq!(v.prompt_param(), "prompt");
+        let v = completion(json!({"model": "m", "prompt": "x"})).unwrap();
+        assert_eq!(v.max_tokens, Some(MaxTokens { value: 16, param: "max_tokens" }), "OpenAI's default of 16");
 
         let with = |extra: Value| {
             let mut body = json!({"model": "m", "prompt": "x"});
             body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
             completion(body)
         };
-        assert_field_error(with(json!({"logprobs": 2})), "logprobs", "not supported");
+        assert_eq!(with(json!({"logprobs": 2})).unwrap().sampling.logprobs, Some(2));
+        assert_field_error(with(json!({"logprobs": 6})), "logprobs", "between 0 and 5");
         assert_field_error(with(json!({"echo": true})), "echo", "not supported");
         assert_field_error(with(json!({"best_of": 3})), "best_of", "best_of");
         assert_field_error(with(json!({"suffix": "tail"})), "suffix", "not supported");

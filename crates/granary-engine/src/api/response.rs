@@ -65,17 +65,27 @@ impl Header {
     }
 
     /// The whole answer of a non-streamed request.
+    #[cfg(test)]
     pub fn complete(&self, text: &str, reason: FinishReason, usage: UsageBody) -> serde_json::Value {
+        self.complete_with(text, reason, usage, None)
+    }
+
+    /// The whole answer, with its `logprobs` object when asked for.
+    pub fn complete_with(
+        &self,
+        text: &str,
+        reason: FinishReason,
+        usage: UsageBody,
+        logprobs: Option<serde_json::Value>,
+    ) -> serde_json::Value {
         let choice = match self.endpoint {
             Endpoint::Chat => Choice::Message {
                 index: 0,
                 message: AssistantMessage { role: "assistant", content: text },
-                logprobs: None,
+                logprobs,
                 finish_reason: reason.as_str(),
             },
-            Endpoint::Completion => {
-                Choice::Text { index: 0, text, logprobs: None, finish_reason: Some(reason.as_str()) }
-            }
+            Endpoint::Completion => Choice::Text { index: 0, text, logprobs, finish_reason: Some(reason.as_str()) },
         };
         let body = Object {
             id: &self.id,
@@ -115,8 +125,24 @@ impl Chunker {
         }
     }
 
+    #[cfg(test)]
     pub fn text(&self, text: &str) -> String {
         self.chunk(vec![self.choice(Some(text), None)])
+    }
+
+    /// A text chunk with the log probabilities of the tokens it carries.
+    pub fn text_with(&self, text: &str, logprobs: Option<serde_json::Value>) -> String {
+        let mut choice = self.choice(Some(text), None);
+        match &mut choice {
+            Choice::Delta { logprobs: lp, .. }
+            | Choice::Text { logprobs: lp, .. }
+            | Choice::Message { logprobs: lp, .. } => *lp = logprobs,
+        }
+        self.chunk(vec![choice])
+    }
+
+    pub fn endpoint(&self) -> Endpoint {
+        self.header.endpoint
     }
 
     /// The chunk carrying the finish reason.
@@ -170,9 +196,24 @@ struct Object<'a> {
 #[derive(Serialize)]
 #[serde(untagged)]
 enum Choice<'a> {
-    Message { index: u32, message: AssistantMessage<'a>, logprobs: Option<()>, finish_reason: &'static str },
-    Delta { index: u32, delta: Delta<'a>, logprobs: Option<()>, finish_reason: Option<&'static str> },
-    Text { index: u32, text: &'a str, logprobs: Option<()>, finish_reason: Option<&'static str> },
+    Message {
+        index: u32,
+        message: AssistantMessage<'a>,
+        logprobs: Option<serde_json::Value>,
+        finish_reason: &'static str,
+    },
+    Delta {
+        index: u32,
+        delta: Delta<'a>,
+        logprobs: Option<serde_json::Value>,
+        finish_reason: Option<&'static str>,
+    },
+    Text {
+        index: u32,
+        text: &'a str,
+        logprobs: Option<serde_json::Value>,
+        finish_reason: Option<&'static str>,
+    },
 }
 
 #[derive(Serialize)]
@@ -187,6 +228,51 @@ struct Delta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+}
+
+/// The `logprobs` object of `tokens` (each id with its log probabilities)
+/// in `endpoint`'s shape; `name` gives a token's text. `offset` is the
+/// text length before the first token (completions' `text_offset`).
+pub(crate) fn logprobs_json(
+    endpoint: Endpoint,
+    tokens: &[(u32, crate::TokenLogprobs)],
+    name: &dyn Fn(u32) -> String,
+    offset: usize,
+) -> serde_json::Value {
+    use serde_json::json;
+    let finite = |x: f32| if x.is_finite() { x as f64 } else { -9999.0 };
+    match endpoint {
+        Endpoint::Chat => {
+            let entry = |id: u32, lp: f32| {
+                let t = name(id);
+                json!({"token": t, "logprob": finite(lp), "bytes": t.as_bytes()})
+            };
+            let content: Vec<serde_json::Value> = tokens
+                .iter()
+                .map(|(id, lp)| {
+                    let mut e = entry(*id, lp.logprob);
+                    e["top_logprobs"] = lp.top.iter().map(|&(t, l)| entry(t, l)).collect();
+                    e
+                })
+                .collect();
+            json!({ "content": content })
+        }
+        Endpoint::Completion => {
+            let mut off = offset;
+            let (mut toks, mut lps, mut tops, mut offs) = (vec![], vec![], vec![], vec![]);
+            for (id, lp) in tokens {
+                let t = name(*id);
+                offs.push(off);
+                off += t.len();
+                toks.push(t);
+                lps.push(finite(lp.logprob));
+                let top: serde_json::Map<String, serde_json::Value> =
+                    lp.top.iter().map(|&(t, l)| (name(t), json!(finite(l)))).collect();
+                tops.push(serde_json::Value::Object(top));
+            }
+            json!({"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs})
+        }
+    }
 }
 
 pub(crate) fn unix_now() -> u64 {

@@ -52,7 +52,13 @@ impl ScriptedBackend {
 
     fn with_tokenizer(tokenizer: Arc<Tokenizer>) -> Self {
         let reply = tokenizer.encode(REPLY, false).unwrap();
-        let model = ModelInfo { id: MODEL.into(), context_len: CONTEXT, tokenizer, created: 1_700_000_000 };
+        let model = ModelInfo {
+            id: MODEL.into(),
+            context_len: CONTEXT,
+            tokenizer,
+            created: 1_700_000_000,
+            sampling: crate::SamplingDefaults::default(),
+        };
         ScriptedBackend {
             models: vec![model],
             reply,
@@ -209,7 +215,15 @@ async fn field_errors_name_the_field() {
         ),
         (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 5}), "temperature"),
         (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2}), "n"),
-        (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": true}), "logprobs"),
+        (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}), "top_logprobs"),
+        (
+            json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}),
+            "tools",
+        ),
+        (
+            json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
         (
             json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": ["a", "b", "c", "d", "e"]}),
             "stop",

@@ -91,6 +91,8 @@ pub struct EngineConfig {
     pub local_cache_bytes: usize,
     /// Save batches queued for the warehouse at most; beyond, saves are dropped.
     pub save_queue: usize,
+    /// Sampling settings for fields a request leaves out.
+    pub sampling: crate::SamplingDefaults,
 }
 
 impl Default for EngineConfig {
@@ -103,6 +105,7 @@ impl Default for EngineConfig {
             max_running: 64,
             local_cache_bytes: 512 << 20,
             save_queue: 64,
+            sampling: crate::SamplingDefaults::default(),
         }
     }
 }
@@ -311,6 +314,7 @@ impl Backend for Engine {
             context_len: self.shared.model.context_len(),
             tokenizer: self.shared.tokenizer.clone(),
             created: self.shared.created,
+            sampling: self.shared.cfg.sampling,
         }]
     }
 
@@ -380,6 +384,8 @@ struct Seq {
     generated: usize,
     input: [u32; 1],
     rng: StdRng,
+    /// Tokens seen, for the penalties.
+    history: sampler::History,
     arrived: Instant,
     last_token: Option<Instant>,
 }
@@ -505,6 +511,7 @@ impl StepLoop {
             generated: 0,
             input: [0],
             rng: StdRng::seed_from_u64(seed),
+            history: sampler::History::new(&a.req.sampling, &a.req.prompt),
             arrived: a.arrived,
             last_token: None,
             tx: a.tx,
@@ -651,7 +658,7 @@ impl StepLoop {
             }
             let row = rows.next().expect("a logits row per chunk that asked");
             let now = Instant::now();
-            let tok = sampler::sample(&row, &s.req.sampling, &mut s.rng);
+            let tok = sampler::sample(&row, &s.req.sampling, &s.history, &mut s.rng);
             if s.last_token.is_none() {
                 self.sh.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());
             } else if let Some(prev) = s.last_token {
@@ -669,7 +676,11 @@ impl StepLoop {
                 continue;
             }
             s.generated += 1;
+            s.history.push(tok);
             self.sh.metrics.generated.inc();
+            if let Some(top) = s.req.sampling.logprobs {
+                let _ = s.tx.send(Event::Logprobs(Box::new(sampler::logprobs(&row, tok, top))));
+            }
             let _ = s.tx.send(Event::Token(tok));
             s.input = [tok];
             let out_of_room = s.kv.len() + 1 > self.sh.model.context_len();

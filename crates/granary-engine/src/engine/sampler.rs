@@ -1,42 +1,175 @@
-//! Next-token choice from logits: greedy at temperature 0, otherwise
-//! temperature-scaled softmax with nucleus (top-p) filtering.
+//! Next-token choice from logits (see [`SamplingParams`] for the order in
+//! which the settings apply).
+//!
+//! The cuts never sort or exponentiate the whole vocabulary when they can
+//! avoid it (150k-token vocabularies): `min_p` is a threshold on logits
+//! (`p >= min_p * p_max` is `l >= l_max + T ln(min_p)`), `top_k` a
+//! partial selection, and `top_p` sorts only the candidates left (or, on
+//! its own, grows a partial selection until it holds the mass).
+
+use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use crate::SamplingParams;
+use crate::{SamplingParams, TokenLogprobs};
 
-pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
+/// What a sequence has seen, for the penalties.
+#[derive(Debug, Default, Clone)]
+pub struct History {
+    /// Occurrences of each token in the output so far.
+    output: HashMap<u32, u32>,
+    /// Tokens of the prompt (repetition penalty only).
+    prompt: std::collections::HashSet<u32>,
+}
+
+impl History {
+    pub fn new(p: &SamplingParams, prompt: &[u32]) -> Self {
+        let prompt = if p.repetition_penalty != 1.0 { prompt.iter().copied().collect() } else { Default::default() };
+        History { output: HashMap::new(), prompt }
+    }
+
+    pub fn push(&mut self, token: u32) {
+        *self.output.entry(token).or_insert(0) += 1;
+    }
+}
+
+/// Whether `p` changes any logit before the choice.
+fn adjusts(p: &SamplingParams) -> bool {
+    !p.logit_bias.is_empty() || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.repetition_penalty != 1.0
+}
+
+/// Applies `logit_bias` and the penalties in place.
+fn adjust(logits: &mut [f32], p: &SamplingParams, h: &History) {
+    for &(id, bias) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l += bias;
+        }
+    }
+    if p.repetition_penalty != 1.0 {
+        let r = p.repetition_penalty;
+        let seen = h.prompt.iter().chain(h.output.keys().filter(|t| !h.prompt.contains(t)));
+        for &t in seen {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = if *l > 0.0 { *l / r } else { *l * r };
+            }
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        for (&t, &n) in &h.output {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+            }
+        }
+    }
+}
+
+/// Chooses the next token.
+pub fn sample(logits: &[f32], p: &SamplingParams, h: &History, rng: &mut StdRng) -> u32 {
+    if !adjusts(p) {
+        return choose(logits, p, rng);
+    }
+    let mut adjusted = logits.to_vec();
+    adjust(&mut adjusted, p, h);
+    choose(&adjusted, p, rng)
+}
+
+fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
     if p.temperature <= 0.0 {
         return argmax(logits);
     }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let inv_t = 1.0 / p.temperature;
-    let mut probs: Vec<(u32, f32)> =
-        logits.iter().enumerate().map(|(i, &l)| (i as u32, ((l - max) * inv_t).exp())).collect();
-    let total: f32 = probs.iter().map(|x| x.1).sum();
+    if !max.is_finite() {
+        return argmax(logits);
+    }
+    let t = p.temperature;
+    // Candidates as (id, logit), only those that survive min_p.
+    let threshold = if p.min_p > 0.0 { max + t * p.min_p.ln() } else { f32::NEG_INFINITY };
+    let mut cand: Vec<(u32, f32)> = if p.top_k == 0 && p.min_p <= 0.0 && p.top_p >= 1.0 {
+        Vec::new()
+    } else {
+        logits.iter().enumerate().filter(|(_, &l)| l >= threshold).map(|(i, &l)| (i as u32, l)).collect()
+    };
+    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if p.top_k == 0 && p.min_p <= 0.0 && p.top_p >= 1.0 {
+        // No cut: draw from the whole distribution.
+        let inv_t = 1.0 / t;
+        let total: f32 = logits.iter().map(|&l| ((l - max) * inv_t).exp()).sum();
+        let mut r = rng.random::<f32>() * total;
+        for (i, &l) in logits.iter().enumerate() {
+            let w = ((l - max) * inv_t).exp();
+            if r < w {
+                return i as u32;
+            }
+            r -= w;
+        }
+        return argmax(logits);
+    }
+    if p.top_k > 0 && cand.len() > p.top_k {
+        cand.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+        cand.truncate(p.top_k);
+    }
+    let inv_t = 1.0 / t;
     if p.top_p < 1.0 {
-        probs.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
-        let mut acc = 0.0;
-        let mut keep = probs.len();
-        for (i, x) in probs.iter().enumerate() {
-            acc += x.1 / total;
-            if acc >= p.top_p {
-                keep = i + 1;
-                break;
+        let total: f32 = cand.iter().map(|&(_, l)| ((l - max) * inv_t).exp()).sum();
+        let want = p.top_p * total;
+        // Grow a sorted prefix until it holds `top_p` of the mass.
+        let mut k = cand.len().min(64);
+        loop {
+            if k < cand.len() {
+                cand.select_nth_unstable_by(k - 1, by_logit_desc);
+            }
+            cand[..k].sort_unstable_by(by_logit_desc);
+            let mut acc = 0.0;
+            let mut keep = None;
+            for (i, &(_, l)) in cand[..k].iter().enumerate() {
+                acc += ((l - max) * inv_t).exp();
+                if acc >= want {
+                    keep = Some(i + 1);
+                    break;
+                }
+            }
+            match keep {
+                Some(n) => {
+                    cand.truncate(n);
+                    break;
+                }
+                None if k >= cand.len() => break,
+                None => k = (k * 4).min(cand.len()),
             }
         }
-        probs.truncate(keep);
     }
-    let kept: f32 = probs.iter().map(|x| x.1).sum();
-    let mut r = rng.random::<f32>() * kept;
-    for &(id, w) in &probs {
+    let weights: Vec<f32> = cand.iter().map(|&(_, l)| ((l - max) * inv_t).exp()).collect();
+    let total: f32 = weights.iter().sum();
+    let mut r = rng.random::<f32>() * total;
+    for (&(id, _), &w) in cand.iter().zip(&weights) {
         if r < w {
             return id;
         }
         r -= w;
     }
-    probs.last().map_or_else(|| argmax(logits), |x| x.0)
+    cand.iter().max_by(|a, b| a.1.total_cmp(&b.1)).map_or_else(|| argmax(logits), |c| c.0)
+}
+
+/// Log probabilities of `chosen` and the `top` most likely tokens, from the
+/// raw logits (log-softmax).
+pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+    let lp = |id: u32| logits.get(id as usize).map_or(f32::NEG_INFINITY, |&l| l - lse);
+    let mut best: Vec<(u32, f32)> = Vec::new();
+    if top > 0 {
+        let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let by = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let k = top.min(all.len());
+        if k < all.len() {
+            all.select_nth_unstable_by(k - 1, by);
+            all.truncate(k);
+        }
+        all.sort_unstable_by(by);
+        best = all.into_iter().map(|(i, l)| (i, l - lse)).collect();
+    }
+    TokenLogprobs { logprob: lp(chosen), top: best }
 }
 
 pub fn argmax(logits: &[f32]) -> u32 {
@@ -54,29 +187,111 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
 
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p
+    }
+
+    fn draws(logits: &[f32], p: &SamplingParams, n: usize, seed: u64) -> Vec<u32> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let h = History::new(p, &[]);
+        (0..n).map(|_| sample(logits, p, &h, &mut rng)).collect()
+    }
+
     #[test]
     fn greedy_takes_the_highest_logit() {
-        let p = SamplingParams { temperature: 0.0, top_p: 1.0, seed: None };
-        let mut rng = StdRng::seed_from_u64(0);
-        assert_eq!(sample(&[0.1, 3.0, -1.0, 2.9], &p, &mut rng), 1);
+        let p = SamplingParams::greedy();
+        assert_eq!(draws(&[0.1, 3.0, -1.0, 2.9], &p, 1, 0), [1]);
     }
 
     #[test]
     fn top_p_excludes_the_tail_and_seed_repeats() {
         // Token 0 holds ~88% of the mass: top_p 0.5 must always pick it.
         let logits = [4.0, 2.0, 0.0, 0.0];
-        let p = SamplingParams { temperature: 1.0, top_p: 0.5, seed: Some(7) };
-        let mut rng = StdRng::seed_from_u64(7);
-        for _ in 0..200 {
-            assert_eq!(sample(&logits, &p, &mut rng), 0);
-        }
-        let p = SamplingParams { temperature: 1.5, top_p: 1.0, seed: Some(7) };
-        let draw = |seed| {
-            let mut rng = StdRng::seed_from_u64(seed);
-            (0..64).map(|_| sample(&logits, &p, &mut rng)).collect::<Vec<_>>()
+        let p = params(|p| p.top_p = 0.5);
+        assert!(draws(&logits, &p, 200, 7).iter().all(|&t| t == 0));
+        let p = params(|p| p.temperature = 1.5);
+        assert_eq!(draws(&logits, &p, 64, 1), draws(&logits, &p, 64, 1));
+        assert_ne!(draws(&logits, &p, 64, 1), draws(&logits, &p, 64, 2));
+        assert!(draws(&logits, &p, 64, 3).iter().any(|&t| t != 0), "temperature sampling never left the mode");
+    }
+
+    #[test]
+    fn top_k_keeps_only_the_k_best() {
+        let logits: Vec<f32> = (0..1000).map(|i| (i % 97) as f32 * 0.01).collect();
+        // The three highest logits are 0.96 (ids 96, 193, 290, ...): top_k 3
+        // keeps the three lowest ids among them (ties by id).
+        let p = params(|p| p.top_k = 3);
+        let got = draws(&logits, &p, 500, 5);
+        assert!(got.iter().all(|t| [96, 193, 290].contains(t)), "{:?}", &got[..20]);
+        assert!([96, 193, 290].iter().all(|t| got.contains(t)), "every kept token is drawn sometimes");
+    }
+
+    #[test]
+    fn min_p_drops_the_unlikely() {
+        // p(1)/p(0) = e^-3 ~ 0.05 < 0.1: token 1 never survives min_p 0.1;
+        // token 2 (e^-0.5 ~ 0.6) does.
+        let logits = [5.0, 2.0, 4.5];
+        let p = params(|p| p.min_p = 0.1);
+        let got = draws(&logits, &p, 500, 9);
+        assert!(!got.contains(&1));
+        assert!(got.contains(&0) && got.contains(&2));
+        // The same cut at temperature 2: the threshold scales with T.
+        let p = params(|p| {
+            p.min_p = 0.1;
+            p.temperature = 2.0
+        });
+        assert!(draws(&logits, &p, 2000, 9).contains(&1), "at T=2, p(1)/p(0) = e^-1.5 > 0.1");
+    }
+
+    #[test]
+    fn top_p_alone_grows_its_selection_over_a_large_vocabulary() {
+        // A flat vocabulary of 10,000: top_p 0.5 keeps about half of it
+        // (ids 0..5000 rank first among equal logits).
+        let logits = vec![0.0f32; 10_000];
+        let p = params(|p| p.top_p = 0.5);
+        let got = draws(&logits, &p, 2000, 11);
+        assert!(got.iter().all(|&t| t < 5001), "{:?}", got.iter().max());
+        assert!(got.iter().any(|&t| t > 4000), "the selection grew past its first 64");
+    }
+
+    #[test]
+    fn logit_bias_and_penalties_move_the_choice() {
+        let logits = [1.0, 0.9, 0.0];
+        let greedy_with = |f: &dyn Fn(&mut SamplingParams), out: &[u32]| {
+            let mut p = SamplingParams::greedy();
+            f(&mut p);
+            let mut h = History::new(&p, &[]);
+            for &t in out {
+                h.push(t);
+            }
+            sample(&logits, &p, &h, &mut StdRng::seed_from_u64(0))
         };
-        assert_eq!(draw(1), draw(1));
-        assert_ne!(draw(1), draw(2));
-        assert!(draw(3).iter().any(|&t| t != 0), "temperature sampling never left the mode");
+        assert_eq!(greedy_with(&|_| {}, &[]), 0);
+        assert_eq!(greedy_with(&|p| p.logit_bias = vec![(2, 100.0)], &[]), 2);
+        assert_eq!(greedy_with(&|p| p.logit_bias = vec![(0, -100.0)], &[]), 1);
+        assert_eq!(greedy_with(&|p| p.presence_penalty = 0.2, &[0]), 1);
+        assert_eq!(greedy_with(&|p| p.presence_penalty = 0.2, &[1]), 0);
+        // Frequency: 0.05 per occurrence; two occurrences of 0 cost 0.1 > 0.1 - eps.
+        assert_eq!(greedy_with(&|p| p.frequency_penalty = 0.06, &[0]), 0);
+        assert_eq!(greedy_with(&|p| p.frequency_penalty = 0.06, &[0, 0]), 1);
+        assert_eq!(greedy_with(&|p| p.repetition_penalty = 1.2, &[0]), 1);
+        // The repetition penalty also covers the prompt.
+        let mut p = SamplingParams::greedy();
+        p.repetition_penalty = 1.2;
+        let h = History::new(&p, &[0]);
+        assert_eq!(sample(&logits, &p, &h, &mut StdRng::seed_from_u64(0)), 1);
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax() {
+        let logits = [2.0f32, 1.0, 0.0, -1.0];
+        let lp = logprobs(&logits, 1, 2);
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        assert!((lp.logprob - (1.0f32.exp() / z).ln()).abs() < 1e-5);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 1]);
+        assert!((lp.top[0].1 - (2.0f32.exp() / z).ln()).abs() < 1e-5);
+        assert!(logprobs(&logits, 3, 0).top.is_empty());
     }
 }

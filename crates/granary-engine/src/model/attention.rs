@@ -27,6 +27,23 @@ pub(crate) struct Heads {
     pub head_dim: usize,
 }
 
+/// How scores are formed: `q·k * scale`, soft-capped (`c tanh(s / c)`)
+/// when `softcap` is set, over the keys a sliding `window` leaves (a
+/// query at position p sees keys p - window + 1 ..= p).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scores {
+    pub scale: f32,
+    pub window: Option<usize>,
+    pub softcap: Option<f32>,
+}
+
+impl Scores {
+    /// First key a query at position `pos` sees.
+    fn first_key(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+}
+
 /// One sequence's rows in a step.
 pub(crate) struct SeqRows<'a> {
     /// Rotated queries of the new rows, `[n, heads, head_dim]`.
@@ -82,13 +99,13 @@ struct Item {
     part: Option<usize>,
 }
 
-/// Computes softmax(q kᵀ · scale) v for every row of every sequence into
-/// `out` (`[rows, heads, head_dim]`, rows in `out_row` order).
-pub(crate) fn attend(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32]) {
-    attend_with(h, seqs, scale, out, candle_core::utils::get_num_threads());
+/// Computes softmax(scores) v for every row of every sequence into `out`
+/// (`[rows, heads, head_dim]`, rows in `out_row` order).
+pub(crate) fn attend(h: Heads, seqs: &[SeqRows<'_>], how: Scores, out: &mut [f32]) {
+    attend_with(h, seqs, how, out, candle_core::utils::get_num_threads());
 }
 
-fn attend_with(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32], threads: usize) {
+fn attend_with(h: Heads, seqs: &[SeqRows<'_>], how: Scores, out: &mut [f32], threads: usize) {
     let row_len = h.heads * h.head_dim;
     debug_assert!(h.heads.is_multiple_of(h.kv_heads));
     for s in seqs {
@@ -103,8 +120,9 @@ fn attend_with(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32], thre
         let mut r = 0;
         while r < s.n {
             let end = (r + tile).min(s.n);
+            let k0 = how.first_key(s.off + r);
             for kh in 0..h.kv_heads {
-                items.push(Item { si, kh, r0: r, r1: end, k0: 0, k1: s.off + end, part: None });
+                items.push(Item { si, kh, r0: r, r1: end, k0, k1: s.off + end, part: None });
             }
             r = end;
         }
@@ -119,15 +137,15 @@ fn attend_with(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32], thre
         let mut split = Vec::with_capacity(want);
         let mut parts = 0;
         for it in items {
-            let n = (it.k1 / SPLIT_KEYS).min(per_item);
+            let n = ((it.k1 - it.k0) / SPLIT_KEYS).min(per_item);
             if it.r1 - it.r0 != 1 || n < 2 {
                 split.push(it);
                 continue;
             }
             // Part boundaries on key-tile multiples.
-            let step = it.k1.div_ceil(n).div_ceil(KEY_TILE) * KEY_TILE;
+            let step = (it.k1 - it.k0).div_ceil(n).div_ceil(KEY_TILE) * KEY_TILE;
             let first = parts;
-            let mut k0 = 0;
+            let mut k0 = it.k0;
             while k0 < it.k1 {
                 let k1 = (k0 + step).min(it.k1);
                 split.push(Item { k0, k1, part: Some(parts * part_len), ..it });
@@ -147,7 +165,7 @@ fn attend_with(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &mut [f32], thre
     let part_ptr = OutPtr(partials.as_mut_ptr());
     let run = |i: usize| {
         let it = items[i];
-        SCRATCH.with(|sc| tile(lv, h, &seqs[it.si], it, scale, &out_ptr, &part_ptr, &mut sc.borrow_mut()));
+        SCRATCH.with(|sc| tile(lv, h, &seqs[it.si], it, how, &out_ptr, &part_ptr, &mut sc.borrow_mut()));
     };
     if items.len() == 1 {
         run(0);
@@ -195,14 +213,24 @@ fn merge(h: Heads, seqs: &[SeqRows<'_>], groups: &[(Item, std::ops::Range<usize>
 }
 
 #[allow(clippy::too_many_arguments)]
-fn tile(lv: Level, h: Heads, s: &SeqRows<'_>, it: Item, scale: f32, out: &OutPtr, partials: &OutPtr, sc: &mut Scratch) {
+fn tile(
+    lv: Level,
+    h: Heads,
+    s: &SeqRows<'_>,
+    it: Item,
+    how: Scores,
+    out: &OutPtr,
+    partials: &OutPtr,
+    sc: &mut Scratch,
+) {
     let Item { kh, r0, r1, k0, k1, part, .. } = it;
     let d = h.head_dim;
     let g = h.heads / h.kv_heads;
     let rows = r1 - r0;
     let nq = rows * g;
-    // Scores are kept in base 2: q is scaled by log2(e) so exp becomes exp2.
-    let qscale = scale * std::f32::consts::LOG2_E;
+    // Scores are kept in base 2: q is scaled by log2(e) so exp becomes exp2
+    // (after the soft cap, when there is one).
+    let qscale = if how.softcap.is_some() { how.scale } else { how.scale * std::f32::consts::LOG2_E };
     sc.q.clear();
     for r in r0..r1 {
         let base = (r * h.heads + kh * g) * d;
@@ -235,8 +263,18 @@ fn tile(lv: Level, h: Heads, s: &SeqRows<'_>, it: Item, scale: f32, out: &OutPtr
                 continue;
             }
             let vis = tl.min(pos + 1 - t0);
-            let scores = &mut sc.s[..vis];
-            simd::dots(lv, &sc.q[qi * d..(qi + 1) * d], &sc.k[..vis * d], scores);
+            // Keys of the tile before the row's window start.
+            let lo = how.first_key(pos).saturating_sub(t0).min(vis);
+            if lo == vis {
+                continue;
+            }
+            let scores = &mut sc.s[lo..vis];
+            simd::dots(lv, &sc.q[qi * d..(qi + 1) * d], &sc.k[lo * d..vis * d], scores);
+            if let Some(c) = how.softcap {
+                for x in scores.iter_mut() {
+                    *x = c * (*x / c).tanh() * std::f32::consts::LOG2_E;
+                }
+            }
             let m_old = sc.m[qi];
             let m_new = m_old.max(simd::max(scores));
             let sum = simd::exp2_shifted_sum(lv, scores, m_new);
@@ -248,7 +286,7 @@ fn tile(lv: Level, h: Heads, s: &SeqRows<'_>, it: Item, scale: f32, out: &OutPtr
             }
             sc.l[qi] += sum;
             sc.m[qi] = m_new;
-            simd::weighted_sum(lv, scores, &sc.v[..vis * d], o);
+            simd::weighted_sum(lv, scores, &sc.v[lo * d..vis * d], o);
         }
         t0 += tl;
     }
@@ -291,7 +329,8 @@ mod tests {
     }
 
     /// Plain f64 attention for one sequence: the reference.
-    fn reference(h: Heads, s: &SeqRows<'_>, scale: f64) -> Vec<f64> {
+    fn reference(h: Heads, s: &SeqRows<'_>, how: Scores) -> Vec<f64> {
+        let scale = how.scale as f64;
         let (q, off, n, bt) = (s.q, s.off, s.n, s.block_tokens);
         let kv_at = |j: usize, kind: usize, kh: usize, c: usize| -> f64 {
             s.blocks[j / bt][((kind * h.kv_heads + kh) * bt + j % bt) * h.head_dim + c].to_f64()
@@ -303,8 +342,17 @@ mod tests {
                 let kh = hd / g;
                 let qv = &q[(r * h.heads + hd) * d..][..d];
                 let vis = off + r + 1;
+                let first = how.window.map_or(0, |w| vis.saturating_sub(w));
                 let scores: Vec<f64> = (0..vis)
-                    .map(|j| qv.iter().enumerate().map(|(c, a)| *a as f64 * kv_at(j, 0, kh, c)).sum::<f64>() * scale)
+                    .map(|j| {
+                        let s = qv.iter().enumerate().map(|(c, a)| *a as f64 * kv_at(j, 0, kh, c)).sum::<f64>() * scale;
+                        let s = how.softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh());
+                        if j < first {
+                            f64::NEG_INFINITY
+                        } else {
+                            s
+                        }
+                    })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
@@ -361,23 +409,33 @@ mod tests {
                     s
                 })
                 .collect();
-            for threads in [1, 2, 8] {
-                let mut out = vec![f32::NAN; out_row * heads * head_dim];
-                attend_with(h, &seqs, scale, &mut out, threads);
-                check(h, &seqs, scale, &out, threads);
+            // Plain scores, a sliding window (narrower and wider than a
+            // key tile), and Gemma 2's soft cap with a window.
+            let variants = [
+                Scores { scale, window: None, softcap: None },
+                Scores { scale, window: Some(37), softcap: None },
+                Scores { scale, window: Some(700), softcap: None },
+                Scores { scale, window: Some(100), softcap: Some(2.0) },
+            ];
+            for how in variants {
+                for threads in [1, 2, 8] {
+                    let mut out = vec![f32::NAN; out_row * heads * head_dim];
+                    attend_with(h, &seqs, how, &mut out, threads);
+                    check(h, &seqs, how, &out, threads);
+                }
             }
         }
     }
 
-    fn check(h: Heads, seqs: &[SeqRows<'_>], scale: f32, out: &[f32], threads: usize) {
+    fn check(h: Heads, seqs: &[SeqRows<'_>], how: Scores, out: &[f32], threads: usize) {
         let Heads { heads, kv_heads, head_dim } = h;
         for s in seqs {
-            let want = reference(h, s, scale as f64);
+            let want = reference(h, s, how);
             let got = &out[s.out_row * heads * head_dim..][..want.len()];
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     (*g as f64 - w).abs() < 2e-4,
-                    "heads {heads}/{kv_heads} d {head_dim} blocks of {} off {} n {}, {threads} threads: element {i}: {g} vs {w}",
+                    "heads {heads}/{kv_heads} d {head_dim} blocks of {} off {} n {}, {how:?}, {threads} threads: element {i}: {g} vs {w}",
                     s.block_tokens,
                     s.off,
                     s.n

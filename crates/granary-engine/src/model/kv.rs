@@ -328,7 +328,11 @@ mod tests {
             rms_eps: 1e-5,
             context_len: 64,
             qkv_bias: false,
-            rope_interleaved: true,
+            rope_style: crate::model::RopeStyle::Interleaved,
+            rope_scaling: crate::model::RopeScaling::None,
+            attn_scale: 0.5,
+            sliding_window: None,
+            arch: crate::model::ARCHITECTURES[0],
         }
     }
 

@@ -32,7 +32,7 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 
-pub use config::ModelConfig;
+pub use config::{Activation, ArchSpec, ModelConfig, RopeScaling, RopeStyle, ARCHITECTURES};
 pub use kv::KvCache;
 pub use load::{Loader, ReadOptions, ReadStats};
 
@@ -196,11 +196,31 @@ struct Layer {
     attn_norm: Tensor,
     /// Output `[rows, (heads + 2 * kv_heads) * head_dim]`: Q | K | V.
     qkv: Proj,
+    /// Per-head RMS norm weights of Q and K, `[head_dim]` (Qwen3, Gemma 3).
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
     wo: Linear,
+    /// Norm of the attention output before the residual add (Gemma).
+    attn_post_norm: Option<Tensor>,
     ffn_norm: Tensor,
     /// Output `[rows, 2 * intermediate]`: gate | up.
     gate_up: Proj,
     down: Linear,
+    /// Norm of the feed-forward output before the residual add (Gemma).
+    ffn_post_norm: Option<Tensor>,
+    /// Index of the layer's rotary tables in [`Model::ropes`].
+    rope: usize,
+    /// Keys each query sees on this layer (itself included), when it slides.
+    window: Option<usize>,
+}
+
+/// cos and sin of every position's rotation angles, `[position, head_dim / 2]`,
+/// on the device and on the host.
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    cos_host: Vec<f32>,
+    sin_host: Vec<f32>,
 }
 
 /// New tokens of one sequence for one forward step.
@@ -223,11 +243,8 @@ pub struct Model {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
-    cos: Tensor,
-    sin: Tensor,
-    /// The same tables on the host, `[position, head_dim / 2]`.
-    cos_host: Vec<f32>,
-    sin_host: Vec<f32>,
+    /// Rotary tables: one per distinct (base, scale) among the layers.
+    ropes: Vec<Rope>,
     context_len: usize,
     fingerprint: String,
     source: PathBuf,
@@ -324,6 +341,7 @@ impl Model {
         };
         let load::GgufWeights { content: ct, tensors, stats } = w;
         let cfg = ModelConfig::from_gguf(&ct)?;
+        check_gguf_types(&ct)?;
         let fingerprint = stats.fingerprint.clone().context("the loader computed no fingerprint")?;
         let started = Instant::now();
         let mut src = GgufSource { ct: &ct, tensors, path, device: opts.device.clone() };
@@ -336,11 +354,19 @@ impl Model {
             Part::Q => names(i, "attn_q"),
             Part::K => names(i, "attn_k"),
             Part::V => names(i, "attn_v"),
+            Part::Qkv => names(i, "attn_qkv"),
+            Part::QNorm => names(i, "attn_q_norm.weight"),
+            Part::KNorm => names(i, "attn_k_norm.weight"),
             Part::O => names(i, "attn_output"),
+            Part::AttnPostNorm => names(i, "post_attention_norm.weight"),
             Part::FfnNorm => names(i, "ffn_norm.weight"),
             Part::Gate => names(i, "ffn_gate"),
             Part::Up => names(i, "ffn_up"),
+            // gate|up of Phi-3 is stored as one `ffn_up` twice as tall.
+            Part::GateUp => names(i, "ffn_up"),
             Part::Down => names(i, "ffn_down"),
+            Part::FfnPostNorm => names(i, "post_ffw_norm.weight"),
+            Part::RopeFreqs => "rope_freqs.weight".into(),
         })?;
         Ok((model, LoadStats { read: stats, convert: started.elapsed() }))
     }
@@ -376,6 +402,15 @@ impl Model {
         let started = Instant::now();
         let mut src = SafetensorsSource { tensors: w.tensors };
         let names = |i: usize, n: &str| format!("model.layers.{i}.{n}");
+        let post_norms = cfg.arch.post_norms;
+        if cfg.arch.hf_norm_offset {
+            // Gemma checkpoints store norm weights as `w` for `x * (1 + w)`.
+            for (name, t) in src.tensors.iter_mut() {
+                if name.ends_with("norm.weight") {
+                    *t = (t.to_dtype(DType::F32)? + 1.0)?;
+                }
+            }
+        }
         let model = Self::build(cfg, &mut src, opts, fingerprint, dir, |i, part| match part {
             Part::Embed => "model.embed_tokens.weight".into(),
             Part::Norm => "model.norm.weight".into(),
@@ -384,11 +419,21 @@ impl Model {
             Part::Q => names(i, "self_attn.q_proj"),
             Part::K => names(i, "self_attn.k_proj"),
             Part::V => names(i, "self_attn.v_proj"),
+            Part::Qkv => names(i, "self_attn.qkv_proj"),
+            Part::QNorm => names(i, "self_attn.q_norm.weight"),
+            Part::KNorm => names(i, "self_attn.k_norm.weight"),
             Part::O => names(i, "self_attn.o_proj"),
+            // Gemma's `post_attention_layernorm` follows attention; the
+            // norm before its feed-forward block is `pre_feedforward_layernorm`.
+            Part::AttnPostNorm => names(i, "post_attention_layernorm.weight"),
+            Part::FfnNorm if post_norms => names(i, "pre_feedforward_layernorm.weight"),
             Part::FfnNorm => names(i, "post_attention_layernorm.weight"),
             Part::Gate => names(i, "mlp.gate_proj"),
             Part::Up => names(i, "mlp.up_proj"),
+            Part::GateUp => names(i, "mlp.gate_up_proj"),
             Part::Down => names(i, "mlp.down_proj"),
+            Part::FfnPostNorm => names(i, "post_feedforward_layernorm.weight"),
+            Part::RopeFreqs => "rope_freqs.weight".into(),
         })?;
         Ok((model, LoadStats { read: w.stats, convert: started.elapsed() }))
     }
@@ -462,19 +507,73 @@ impl Model {
             };
             Ok(Proj::Fused(Linear::new(Tensor::cat(&ws, 0)?, bias, quantize, four_bit)?))
         };
+        let mut cfg = cfg;
+        if let config::RopeScaling::Factors(f) = &cfg.rope_scaling {
+            if f.is_empty() {
+                let t = src.get(&name(0, Part::RopeFreqs))?;
+                cfg.rope_scaling = config::RopeScaling::Factors(t.flatten_all()?.to_vec1::<f32>()?);
+            }
+        }
+        cfg.validate()?;
+        let context_len = opts.max_context.map_or(cfg.context_len, |m| m.min(cfg.context_len));
+        let mut rope_keys: Vec<(u32, u32)> = Vec::new();
+        let mut ropes = Vec::new();
+        let half = cfg.head_dim / 2;
         let mut layers = Vec::with_capacity(cfg.layers);
+        let head_norm = |src: &mut dyn TensorSource, part: Part, i: usize| -> Result<Option<Vec<f32>>> {
+            if !cfg.arch.qk_norm {
+                return Ok(None);
+            }
+            let w = src.get(&name(i, part))?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            ensure!(w.len() == cfg.head_dim, "{} has {} values for a head of {}", name(i, part), w.len(), cfg.head_dim);
+            Ok(Some(w))
+        };
         for i in 0..cfg.layers {
-            let qkv = proj(src, vec![name(i, Part::Q), name(i, Part::K), name(i, Part::V)], cfg.qkv_bias)?;
+            let qkv = if cfg.arch.fused {
+                Proj::Fused(linear(src, name(i, Part::Qkv), cfg.qkv_bias, quantize)?)
+            } else {
+                proj(src, vec![name(i, Part::Q), name(i, Part::K), name(i, Part::V)], cfg.qkv_bias)?
+            };
             let wo = linear(src, name(i, Part::O), false, quantize)?;
-            let gate_up = proj(src, vec![name(i, Part::Gate), name(i, Part::Up)], false)?;
+            let gate_up = if cfg.arch.fused {
+                Proj::Fused(linear(src, name(i, Part::GateUp), false, quantize)?)
+            } else {
+                proj(src, vec![name(i, Part::Gate), name(i, Part::Up)], false)?
+            };
             let down = linear(src, name(i, Part::Down), false, quantize)?;
+            let (base, scale) = cfg.rope_of(i);
+            let key = (base.to_bits(), scale.to_bits());
+            let rope = match rope_keys.iter().position(|k| *k == key) {
+                Some(r) => r,
+                None => {
+                    let (cos_host, sin_host) = rope_tables(&cfg, base, scale, context_len);
+                    let cos = Tensor::from_slice(&cos_host, (context_len, half), &opts.device)?;
+                    let sin = Tensor::from_slice(&sin_host, (context_len, half), &opts.device)?;
+                    ropes.push(Rope { cos, sin, cos_host, sin_host });
+                    rope_keys.push(key);
+                    ropes.len() - 1
+                }
+            };
+            let post = |src: &mut dyn TensorSource, part: Part| -> Result<Option<Tensor>> {
+                if cfg.arch.post_norms {
+                    Ok(Some(src.get(&name(i, part))?))
+                } else {
+                    Ok(None)
+                }
+            };
             layers.push(Layer {
                 attn_norm: src.get(&name(i, Part::AttnNorm))?,
                 ffn_norm: src.get(&name(i, Part::FfnNorm))?,
+                q_norm: head_norm(src, Part::QNorm, i)?,
+                k_norm: head_norm(src, Part::KNorm, i)?,
+                attn_post_norm: post(src, Part::AttnPostNorm)?,
+                ffn_post_norm: post(src, Part::FfnPostNorm)?,
                 qkv,
                 wo,
                 gate_up,
                 down,
+                rope,
+                window: if cfg.is_sliding(i) { cfg.sliding_window } else { None },
             });
         }
         let embed = src.get(&name(0, Part::Embed))?;
@@ -500,11 +599,6 @@ impl Model {
             (None, None) => Linear::new(embed.clone(), None, quantize, embed_q4)?,
         };
         let norm = src.get(&name(0, Part::Norm))?;
-        let context_len = opts.max_context.map_or(cfg.context_len, |m| m.min(cfg.context_len));
-        let (cos_host, sin_host) = rope_tables(&cfg, context_len);
-        let half = cfg.head_dim / 2;
-        let cos = Tensor::from_slice(&cos_host, (context_len, half), &opts.device)?;
-        let sin = Tensor::from_slice(&sin_host, (context_len, half), &opts.device)?;
         Ok(Model {
             cfg,
             device: opts.device.clone(),
@@ -513,10 +607,7 @@ impl Model {
             layers,
             norm,
             lm_head,
-            cos,
-            sin,
-            cos_host,
-            sin_host,
+            ropes,
             context_len,
             fingerprint,
             source: source.to_path_buf(),
@@ -573,6 +664,9 @@ impl Model {
         let n_rows = ids.len();
         let ids = Tensor::from_vec(ids, n_rows, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
+        if cfg.arch.embed_scale {
+            x = (x * (cfg.hidden_size as f64).sqrt())?;
+        }
         let eps = cfg.rms_eps as f32;
         let inter = cfg.intermediate_size;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -583,15 +677,23 @@ impl Model {
             } else {
                 self.attention_device(li, &qkv, chunks)?
             };
-            x = (x + layer.wo.forward(&attn)?)?;
+            let mut o = layer.wo.forward(&attn)?;
+            if let Some(w) = &layer.attn_post_norm {
+                o = candle_nn::ops::rms_norm(&o, w, eps)?;
+            }
+            x = (x + o)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let gu = layer.gate_up.forward(&h)?;
-            let act = if self.host {
-                silu_mul_host(&gu, inter)?
-            } else {
-                (gu.narrow(1, 0, inter)?.silu()? * gu.narrow(1, inter, inter)?)?
+            let act = match (cfg.arch.activation, self.host) {
+                (Activation::Silu, true) => silu_mul_host(&gu, inter)?,
+                (Activation::Silu, false) => (gu.narrow(1, 0, inter)?.silu()? * gu.narrow(1, inter, inter)?)?,
+                (Activation::GeluTanh, _) => (gu.narrow(1, 0, inter)?.gelu()? * gu.narrow(1, inter, inter)?)?,
             };
-            x = (x + layer.down.forward(&act)?)?;
+            let mut d = layer.down.forward(&act)?;
+            if let Some(w) = &layer.ffn_post_norm {
+                d = candle_nn::ops::rms_norm(&d, w, eps)?;
+            }
+            x = (x + d)?;
         }
         let mut rows = Vec::new();
         let mut row = 0u32;
@@ -610,7 +712,11 @@ impl Model {
         let n = rows.len();
         let last = x.index_select(&Tensor::from_vec(rows, n, &self.device)?, 0)?;
         let h = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
-        Ok(Some(self.lm_head.forward(&h)?.to_dtype(DType::F32)?))
+        let logits = self.lm_head.forward(&h)?.to_dtype(DType::F32)?;
+        Ok(Some(match cfg.arch.softcap {
+            Some((_, cap)) if cap > 0.0 => ((logits / cap as f64)?.tanh()? * cap as f64)?,
+            _ => logits,
+        }))
     }
 
     /// Rotary embeddings, the KV write and attention for every chunk, on the
@@ -634,6 +740,8 @@ impl Model {
             let off = c.kv.len();
             kv_rows.clear();
             kv_rows.resize(n * kv_w, 0.0);
+            let l = &self.layers[layer];
+            let eps = cfg.rms_eps as f32;
             for i in 0..n {
                 let src = &data[(row + i) * (q_w + kv_w)..][..q_w + kv_w];
                 let qr = &mut q[(row + i) * q_w..][..q_w];
@@ -642,10 +750,16 @@ impl Model {
                 kr.copy_from_slice(&src[q_w..]);
                 let pos = off + i;
                 for hd in 0..nh {
-                    self.rotate(&mut qr[hd * d..][..d], pos);
+                    if let Some(w) = &l.q_norm {
+                        rms_norm_in_place(&mut qr[hd * d..][..d], w, eps);
+                    }
+                    self.rotate(layer, &mut qr[hd * d..][..d], pos);
                 }
                 for hd in 0..kvh {
-                    self.rotate(&mut kr[hd * d..][..d], pos);
+                    if let Some(w) = &l.k_norm {
+                        rms_norm_in_place(&mut kr[hd * d..][..d], w, eps);
+                    }
+                    self.rotate(layer, &mut kr[hd * d..][..d], pos);
                 }
             }
             c.kv.write_host_rows(layer, off, &kv_rows)?;
@@ -668,16 +782,23 @@ impl Model {
             row += n;
         }
         let heads = attention::Heads { heads: nh, kv_heads: kvh, head_dim: d };
-        attention::attend(heads, &seqs, 1.0 / (d as f32).sqrt(), &mut out);
+        let how = attention::Scores {
+            scale: cfg.attn_scale,
+            window: self.layers[layer].window,
+            softcap: cfg.arch.softcap.map(|c| c.0).filter(|&c| c > 0.0),
+        };
+        attention::attend(heads, &seqs, how, &mut out);
         Ok(Tensor::from_vec(out, (rows, q_w), &self.device)?)
     }
 
-    /// Rotates one head's vector for position `pos` in place.
-    fn rotate(&self, x: &mut [f32], pos: usize) {
+    /// Rotates one head's vector for position `pos` in place, with layer
+    /// `layer`'s tables.
+    fn rotate(&self, layer: usize, x: &mut [f32], pos: usize) {
         let half = x.len() / 2;
-        let cos = &self.cos_host[pos * half..][..half];
-        let sin = &self.sin_host[pos * half..][..half];
-        if self.cfg.rope_interleaved {
+        let rope = &self.ropes[self.layers[layer].rope];
+        let cos = &rope.cos_host[pos * half..][..half];
+        let sin = &rope.sin_host[pos * half..][..half];
+        if self.cfg.rope_style == RopeStyle::Interleaved {
             for i in 0..half {
                 let (a, b) = (x[2 * i], x[2 * i + 1]);
                 x[2 * i] = a * cos[i] - b * sin[i];
@@ -724,12 +845,23 @@ impl Model {
         let n = q.dim(0)?;
         let off = kv.len();
         let total = off + n;
-        let q = q.reshape((n, h, d))?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
-        let k = k.reshape((n, kvh, d))?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
+        let l = &self.layers[layer];
+        let eps = cfg.rms_eps as f32;
+        let head_norm = |x: &Tensor, w: &Option<Vec<f32>>| -> Result<Tensor> {
+            Ok(match w {
+                Some(w) => candle_nn::ops::rms_norm(x, &Tensor::from_slice(w, d, x.device())?, eps)?,
+                None => x.clone(),
+            })
+        };
+        let q = head_norm(&q.reshape((n, h, d))?, &l.q_norm)?;
+        let k = head_norm(&k.reshape((n, kvh, d))?, &l.k_norm)?;
+        let q = q.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
+        let k = k.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
         let v = v.reshape((n, kvh, d))?.transpose(0, 1)?.contiguous()?;
-        let cos = self.cos.narrow(0, off, n)?;
-        let sin = self.sin.narrow(0, off, n)?;
-        let (q, k) = if cfg.rope_interleaved {
+        let rope = &self.ropes[l.rope];
+        let cos = rope.cos.narrow(0, off, n)?;
+        let sin = rope.sin.narrow(0, off, n)?;
+        let (q, k) = if cfg.rope_style == RopeStyle::Interleaved {
             (candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?, candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?)
         } else {
             (candle_nn::rotary_emb::rope(&q, &cos, &sin)?, candle_nn::rotary_emb::rope(&k, &cos, &sin)?)
@@ -739,10 +871,13 @@ impl Model {
         let g = h / kvh;
         // Query heads sharing a KV head are adjacent: [kvh, g * n, d].
         let q = q.squeeze(0)?.reshape((kvh, g * n, d))?;
-        let scale = 1.0 / (d as f64).sqrt();
-        let mut att = (q.matmul(&kc.t()?)? * scale)?;
-        if n > 1 {
-            let mask = causal_mask(n, off, &self.device)?;
+        let mut att = (q.matmul(&kc.t()?)? * cfg.attn_scale as f64)?;
+        if let Some(cap) = cfg.arch.softcap.map(|c| c.0 as f64).filter(|&c| c > 0.0) {
+            att = ((att / cap)?.tanh()? * cap)?;
+        }
+        let window = l.window.filter(|&w| w < total);
+        if n > 1 || window.is_some() {
+            let mask = causal_mask(n, off, window, &self.device)?;
             att = att.reshape((kvh, g, n, total))?.broadcast_add(&mask)?.reshape((kvh, g * n, total))?;
         }
         let att = candle_nn::ops::softmax_last_dim(&att)?;
@@ -765,27 +900,84 @@ enum Part {
     Q,
     K,
     V,
+    /// Q|K|V in one tensor (Phi-3).
+    Qkv,
+    QNorm,
+    KNorm,
     O,
+    AttnPostNorm,
     FfnNorm,
     Gate,
     Up,
+    /// gate|up in one tensor (Phi-3).
+    GateUp,
     Down,
+    FfnPostNorm,
+    /// Llama 3's rotary frequency factors (GGUF).
+    RopeFreqs,
 }
 
-/// cos and sin of every position's rotation angles, `[len, head_dim / 2]`.
-fn rope_tables(cfg: &ModelConfig, len: usize) -> (Vec<f32>, Vec<f32>) {
+/// cos and sin of every position's rotation angles, `[len, head_dim / 2]`,
+/// for rotary base `base` and linear position scale `scale`, with Llama 3's
+/// frequency factors when the model has them.
+fn rope_tables(cfg: &ModelConfig, base: f32, scale: f32, len: usize) -> (Vec<f32>, Vec<f32>) {
     let half = cfg.head_dim / 2;
-    let inv: Vec<f32> = (0..half).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32)).collect();
+    let inv: Vec<f32> = (0..half)
+        .map(|i| {
+            let f = 1.0 / base.powf(2.0 * i as f32 / cfg.head_dim as f32);
+            match &cfg.rope_scaling {
+                config::RopeScaling::Factors(factors) => f / factors[i],
+                _ => f,
+            }
+        })
+        .collect();
     let mut cos = Vec::with_capacity(len * half);
     let mut sin = Vec::with_capacity(len * half);
     for p in 0..len {
         for f in &inv {
-            let a = p as f32 * f;
+            let a = p as f32 * scale * f;
             cos.push(a.cos());
             sin.push(a.sin());
         }
     }
     (cos, sin)
+}
+
+/// Tensor types the loader can take, as llama.cpp's CPU builds ship them.
+fn check_gguf_types(ct: &gguf_file::Content) -> Result<()> {
+    const SUPPORTED: &[GgmlDType] = &[
+        GgmlDType::F32,
+        GgmlDType::F16,
+        GgmlDType::BF16,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+    for (name, info) in &ct.tensor_infos {
+        if !SUPPORTED.contains(&info.ggml_dtype) {
+            bail!(
+                "tensor {name} has type {:?}, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)",
+                info.ggml_dtype
+            );
+        }
+    }
+    Ok(())
+}
+
+/// RMS-normalises `x` in place and multiplies by `w`.
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ms + eps).sqrt();
+    for (v, w) in x.iter_mut().zip(w) {
+        *v *= inv * w;
+    }
 }
 
 /// silu(gate) * up for `[rows, 2 * inter]` laid out gate | up, on the host.
@@ -806,13 +998,19 @@ fn silu_mul_host(gu: &Tensor, inter: usize) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, (rows, inter), gu.device())?)
 }
 
-/// `[n, off + n]`: 0 where query `i` (position `off + i`) may attend, -inf after.
-fn causal_mask(n: usize, off: usize, device: &Device) -> Result<Tensor> {
+/// `[n, off + n]`: 0 where query `i` (position `off + i`) may attend, -inf
+/// after it and, with a sliding `window`, `window` or more positions before.
+fn causal_mask(n: usize, off: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
     let total = off + n;
     let mut m = vec![0f32; n * total];
     for i in 0..n {
         for j in (off + i + 1)..total {
             m[i * total + j] = f32::NEG_INFINITY;
+        }
+        if let Some(w) = window {
+            for j in 0..(off + i + 1).saturating_sub(w) {
+                m[i * total + j] = f32::NEG_INFINITY;
+            }
         }
     }
     Ok(Tensor::from_vec(m, (n, total), device)?)

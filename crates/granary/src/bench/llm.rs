@@ -41,6 +41,8 @@ pub fn load(source: &str) -> Result<Loaded> {
         max_context: None,
         device: "cpu".into(),
         trust_namespace_header: false,
+        tokenizer: None,
+        sampling: None,
     };
     let (model, tokenizer, id) = tokio::task::block_in_place(|| crate::engine::load(&args))?;
     let path = model.source().to_path_buf();
@@ -124,7 +126,7 @@ pub fn request(namespace: &str, prompt: Vec<u32>, max_tokens: usize) -> Generate
         namespace: namespace.to_string(),
         prompt,
         max_tokens,
-        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, seed: Some(0) },
+        sampling: SamplingParams { seed: Some(0), ..SamplingParams::greedy() },
         stop_token_ids: Vec::new(),
     }
 }
@@ -155,7 +157,7 @@ pub async fn run(engine: &Engine, req: GenerateRequest, t0: Instant) -> Result<T
     let mut tokens = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Started { .. } => {}
+            Event::Started { .. } | Event::Logprobs(_) => {}
             Event::Token(t) => tokens.push((t, t0.elapsed())),
             Event::Finished { usage, .. } => {
                 if tokens.is_empty() {
