@@ -84,6 +84,10 @@ pub struct NamespaceConfig {
 pub struct StoreConfig {
     /// Byte budget of the memory tier.
     pub memory: ByteSize,
+    /// `false`: no memory tier; writes go straight to the next tier,
+    /// synchronously, and reads are not promoted (LMCache's
+    /// `LMCACHE_LOCAL_CPU=false`). Needs a disk or remote tier.
+    pub memory_tier: bool,
     /// Eviction policy of the memory tier.
     pub memory_policy: PolicyKind,
     pub disk: Option<DiskConfig>,
@@ -105,6 +109,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             memory: ByteSize::gib(1),
+            memory_tier: true,
             memory_policy: PolicyKind::Lru,
             disk: None,
             remote: None,

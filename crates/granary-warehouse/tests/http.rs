@@ -108,7 +108,7 @@ async fn block_round_trip_head_and_delete() {
 
     let r = s.put("anyns", key, body.clone(), "", None).await;
     assert_eq!(r.status(), StatusCode::CREATED);
-    assert_eq!(r.json::<Value>().await.unwrap(), json!({"stored": true, "bytes": body.len()}));
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"stored": true, "bytes": body.len(), "durable": false}));
 
     let r = s.get(&path, None).await;
     assert_eq!(r.status(), StatusCode::OK);
@@ -162,6 +162,8 @@ async fn durable_put_is_on_disk_when_answered() {
     let r = s.put("d", &h[1], block(2), "?durable=true&depth=1", None).await;
     assert_eq!(r.status(), StatusCode::CREATED);
     assert_eq!(disk_entries(&store), 1, "a durable put is on disk when answered");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["durable"], true, "{v}");
     let (status, err) = error_of(s.put("d", &h[1], block(2), "?durable=maybe", None).await).await;
     assert_eq!((status, err["param"].as_str()), (StatusCode::BAD_REQUEST, Some("durable")));
     s.shutdown().await;
@@ -538,5 +540,24 @@ async fn a_lagging_event_subscriber_is_told_how_many_it_missed() {
     let missed = seen.last().unwrap()["missed"].as_u64().unwrap();
     assert!(missed >= 20_000 - 8192, "missed {missed}");
     drop(stream);
+    s.shutdown().await;
+}
+
+/// Issue 13: `?durable=true` on a store with nothing durable below memory
+/// answers `"durable": false`; a block no tier can hold gets 507.
+#[tokio::test]
+async fn durable_tells_the_truth_and_no_tier_means_507() {
+    let s = Server::start(Store::memory_only(1 << 24), Auth::default()).await;
+    let h = hashes(1);
+    let r = s.put("d", &h[0], block(1), "?durable=true", None).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!((v["stored"].clone(), v["durable"].clone()), (Value::Bool(true), Value::Bool(false)), "{v}");
+    s.shutdown().await;
+
+    let s = Server::start(Store::memory_only(200), Auth::default()).await;
+    let (status, err) = error_of(s.put("d", &h[0], block(1), "", None).await).await;
+    assert_eq!((status, err["code"].as_str()), (StatusCode::INSUFFICIENT_STORAGE, Some("insufficient_storage")));
+    assert_eq!(s.get(&format!("/v1/blocks/d/{}", h[0]), None).await.status(), StatusCode::NOT_FOUND);
     s.shutdown().await;
 }

@@ -14,6 +14,7 @@ use bytes::Bytes;
 use granary_warehouse::error::Result;
 use granary_warehouse::tier::memory::MemoryTier;
 use granary_warehouse::types::{Evicted, Stored};
+use granary_warehouse::WarehouseError;
 use granary_warehouse::{
     EntryMeta, EventKind, OffloadMode, PolicyKind, PutOptions, ScanPage, Store, StoreConfig, Tier, TierKind, TierStats,
 };
@@ -247,4 +248,221 @@ async fn delete_and_lookup_span_all_tiers() {
     assert!(s.expire("n", &keys[1], Some(Duration::from_millis(30))).await.unwrap());
     tokio::time::sleep(Duration::from_millis(60)).await;
     assert!(!s.exists("n", &keys[1]).await.unwrap(), "expiry must apply in every tier");
+}
+
+/// Issue 13: a delete waits for the copy queued before it, so the copy can
+/// never land after the delete and bring the key back from below.
+#[tokio::test]
+async fn set_then_del_never_comes_back_from_below() {
+    let disk = Lower::new(TierKind::Disk, Duration::from_millis(40));
+    let s = Store::with_tiers(cfg(OffloadMode::All, 1 << 20), Some(disk.clone()), None);
+    s.put("n", k(1), Bytes::from_static(b"v1"), PutOptions::default()).await.unwrap();
+    assert!(s.delete("n", &k(1)).await.unwrap());
+    assert!(s.get("n", &k(1)).await.unwrap().is_none(), "deleted key read back");
+    s.flush(Duration::from_secs(5)).await.unwrap();
+    assert!(!disk.inner.contains_sync("n", &k(1)), "the queued copy landed after the delete");
+    assert!(s.get("n", &k(1)).await.unwrap().is_none(), "deleted key came back from below");
+}
+
+/// Issue 13: an expiry applies to a copy still queued for a lower tier, so
+/// the copy never lands there without its TTL.
+#[tokio::test]
+async fn expire_applies_to_a_queued_copy() {
+    let disk = Lower::new(TierKind::Disk, Duration::from_millis(40));
+    let s = Store::with_tiers(cfg(OffloadMode::All, 1 << 20), Some(disk.clone()), None);
+    s.put("n", k(1), Bytes::from_static(b"v1"), PutOptions::default()).await.unwrap();
+    assert!(s.expire("n", &k(1), Some(Duration::from_millis(60))).await.unwrap());
+    s.flush(Duration::from_secs(5)).await.unwrap();
+    let below = disk.inner.meta("n", &k(1)).await.unwrap();
+    assert!(below.is_none_or(|m| m.expires_at_ms.is_some()), "the copy below lost its TTL: {below:?}");
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert!(s.get("n", &k(1)).await.unwrap().is_none(), "expired key came back from below");
+}
+
+/// Issue 13: `flush` past its deadline is an error, never a silent Ok.
+#[tokio::test]
+async fn flush_past_its_deadline_is_an_error() {
+    let disk = Lower::new(TierKind::Disk, Duration::from_millis(200));
+    let s = Store::with_tiers(cfg(OffloadMode::All, 1 << 20), Some(disk.clone()), None);
+    for i in 0..4 {
+        s.put("n", k(i), Bytes::from_static(b"v"), PutOptions::default()).await.unwrap();
+    }
+    let err = s.flush(Duration::from_millis(20)).await.unwrap_err();
+    assert!(matches!(err, WarehouseError::Timeout { .. }), "{err}");
+    s.flush(Duration::from_secs(5)).await.unwrap();
+}
+
+/// Issue 13: a value memory cannot take is written below before the
+/// answer, even when the offload queue is full; one no tier can take is
+/// refused, never acknowledged.
+#[tokio::test]
+async fn a_value_no_tier_can_take_is_refused_never_acknowledged() {
+    let s = Store::memory_only(1000);
+    let err = s.put("n", k(1), Bytes::from(vec![1; 5000]), PutOptions::default()).await.unwrap_err();
+    assert!(matches!(err, WarehouseError::OutOfMemory { size: 5000 }), "{err}");
+    assert!(s.get("n", &k(1)).await.unwrap().is_none());
+
+    let disk = Lower::new(TierKind::Disk, Duration::from_millis(20));
+    let s = Store::with_tiers(StoreConfig { queue_depth: 1, ..cfg(OffloadMode::All, 1000) }, Some(disk.clone()), None);
+    // Fill the queue with small copies, then write values only the disk can hold.
+    for i in 0..4 {
+        s.put("n", k(100 + i), Bytes::from(vec![0; 10]), PutOptions::default()).await.unwrap();
+    }
+    for i in 0..4 {
+        let v = Bytes::from(vec![i as u8; 5000]);
+        s.put("n", k(i), v.clone(), PutOptions::default()).await.unwrap();
+        let hit = s.get("n", &k(i)).await.unwrap().expect("acknowledged value is stored somewhere");
+        assert_eq!(hit.value, v);
+    }
+}
+
+/// Issue 13: a value larger than one memory shard's share of the budget
+/// is still held in memory.
+#[tokio::test]
+async fn a_value_larger_than_a_shard_share_stays_in_memory() {
+    // 128 MiB: two shards of 64 MiB.
+    let s = Store::memory_only(128 << 20);
+    let v = Bytes::from(vec![3u8; 80 << 20]);
+    s.put("n", k(1), v.clone(), PutOptions::default()).await.unwrap();
+    assert_eq!(s.get_cached("n", &k(1)).map(|b| b.len()), Some(v.len()));
+    // Room is taken from the other shard, never past the budget.
+    for i in 2..40 {
+        s.put("n", k(i), Bytes::from(vec![0; 1 << 20]), PutOptions::default()).await.unwrap();
+    }
+    assert!(s.stats().tiers[0].bytes <= 128 << 20);
+}
+
+/// Issue 13: with no memory tier (LMCache's `LMCACHE_LOCAL_CPU=false`) a
+/// write is below when acknowledged, so a read right after finds it.
+#[tokio::test]
+async fn no_memory_tier_writes_straight_to_the_next_tier() {
+    let disk = Lower::new(TierKind::Disk, Duration::from_millis(30));
+    let c = StoreConfig { memory_tier: false, ..cfg(OffloadMode::All, 1 << 20) };
+    let s = Store::with_tiers(c, Some(disk.clone()), None);
+    for i in 0..3 {
+        s.put("n", k(i), Bytes::from(vec![i as u8; 100]), PutOptions::default()).await.unwrap();
+        let hit = s.get("n", &k(i)).await.unwrap().expect("read right after the write");
+        assert_eq!(hit.tier, TierKind::Disk);
+    }
+    assert_eq!(s.stats().tiers[0].entries, 0, "nothing in memory");
+    assert!(s.get_cached("n", &k(0)).is_none());
+    let open = Store::open(StoreConfig { memory_tier: false, ..StoreConfig::default() }).await;
+    assert!(open.is_err(), "no memory tier and nothing below must not open");
+}
+
+/// What a client knows of one of its keys.
+#[derive(Clone, Default)]
+struct Model {
+    value: Option<Bytes>,
+    /// Earliest and latest moment the TTL can end (ms, the store's clock).
+    expiry: Option<(u64, u64)>,
+}
+
+/// Clock slack around TTL edges (the store's clock is coarse).
+const SLACK_MS: u64 = 25;
+
+/// One client's random history on the keys it owns, each read checked
+/// against the sequential model of its key.
+async fn client_history(s: Store, mode: OffloadMode, client: usize, seed: u64) -> usize {
+    use granary_warehouse::types::now_ms;
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut model = vec![Model::default(); 4];
+    let mut checked = 0;
+    for step in 0..250 {
+        let j = rng.random_range(0..model.len());
+        let key = Bytes::from(format!("c{client}-k{j}"));
+        let m = &mut model[j];
+        let ctx = format!("mode {mode:?} client {client} key {j} step {step}");
+        match rng.random_range(0..10) {
+            0..=3 => {
+                let mut v = format!("{client}:{j}:{step}:").into_bytes();
+                v.resize(rng.random_range(100..1500), b'.');
+                let ttl = rng.random_bool(0.2).then(|| Duration::from_millis(rng.random_range(20..60)));
+                let t0 = now_ms();
+                s.put("h", key, Bytes::from(v.clone()), PutOptions { ttl, ..Default::default() }).await.unwrap();
+                let t1 = now_ms();
+                *m = Model {
+                    value: Some(Bytes::from(v)),
+                    expiry: ttl.map(|d| (t0 + d.as_millis() as u64, t1 + d.as_millis() as u64)),
+                };
+            }
+            4 => {
+                s.delete("h", &key).await.unwrap();
+                *m = Model::default();
+            }
+            5 => {
+                let d = rng.random_range(20..60u64);
+                let t0 = now_ms();
+                let found = s.expire("h", &key, Some(Duration::from_millis(d))).await.unwrap();
+                let t1 = now_ms();
+                let gone = m.value.is_none() || m.expiry.is_some_and(|(_, late)| late + SLACK_MS < t0);
+                assert!(!(found && gone), "{ctx}: EXPIRE found a key that was deleted or expired");
+                if found {
+                    m.expiry = Some((t0 + d, t1 + d));
+                } else {
+                    *m = Model::default();
+                }
+            }
+            _ => {
+                let t0 = now_ms();
+                let got = s.get("h", &key).await.unwrap().map(|h| h.value);
+                let t1 = now_ms();
+                checked += 1;
+                match (&m.value, &got) {
+                    (None, Some(v)) => {
+                        panic!("{ctx}: a deleted or expired key came back: {:?}", String::from_utf8_lossy(&v[..16]))
+                    }
+                    (Some(want), Some(v)) => {
+                        assert!(v == want, "{ctx}: stale read: {:?}", String::from_utf8_lossy(&v[..16]));
+                        let late = m.expiry.is_some_and(|(_, late)| late + SLACK_MS < t0);
+                        assert!(!late, "{ctx}: read after its TTL ended (TTL lost)");
+                    }
+                    (Some(_), None) => {
+                        let may_have_expired = m.expiry.is_some_and(|(early, _)| early <= t1 + SLACK_MS);
+                        if may_have_expired {
+                            *m = Model::default();
+                        } else {
+                            assert!(mode != OffloadMode::All, "{ctx}: acknowledged write lost in mode all");
+                        }
+                    }
+                    (None, None) => {}
+                }
+            }
+        }
+    }
+    checked
+}
+
+/// Issue 13: several concurrent clients run random SET/DEL/EXPIRE/GET on a
+/// small key set, in every offload mode, over a real disk tier with a
+/// memory budget small enough to evict all the time. Checked against a
+/// sequential model per key: no key comes back after an acknowledged DEL,
+/// no TTL is lost, no read returns an older value than the last write (and
+/// in mode `all`, no acknowledged write is lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_history_matches_a_sequential_model() {
+    for (round, mode) in [OffloadMode::All, OffloadMode::Hot, OffloadMode::Evicted].into_iter().enumerate() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = StoreConfig {
+            offload: mode,
+            hot_threshold: 1,
+            disk: Some(granary_warehouse::config::DiskConfig {
+                dir: dir.path().to_path_buf(),
+                capacity: granary_core::ByteSize::mib(64),
+                policy: PolicyKind::Lru,
+            }),
+            ..StoreConfig::memory_only(6 * 1024)
+        };
+        let s = Store::open(c).await.unwrap();
+        let clients: Vec<_> = (0..4)
+            .map(|client| tokio::spawn(client_history(s.clone(), mode, client, 1000 * round as u64 + client as u64)))
+            .collect();
+        let mut checked = 0;
+        for c in clients {
+            checked += c.await.unwrap();
+        }
+        assert!(checked > 300, "too few reads checked: {checked}");
+        assert!(s.stats().tiers[0].evictions > 50, "memory pressure expected: {:?}", s.stats().tiers[0]);
+    }
 }

@@ -30,7 +30,8 @@ impl Server {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (port, ctx) = rt.block_on(async {
-            let store = Store::with_tiers(cfg, None, None);
+            // Opened, so that configured lower tiers exist.
+            let store = Store::open(cfg).await.unwrap();
             let ctx = Arc::new(ServerCtx::new(store, auth));
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = listener.local_addr().unwrap().port();
@@ -401,7 +402,8 @@ fn resp3_nulls_and_waitaof() {
     assert!(text.starts_with("%7\r\n$6\r\nserver\r\n$5\r\nredis\r\n"), "{text}");
     assert!(text.contains("$5\r\nproto\r\n:3\r\n"), "{text}");
     expect(&mut s, &resp(&[b"GET", b"nothing"]), b"_\r\n");
-    expect(&mut s, &resp(&[b"WAITAOF", b"1", b"0", b"100"]), b"*2\r\n:1\r\n:0\r\n");
+    // Memory only: nothing is durable, and WAITAOF says so.
+    expect(&mut s, &resp(&[b"WAITAOF", b"1", b"0", b"100"]), b"*2\r\n:0\r\n:0\r\n");
     expect(&mut s, &resp(&[b"HELLO", b"4"]), b"-NOPROTO unsupported protocol version\r\n");
 }
 
@@ -442,4 +444,41 @@ fn shutdown_stops_the_server_and_closes_connections() {
         assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "listener must be closed");
         assert_eq!(ctx.resp.connections_open.load(Relaxed), 0);
     });
+}
+
+/// Issue 13: WAITAOF answers 1 only when the writes so far are synced on
+/// the disk tier.
+#[test]
+fn waitaof_counts_only_a_synced_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = StoreConfig::memory_only(1 << 20);
+    cfg.disk = Some(granary_warehouse::config::DiskConfig {
+        dir: dir.path().to_path_buf(),
+        capacity: granary_core::ByteSize::mib(16),
+        policy: granary_warehouse::PolicyKind::Lru,
+    });
+    let srv = Server::start_with(cfg.clone(), Auth::default());
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"SET", b"k", b"v"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"WAITAOF", b"1", b"0", b"1000"]), b"*2\r\n:1\r\n:0\r\n");
+    drop(srv);
+    // Write-back mode: writes stay in memory, so WAITAOF cannot claim them.
+    let dir2 = tempfile::tempdir().unwrap();
+    cfg.offload = granary_warehouse::OffloadMode::Evicted;
+    cfg.disk.as_mut().unwrap().dir = dir2.path().to_path_buf();
+    let srv = Server::start_with(cfg, Auth::default());
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"SET", b"k", b"v"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"WAITAOF", b"1", b"0", b"1000"]), b"*2\r\n:0\r\n:0\r\n");
+}
+
+/// Issue 13: a value no tier can hold is refused with Redis's OOM error.
+#[test]
+fn a_value_no_tier_can_hold_gets_oom() {
+    let srv = Server::start_with(StoreConfig::memory_only(1000), Auth::default());
+    let mut s = srv.connect();
+    let big = vec![b'x'; 5000];
+    let got = read_until(&mut s, &resp(&[b"SET", b"big", &big]), b"\r\n");
+    assert!(got.starts_with(b"-OOM "), "{}", String::from_utf8_lossy(&got));
+    expect(&mut s, &resp(&[b"GET", b"big"]), b"$-1\r\n");
 }

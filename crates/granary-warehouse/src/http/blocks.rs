@@ -73,9 +73,9 @@ pub(super) async fn put_block(
     let body = body_or_error(body, st.body_limit)?;
     KvBlock::decode(body.clone()).map_err(|e| ApiError::invalid("body", "invalid_block", e.to_string()))?;
     let bytes = body.len();
-    let stored = st.ctx.store.put(&ns, key, body, PutOptions { ttl, condition, durable, depth }).await?;
-    let answer = Json(json!({ "stored": stored, "bytes": bytes }));
-    Ok(if stored {
+    let done = st.ctx.store.put_with(&ns, key, body, PutOptions { ttl, condition, durable, depth }).await?;
+    let answer = Json(json!({ "stored": done.stored, "bytes": bytes, "durable": done.durable }));
+    Ok(if done.stored {
         (StatusCode::CREATED, answer).into_response()
     } else {
         mark_normal((StatusCode::CONFLICT, answer).into_response())

@@ -86,6 +86,8 @@ pub enum CmdError {
 fn store_error_text(e: &WarehouseError) -> String {
     match e {
         WarehouseError::TooLarge { .. } => format!("ERR value too large: {e}"),
+        // Redis's code for a write refused for lack of memory; clients know it.
+        WarehouseError::OutOfMemory { .. } => format!("OOM command not allowed: {e}"),
         WarehouseError::Invalid { .. } => format!("ERR {e}"),
         WarehouseError::Io { .. } | WarehouseError::Remote(_) | WarehouseError::Corrupt { .. } => {
             format!("ERR storage error: {e}")
@@ -120,6 +122,8 @@ pub struct Session<'a> {
     principal: Option<Principal>,
     ns: String,
     name: Option<Bytes>,
+    /// [`crate::Store::durability_losses`] at the last WAITAOF (or connect).
+    losses_mark: Option<u64>,
 }
 
 fn lower(name: &[u8]) -> String {
@@ -169,6 +173,7 @@ impl<'a> Session<'a> {
             principal,
             ns: DEFAULT_NAMESPACE.to_string(),
             name: None,
+            losses_mark: ctx.store.durability_losses(),
         }
     }
 
@@ -412,9 +417,18 @@ impl<'a> Session<'a> {
                 } else {
                     Duration::from_millis(timeout as u64).min(MAX_DURABILITY_WAIT)
                 };
-                self.ctx.store.flush(wait).await?;
+                // 1 only if every write so far reached a tier that makes it
+                // durable, and that tier synced within the timeout.
+                let synced = match self.ctx.store.flush(wait).await {
+                    Ok(()) => true,
+                    Err(WarehouseError::Timeout { .. }) => false,
+                    Err(e) => return Err(e.into()),
+                };
+                let now = self.ctx.store.durability_losses();
+                let local = synced && now.is_some() && now == self.losses_mark;
+                self.losses_mark = now;
                 out.array(2);
-                out.int(1);
+                out.int(i64::from(local));
                 out.int(0);
             }
             "WAIT" => {
