@@ -769,7 +769,9 @@ async fn offload_worker(
         let result = match action {
             Action::Put { value, meta } => {
                 if meta.is_expired(now_ms()) {
-                    Ok(Outcome::Put(Vec::new()))
+                    // Gone already; but an older copy in the tier must not
+                    // outlive it (it would be served once memory lets go).
+                    tier.remove(&ns, &key).await.map(|_| Outcome::Put(Vec::new()))
                 } else {
                     match tier.put(&ns, key.clone(), value, meta).await {
                         Ok(mut evicted) => {
