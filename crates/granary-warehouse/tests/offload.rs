@@ -341,6 +341,7 @@ async fn no_memory_tier_writes_straight_to_the_next_tier() {
     let s = Store::with_tiers(c, Some(disk.clone()), None);
     for i in 0..3 {
         s.put("n", k(i), Bytes::from(vec![i as u8; 100]), PutOptions::default()).await.unwrap();
+        assert!(disk.inner.contains_sync("n", &k(i)), "acknowledged before the next tier held it");
         let hit = s.get("n", &k(i)).await.unwrap().expect("read right after the write");
         assert_eq!(hit.tier, TierKind::Disk);
     }
