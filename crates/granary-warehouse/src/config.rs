@@ -78,6 +78,30 @@ pub struct NamespaceConfig {
     pub ttl_secs: Option<u64>,
 }
 
+/// Limits of the network front ends against idle or abusive clients.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeLimits {
+    /// Most RESP connections open at once; one more is answered
+    /// `-ERR max number of clients reached` and closed (Redis's `maxclients`).
+    pub max_connections: usize,
+    /// Seconds a RESP connection may wait between commands before it is
+    /// closed; 0 keeps idle connections open (Redis's `timeout`).
+    pub idle_timeout_secs: u64,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        ServeLimits { max_connections: 10_000, idle_timeout_secs: 0 }
+    }
+}
+
+impl ServeLimits {
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        (self.idle_timeout_secs != 0).then(|| Duration::from_secs(self.idle_timeout_secs))
+    }
+}
+
 /// Everything the store needs; servers' settings live beside it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

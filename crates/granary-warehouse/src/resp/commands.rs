@@ -177,6 +177,11 @@ impl<'a> Session<'a> {
         }
     }
 
+    /// Whether the client may run data commands (authenticated, or an open server).
+    pub fn authenticated(&self) -> bool {
+        self.principal.is_some()
+    }
+
     /// Runs one command and writes its reply; counts it.
     pub async fn execute(&mut self, args: Vec<Bytes>, out: &mut Out) -> Flow {
         match self.dispatch(&args, out).await {
