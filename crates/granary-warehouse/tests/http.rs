@@ -561,3 +561,45 @@ async fn durable_tells_the_truth_and_no_tier_means_507() {
     assert_eq!(s.get(&format!("/v1/blocks/d/{}", h[0]), None).await.status(), StatusCode::NOT_FOUND);
     s.shutdown().await;
 }
+
+/// Issue 13: a PUT without a valid token is refused before its body is
+/// read: a client announcing 100 MiB and sending none gets its 401 at once.
+#[tokio::test]
+async fn put_checks_the_token_before_reading_the_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Server::with_tokens().await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    for auth in ["", "Authorization: Bearer wrong\r\n"] {
+        let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head = format!(
+            "PUT /v1/blocks/a/{} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {}\r\n\r\n",
+            hashes(1)[0],
+            100 << 20
+        );
+        c.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(3), c.read(&mut buf))
+            .await
+            .expect("no answer until the body arrives: the body was read before the token was checked")
+            .unwrap();
+        let text = String::from_utf8_lossy(&buf[..n]);
+        assert!(text.starts_with("HTTP/1.1 401"), "{text}");
+    }
+    s.shutdown().await;
+}
+
+/// Issue 13: a metrics-only token reads `/metrics` and nothing else.
+#[tokio::test]
+async fn metrics_token_reads_metrics_and_nothing_else() {
+    let auth = Auth::from_plain(Some(ADMIN), &[("a", TOKEN_A)]).with_metrics_plain("scrape");
+    let s = Server::start(Store::memory_only(1 << 24), auth).await;
+    assert_eq!(s.get("/metrics", Some("scrape")).await.status(), StatusCode::OK);
+    assert_eq!(s.get("/metrics", Some(ADMIN)).await.status(), StatusCode::OK);
+    assert_eq!(s.get("/metrics", Some(TOKEN_A)).await.status(), StatusCode::FORBIDDEN);
+    assert_eq!(s.get("/stats", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
+    assert_eq!(s.get("/cache/list", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
+    let h = hashes(1);
+    assert_eq!(s.put("a", &h[0], block(1), "", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
+    assert_eq!(s.get(&format!("/v1/blocks/a/{}", h[0]), Some("scrape")).await.status(), StatusCode::FORBIDDEN);
+    s.shutdown().await;
+}

@@ -459,6 +459,7 @@ impl<'a> Session<'a> {
         self.ns = match &p {
             Principal::Admin => DEFAULT_NAMESPACE.to_string(),
             Principal::Namespace(n) => n.clone(),
+            Principal::Metrics => DEFAULT_NAMESPACE.to_string(),
         };
         self.principal = Some(p);
     }
@@ -470,11 +471,12 @@ impl<'a> Session<'a> {
         // `default` is the name Redis clients send when they have only a password.
         let ns = user.filter(|u| !is(u, "default")).map(|u| String::from_utf8_lossy(u).into_owned());
         match self.ctx.auth.authenticate(ns.as_deref(), pass) {
+            // The metrics token is for HTTP `/metrics` alone.
+            Some(Principal::Metrics) | None => Err(CmdError::WrongPass),
             Some(p) => {
                 self.bind(p);
                 Ok(())
             }
-            None => Err(CmdError::WrongPass),
         }
     }
 
