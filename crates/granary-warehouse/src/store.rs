@@ -183,9 +183,16 @@ impl Store {
     pub fn with_tiers(cfg: StoreConfig, disk: Option<Arc<dyn Tier>>, remote: Option<Arc<dyn Tier>>) -> Store {
         let memory = Arc::new(MemoryTier::new(cfg.memory.as_u64(), cfg.memory_policy));
         let (events, _) = broadcast::channel(8192);
+        // What a tier drops on its own (expiry, corruption, namespace removal) is announced too.
+        let sink = |tier: TierKind| -> crate::tier::RemovalSink {
+            let tx = events.clone();
+            Arc::new(move |ns: &str, key: &[u8]| emit(&tx, EventKind::Removed, ns, &Bytes::copy_from_slice(key), tier))
+        };
+        memory.set_removal_sink(sink(TierKind::Memory));
         let mut workers = Vec::new();
         let mut lower = |tier: Option<Arc<dyn Tier>>| {
             tier.map(|tier| {
+                tier.set_removal_sink(sink(tier.kind()));
                 let (l, rxs) = Lower::new(tier.clone(), cfg.queue_depth);
                 for rx in rxs {
                     workers.push((tier.clone(), rx, l.shared.clone()));
@@ -771,7 +778,11 @@ async fn offload_worker(
                 if meta.is_expired(now_ms()) {
                     // Gone already; but an older copy in the tier must not
                     // outlive it (it would be served once memory lets go).
-                    tier.remove(&ns, &key).await.map(|_| Outcome::Put(Vec::new()))
+                    let found = tier.remove(&ns, &key).await;
+                    if let (Ok(true), Some(inner)) = (&found, inner.upgrade()) {
+                        emit(&inner.events, EventKind::Removed, &ns, &key, kind);
+                    }
+                    found.map(|_| Outcome::Put(Vec::new()))
                 } else {
                     match tier.put(&ns, key.clone(), value, meta).await {
                         Ok(mut evicted) => {
@@ -791,7 +802,17 @@ async fn offload_worker(
                     }
                 }
             }
-            Action::Remove => tier.remove(&ns, &key).await.map(Outcome::Found),
+            Action::Remove => {
+                let found = tier.remove(&ns, &key).await;
+                // A caller waiting for the result (DEL) announces it; a
+                // stale copy's removal is announced here.
+                if reply.is_none() && matches!(found, Ok(true)) {
+                    if let Some(inner) = inner.upgrade() {
+                        emit(&inner.events, EventKind::Removed, &ns, &key, kind);
+                    }
+                }
+                found.map(Outcome::Found)
+            }
             Action::Expire { at } => tier.set_expiry(&ns, &key, at).await.map(Outcome::Found),
             Action::RemoveNamespace => tier.remove_namespace(&ns).await.map(Outcome::Count),
         };

@@ -467,3 +467,80 @@ async fn randomized_history_matches_a_sequential_model() {
         assert!(s.stats().tiers[0].evictions > 50, "memory pressure expected: {:?}", s.stats().tiers[0]);
     }
 }
+
+/// Issue 13: every way an entry leaves a tier publishes `removed` with
+/// that tier: expiry, delete, namespace flush, corrupt drop, stale-copy
+/// removal and eviction.
+#[tokio::test]
+async fn every_removal_is_announced_with_its_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let dcfg = granary_warehouse::config::DiskConfig {
+        dir: dir.path().to_path_buf(),
+        capacity: granary_core::ByteSize::mib(64),
+        policy: PolicyKind::Lru,
+    };
+    let disk = Arc::new(
+        granary_warehouse::tier::disk::open_disk(&dcfg, granary_warehouse::tier::at_rest::AtRest::with_key(None, None))
+            .await
+            .unwrap(),
+    );
+    // Write-back mode: only durable puts reach the disk, so the test decides what is there.
+    let s = Store::with_tiers(cfg(OffloadMode::Evicted, 16 * 1024), Some(disk.clone()), None);
+    let mut rx = s.subscribe();
+    let durable = PutOptions { durable: true, ..Default::default() };
+    let v = || Bytes::from(vec![7u8; 100]);
+
+    let ttl = PutOptions { ttl: Some(Duration::from_millis(40)), durable: true, ..Default::default() };
+    s.put("n", b_("exp"), v(), ttl).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    assert!(s.get("n", b"exp").await.unwrap().is_none());
+
+    s.put("n", b_("del"), v(), durable.clone()).await.unwrap();
+    assert!(s.delete("n", b"del").await.unwrap());
+
+    s.put("other", b_("f1"), v(), durable.clone()).await.unwrap();
+    assert_eq!(s.delete_namespace("other").await.unwrap(), 2);
+
+    s.put("n", b_("bad"), v(), durable.clone()).await.unwrap();
+    s.memory().remove_sync("n", b"bad");
+    let path = disk.entry_path("n", b"bad");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&path, bytes).unwrap();
+    assert!(s.get("n", b"bad").await.unwrap().is_none());
+
+    s.put("n", b_("stale"), v(), durable.clone()).await.unwrap();
+    s.put("n", b_("stale"), Bytes::from_static(b"newer"), PutOptions::default()).await.unwrap();
+    s.flush(Duration::from_secs(5)).await.unwrap();
+
+    for i in 0..400 {
+        s.put("ev", k(i), v(), PutOptions::default()).await.unwrap();
+    }
+    s.flush(Duration::from_secs(5)).await.unwrap();
+
+    let mut removed = std::collections::HashSet::new();
+    while let Ok(e) = rx.try_recv() {
+        if e.kind == EventKind::Removed {
+            removed.insert((e.tier, e.namespace, String::from_utf8_lossy(&e.key).into_owned()));
+        }
+    }
+    let want = [
+        (TierKind::Memory, "n", "exp"),
+        (TierKind::Disk, "n", "exp"),
+        (TierKind::Memory, "n", "del"),
+        (TierKind::Disk, "n", "del"),
+        (TierKind::Memory, "other", "f1"),
+        (TierKind::Disk, "other", "f1"),
+        (TierKind::Disk, "n", "bad"),
+        (TierKind::Disk, "n", "stale"),
+        (TierKind::Memory, "ev", "k0000"),
+    ];
+    for (tier, ns, key) in want {
+        assert!(removed.contains(&(tier, ns.to_string(), key.to_string())), "no `removed` for {tier} {ns}/{key}");
+    }
+}
+
+fn b_(s: &str) -> Bytes {
+    Bytes::copy_from_slice(s.as_bytes())
+}

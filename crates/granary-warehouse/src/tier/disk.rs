@@ -60,7 +60,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use super::{Tier, TierKind};
+use super::{RemovalSink, Removals, Tier, TierKind};
 use crate::config::DiskConfig;
 use crate::error::{Result, WarehouseError};
 use crate::policy::{EntryId, Policy, PolicyKind};
@@ -198,6 +198,7 @@ struct Shared {
     sync_hook: Mutex<Option<SyncHook>>,
     seq: AtomicU64,
     c: Counters,
+    removals: Removals,
 }
 
 /// The disk tier; see the module docs.
@@ -266,6 +267,7 @@ pub async fn open_disk(cfg: &DiskConfig, at_rest: AtRest) -> Result<DiskTier> {
         sync_hook: Mutex::new(None),
         seq: AtomicU64::new(0),
         c: Counters::default(),
+        removals: Removals::default(),
     });
     let s2 = s.clone();
     blocking(move || s2.recover()).await?;
@@ -523,6 +525,7 @@ impl Shared {
             drop(ix);
             tracing::warn!(namespace = ns, %reason, "disk tier: dropped a corrupt entry");
             self.c.corrupt_dropped.fetch_add(1, Relaxed);
+            self.removals.removed(ns, key);
         }
     }
 
@@ -541,6 +544,7 @@ impl Shared {
             ix.remove(ns, key);
             self.unlink_locked(ns, key);
             self.c.expirations.fetch_add(1, Relaxed);
+            self.removals.removed(ns, key);
         }
         None
     }
@@ -728,8 +732,13 @@ impl Tier for DiskTier {
         TierKind::Disk
     }
 
+    fn set_removal_sink(&self, sink: RemovalSink) {
+        self.s.removals.set(sink);
+    }
+
     async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
-        if self.contains_local(ns, key) == Some(false) {
+        // An expired entry still goes on: the read drops it (and says so).
+        if self.s.index.lock().slot(ns, key).is_none() {
             self.s.c.misses.fetch_add(1, Relaxed);
             return Ok(None);
         }
@@ -773,6 +782,7 @@ impl Tier for DiskTier {
             for k in keys {
                 if ix.remove(&ns, &k).is_some() {
                     s.unlink_locked(&ns, &k);
+                    s.removals.removed(&ns, &k);
                     n += 1;
                 }
             }
@@ -849,6 +859,7 @@ impl Tier for DiskTier {
                 let Some((ns, key)) = ix.by_id.get(&id).cloned() else { continue };
                 if ix.slot(&ns, &key).is_some_and(|sl| sl.pins == 0) && ix.remove(&ns, &key).is_some() {
                     s.unlink_locked(&ns, &key);
+                    s.removals.removed(&ns, &key);
                     n += 1;
                 }
             }

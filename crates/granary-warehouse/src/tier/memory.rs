@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use super::{Tier, TierKind};
+use super::{RemovalSink, Removals, Tier, TierKind};
 use crate::error::Result;
 use crate::policy::{EntryId, Policy, PolicyKind};
 use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
@@ -76,6 +76,7 @@ pub struct MemoryTier {
     capacity: u64,
     policy: PolicyKind,
     c: Counters,
+    removals: Removals,
 }
 
 fn entry_size(key: &[u8], value: &[u8]) -> u64 {
@@ -108,7 +109,7 @@ impl MemoryTier {
                 })
             })
             .collect();
-        MemoryTier { shards, capacity, policy, c: Counters::default() }
+        MemoryTier { shards, capacity, policy, c: Counters::default(), removals: Removals::default() }
     }
 
     fn shard(&self, ns: &str, key: &[u8]) -> &Mutex<Shard> {
@@ -172,6 +173,7 @@ impl MemoryTier {
         if expired {
             self.remove_locked(&mut s, ns, key);
             s.expirations += 1;
+            self.removals.removed(ns, key);
         }
         s.misses += 1;
         None
@@ -354,6 +356,10 @@ impl Tier for MemoryTier {
         TierKind::Memory
     }
 
+    fn set_removal_sink(&self, sink: RemovalSink) {
+        self.removals.set(sink);
+    }
+
     async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
         Ok(self.get_sync(ns, key))
     }
@@ -380,7 +386,10 @@ impl Tier for MemoryTier {
             let mut s = shard.lock();
             let keys: Vec<Bytes> = s.spaces.get(ns).map(|sp| sp.map.keys().cloned().collect()).unwrap_or_default();
             for k in keys {
-                n += self.remove_locked(&mut s, ns, &k) as u64;
+                if self.remove_locked(&mut s, ns, &k) {
+                    n += 1;
+                    self.removals.removed(ns, &k);
+                }
             }
         }
         Ok(n)
@@ -454,6 +463,7 @@ impl Tier for MemoryTier {
                     if !pinned && self.remove_locked(&mut s, &ns, &key) {
                         n += 1;
                         s.expirations += 1;
+                        self.removals.removed(&ns, &key);
                     }
                 }
             }

@@ -9,6 +9,7 @@
 //! [`TierStats`].
 
 use std::fmt;
+use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -47,10 +48,35 @@ impl fmt::Display for TierKind {
     }
 }
 
+/// Told of each entry a tier drops on its own (expiry, corruption,
+/// namespace removal), so the store can announce it as `removed`.
+pub type RemovalSink = Arc<dyn Fn(&str, &[u8]) + Send + Sync>;
+
+/// A tier's [`RemovalSink`], once the store has set it.
+#[derive(Default)]
+pub struct Removals(OnceLock<RemovalSink>);
+
+impl Removals {
+    pub fn set(&self, sink: RemovalSink) {
+        let _ = self.0.set(sink);
+    }
+
+    /// Reports one removed entry.
+    pub fn removed(&self, ns: &str, key: &[u8]) {
+        if let Some(s) = self.0.get() {
+            s(ns, key);
+        }
+    }
+}
+
 /// One storage tier.
 #[async_trait]
 pub trait Tier: Send + Sync + 'static {
     fn kind(&self) -> TierKind;
+
+    /// Where to report entries the tier drops on its own; tiers that never
+    /// drop entries by themselves ignore it.
+    fn set_removal_sink(&self, _sink: RemovalSink) {}
 
     /// The value and metadata, or `None` if absent or expired. Counts a hit
     /// or a miss. A corrupt entry is dropped, counted and reported as absent.
