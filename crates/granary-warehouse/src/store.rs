@@ -381,6 +381,11 @@ impl Store {
         let meta = EntryMeta { expires_at_ms: ttl.map(|t| now_ms() + t.as_millis() as u64), depth: opts.depth };
         let mode = self.inner.cfg.offload;
         let size = value.len() as u64;
+        let memory_can = self.inner.cfg.memory_tier && self.inner.memory.could_hold(&key, &value);
+        if !memory_can && self.lower().next().is_none() {
+            // Refused before anything changes: the key keeps its old value.
+            return Err(WarehouseError::OutOfMemory { size });
+        }
         let (seq, in_memory, evicted) = {
             let mut v = self.inner.stripe(ns, &key).lock();
             *v += 1;

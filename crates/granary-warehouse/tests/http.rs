@@ -601,5 +601,6 @@ async fn metrics_token_reads_metrics_and_nothing_else() {
     let h = hashes(1);
     assert_eq!(s.put("a", &h[0], block(1), "", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
     assert_eq!(s.get(&format!("/v1/blocks/a/{}", h[0]), Some("scrape")).await.status(), StatusCode::FORBIDDEN);
+    assert_eq!(s.get("/v1/events", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
     s.shutdown().await;
 }

@@ -486,6 +486,11 @@ fn a_value_no_tier_can_hold_gets_oom() {
     let got = read_until(&mut s, &resp(&[b"SET", b"big", &big]), b"\r\n");
     assert!(got.starts_with(b"-OOM "), "{}", String::from_utf8_lossy(&got));
     expect(&mut s, &resp(&[b"GET", b"big"]), b"$-1\r\n");
+    // A refused write leaves the key's old value alone, as in Redis.
+    expect(&mut s, &resp(&[b"SET", b"k", b"old"]), b"+OK\r\n");
+    let got = read_until(&mut s, &resp(&[b"SET", b"k", &big]), b"\r\n");
+    assert!(got.starts_with(b"-OOM "), "{}", String::from_utf8_lossy(&got));
+    expect(&mut s, &resp(&[b"GET", b"k"]), b"$3\r\nold\r\n");
 }
 
 /// Issue 13: before AUTH, a client on a server with tokens may send only

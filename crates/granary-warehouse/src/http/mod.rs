@@ -215,7 +215,12 @@ fn data_access(st: &AppState, headers: &HeaderMap) -> Result<Access, ApiError> {
     if st.ctx.auth.is_open() {
         return Ok(Access::Open);
     }
-    authenticate(st, headers).map(Access::As)
+    match authenticate(st, headers)? {
+        Principal::Metrics => {
+            Err(ApiError::forbidden("metrics_only", "this token opens /metrics only").param("authorization"))
+        }
+        p => Ok(Access::As(p)),
+    }
 }
 
 fn admin_access(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {

@@ -146,6 +146,11 @@ impl MemoryTier {
             .count()
     }
 
+    /// Whether a value of this size could ever be held (within the whole budget).
+    pub fn could_hold(&self, key: &[u8], value: &[u8]) -> bool {
+        self.capacity == 0 || entry_size(key, value) <= self.capacity
+    }
+
     /// Reads a value without an await: the in-process fast path.
     pub fn get_sync(&self, ns: &str, key: &[u8]) -> Option<Stored> {
         self.get_versioned(ns, key).map(|(s, _)| s)
