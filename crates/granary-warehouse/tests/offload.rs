@@ -364,7 +364,7 @@ const SLACK_MS: u64 = 25;
 
 /// One client's random history on the keys it owns, each read checked
 /// against the sequential model of its key.
-async fn client_history(s: Store, mode: OffloadMode, client: usize, seed: u64) -> usize {
+async fn client_history(s: Store, mode: OffloadMode, client: usize, seed: u64) -> (usize, Vec<(Bytes, Model)>) {
     use granary_warehouse::types::now_ms;
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -399,6 +399,8 @@ async fn client_history(s: Store, mode: OffloadMode, client: usize, seed: u64) -
                 let t1 = now_ms();
                 let gone = m.value.is_none() || m.expiry.is_some_and(|(_, late)| late + SLACK_MS < t0);
                 assert!(!(found && gone), "{ctx}: EXPIRE found a key that was deleted or expired");
+                let live = m.value.is_some() && m.expiry.is_none_or(|(early, _)| early > t1 + SLACK_MS);
+                assert!(found || !live || mode != OffloadMode::All, "{ctx}: EXPIRE missed a live key in mode all");
                 if found {
                     m.expiry = Some((t0 + d, t1 + d));
                 } else {
@@ -432,7 +434,8 @@ async fn client_history(s: Store, mode: OffloadMode, client: usize, seed: u64) -
             }
         }
     }
-    checked
+    let keys = (0..model.len()).map(|j| Bytes::from(format!("c{client}-k{j}")));
+    (checked, keys.zip(model).collect())
 }
 
 /// Issue 13: several concurrent clients run random SET/DEL/EXPIRE/GET on a
@@ -455,13 +458,36 @@ async fn randomized_history_matches_a_sequential_model() {
             }),
             ..StoreConfig::memory_only(6 * 1024)
         };
-        let s = Store::open(c).await.unwrap();
+        let disk = Arc::new(
+            granary_warehouse::tier::disk::open_disk(
+                c.disk.as_ref().unwrap(),
+                granary_warehouse::tier::at_rest::AtRest::with_key(None, None),
+            )
+            .await
+            .unwrap(),
+        );
+        let s = Store::with_tiers(c, Some(disk.clone()), None);
         let clients: Vec<_> = (0..4)
             .map(|client| tokio::spawn(client_history(s.clone(), mode, client, 1000 * round as u64 + client as u64)))
             .collect();
-        let mut checked = 0;
+        let (mut checked, mut models) = (0, Vec::new());
         for c in clients {
-            checked += c.await.unwrap();
+            let (n, m) = c.await.unwrap();
+            checked += n;
+            models.extend(m);
+        }
+        // At rest, in mode all, the disk holds exactly what the clients last
+        // wrote: no copy landed out of order, none was lost or resurrected.
+        s.flush(Duration::from_secs(10)).await.unwrap();
+        if mode == OffloadMode::All {
+            let now = granary_warehouse::types::now_ms();
+            for (key, m) in &models {
+                if m.expiry.is_some_and(|(early, _)| early <= now + SLACK_MS) {
+                    continue;
+                }
+                let below = disk.get("h", key).await.unwrap().map(|h| h.value);
+                assert_eq!(below, m.value, "disk disagrees with the last write of {key:?}");
+            }
         }
         assert!(checked > 300, "too few reads checked: {checked}");
         assert!(s.stats().tiers[0].evictions > 50, "memory pressure expected: {:?}", s.stats().tiers[0]);
@@ -543,4 +569,24 @@ async fn every_removal_is_announced_with_its_tier() {
 
 fn b_(s: &str) -> Bytes {
     Bytes::copy_from_slice(s.as_bytes())
+}
+
+/// Issue 13: a copy that expires while queued still removes the older copy
+/// below, which would otherwise be read once the newer value expired.
+#[tokio::test]
+async fn a_copy_expired_in_the_queue_still_clears_the_older_copy() {
+    let disk = Lower::new(TierKind::Disk, Duration::from_millis(20));
+    let s = Store::with_tiers(cfg(OffloadMode::All, 1 << 20), Some(disk.clone()), None);
+    s.put("n", k(1), Bytes::from_static(b"old"), PutOptions::default()).await.unwrap();
+    s.flush(Duration::from_secs(5)).await.unwrap();
+    // Keep every lane busy for a while (32 keys over 4 lanes, 20 ms each).
+    for i in 100..132 {
+        s.put("n", k(i), Bytes::from_static(b"x"), PutOptions::default()).await.unwrap();
+    }
+    let short = PutOptions { ttl: Some(Duration::from_millis(30)), ..Default::default() };
+    s.put("n", k(1), Bytes::from_static(b"new"), short).await.unwrap();
+    s.flush(Duration::from_secs(5)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    let got = s.get("n", &k(1)).await.unwrap().map(|h| h.value);
+    assert_eq!(got, None, "an older value came back after the newer one expired");
 }
