@@ -13,8 +13,11 @@
 //! tier's older state: a queued copy is served from the map, a queued
 //! delete hides the tier's copy.
 //!
-//! Copies are bounded (`queue_depth` per tier): a copy that finds the
-//! queue full is dropped and counted, and replaced by a removal of any
+//! Each lane keeps its own pending map under its own lock, so writers of
+//! keys in different lanes do not contend.
+//!
+//! Copies are bounded (`queue_depth` per tier, split among the lanes): a
+//! copy that finds its lane full is dropped and counted, and replaced by a removal of any
 //! older copy in the tier, so a dropped copy can never let an older value
 //! be served later. Deletes, expiries and synchronous writes are never
 //! dropped, and whoever waits for one gets its result.
@@ -104,68 +107,92 @@ pub(crate) struct Counters {
     pub inflight: AtomicU64,
 }
 
-/// The lanes' shared state, also held by the workers.
+/// The counters of a tier's lanes, also held by the workers.
 pub(crate) struct Shared {
-    state: Mutex<State>,
     pub c: Counters,
+}
+
+/// One lane's bookkeeping, also held by its worker.
+#[derive(Default)]
+pub(crate) struct LaneState(Mutex<State>);
+
+struct Lane {
+    tx: mpsc::UnboundedSender<Op>,
+    state: Arc<LaneState>,
 }
 
 /// One lower tier and its lanes.
 pub(crate) struct Lower {
     pub tier: Arc<dyn Tier>,
-    lanes: Vec<mpsc::UnboundedSender<Op>>,
+    lanes: Vec<Lane>,
+    /// Most copies queued per lane.
     depth: usize,
     pub shared: Arc<Shared>,
 }
+
+/// A worker's end of one lane.
+pub(crate) type LaneEnd = (mpsc::UnboundedReceiver<Op>, Arc<LaneState>);
 
 fn lane_of(key: &[u8], n: usize) -> usize {
     (xxhash_rust::xxh3::xxh3_64(key) as usize) % n
 }
 
+fn worker_gone(reply: Option<Reply>) {
+    if let Some(r) = reply {
+        let _ = r.send(Err(crate::error::WarehouseError::Config("offload worker stopped".into())));
+    }
+}
+
 impl Lower {
-    /// The lanes of `tier`, bounding queued copies to `depth`; the
-    /// receivers are for the workers.
-    pub fn new(tier: Arc<dyn Tier>, depth: usize) -> (Lower, Vec<mpsc::UnboundedReceiver<Op>>) {
-        let (lanes, rxs) = (0..LANES).map(|_| mpsc::unbounded_channel()).unzip();
-        let shared = Arc::new(Shared { state: Mutex::new(State::default()), c: Counters::default() });
-        (Lower { tier, lanes, depth: depth.max(1), shared }, rxs)
+    /// The lanes of `tier`, bounding queued copies to about `depth`; the
+    /// lane ends are for the workers.
+    pub fn new(tier: Arc<dyn Tier>, depth: usize) -> (Lower, Vec<LaneEnd>) {
+        let mut lanes = Vec::with_capacity(LANES);
+        let mut ends = Vec::with_capacity(LANES);
+        for _ in 0..LANES {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let state = Arc::new(LaneState::default());
+            lanes.push(Lane { tx, state: state.clone() });
+            ends.push((rx, state));
+        }
+        let shared = Arc::new(Shared { c: Counters::default() });
+        (Lower { tier, lanes, depth: (depth / LANES).max(1), shared }, ends)
     }
 
-    fn push(&self, st: &mut State, op: Op) {
-        {
-            let p = st
-                .pending
-                .entry((op.ns.clone(), op.key.clone()))
-                .or_insert(Pending { ops: 0, latest: Latest::Unknown });
-            p.ops += 1;
-            p.latest = match (&op.action, &p.latest) {
-                (Action::Put { value, meta }, _) => Latest::Value(value.clone(), *meta),
-                (Action::Remove | Action::RemoveNamespace, _) => Latest::Removed,
-                (Action::Expire { at }, Latest::Value(v, m)) => {
-                    Latest::Value(v.clone(), EntryMeta { expires_at_ms: *at, ..*m })
-                }
-                (Action::Expire { .. }, other) => other.clone(),
-            };
-        }
+    fn lane(&self, key: &[u8]) -> &Lane {
+        &self.lanes[lane_of(key, self.lanes.len())]
+    }
+
+    /// Queues an operation on a key's lane; `st` is that lane's state.
+    fn push(&self, lane: &Lane, st: &mut State, op: Op) {
+        let p =
+            st.pending.entry((op.ns.clone(), op.key.clone())).or_insert(Pending { ops: 0, latest: Latest::Unknown });
+        p.ops += 1;
+        p.latest = match (&op.action, &p.latest) {
+            (Action::Put { value, meta }, _) => Latest::Value(value.clone(), *meta),
+            (Action::Remove | Action::RemoveNamespace, _) => Latest::Removed,
+            (Action::Expire { at }, Latest::Value(v, m)) => {
+                Latest::Value(v.clone(), EntryMeta { expires_at_ms: *at, ..*m })
+            }
+            (Action::Expire { .. }, other) => other.clone(),
+        };
         if op.copy {
             st.copies += 1;
         }
         self.shared.c.inflight.fetch_add(1, Relaxed);
-        let lane = lane_of(&op.key, self.lanes.len());
-        if let Err(mpsc::error::SendError(op)) = self.lanes[lane].send(op) {
+        if let Err(mpsc::error::SendError(op)) = lane.tx.send(op) {
             // The worker is gone (runtime shutting down): undo the bookkeeping.
-            finish(&self.shared, &op.ns, &op.key, op.copy);
-            if let Some(r) = op.reply {
-                let _ = r.send(Err(crate::error::WarehouseError::Config("offload worker stopped".into())));
-            }
+            finish_locked(st, &self.shared, &op.ns, &op.key, op.copy);
+            worker_gone(op.reply);
         }
     }
 
-    /// Queues an asynchronous copy; `false` when the queue was full and the
+    /// Queues an asynchronous copy; `false` when the lane was full and the
     /// copy was dropped (any older copy in the tier is then removed).
     /// Call with the key's lock held.
     pub fn offer_copy(&self, ns: &str, key: &Bytes, value: Bytes, meta: EntryMeta) -> bool {
-        let mut st = self.shared.state.lock();
+        let lane = self.lane(key);
+        let mut st = lane.state.0.lock();
         if st.copies < self.depth {
             let op = Op {
                 ns: ns.to_string(),
@@ -174,23 +201,24 @@ impl Lower {
                 reply: None,
                 copy: true,
             };
-            self.push(&mut st, op);
+            self.push(lane, &mut st, op);
             self.shared.c.queued.fetch_add(1, Relaxed);
             return true;
         }
         self.shared.c.dropped.fetch_add(1, Relaxed);
-        self.invalidate_locked(&mut st, ns, key);
+        self.invalidate_locked(lane, &mut st, ns, key);
         false
     }
 
     /// Queues removal of any copy the tier holds or will hold (a stale copy
     /// after a newer write). Call with the key's lock held.
     pub fn invalidate(&self, ns: &str, key: &Bytes) {
-        let mut st = self.shared.state.lock();
-        self.invalidate_locked(&mut st, ns, key);
+        let lane = self.lane(key);
+        let mut st = lane.state.0.lock();
+        self.invalidate_locked(lane, &mut st, ns, key);
     }
 
-    fn invalidate_locked(&self, st: &mut State, ns: &str, key: &Bytes) {
+    fn invalidate_locked(&self, lane: &Lane, st: &mut State, ns: &str, key: &Bytes) {
         let pending = st.pending.get(&(ns.to_string(), key.clone())).map(|p| p.latest.clone());
         let may_hold = match pending {
             Some(Latest::Removed) => false,
@@ -198,10 +226,8 @@ impl Lower {
             None => self.tier.contains_local(ns, key) != Some(false),
         };
         if may_hold {
-            self.push(
-                st,
-                Op { ns: ns.to_string(), key: key.clone(), action: Action::Remove, reply: None, copy: false },
-            );
+            let op = Op { ns: ns.to_string(), key: key.clone(), action: Action::Remove, reply: None, copy: false };
+            self.push(lane, st, op);
         }
     }
 
@@ -210,17 +236,24 @@ impl Lower {
     pub fn submit(&self, ns: &str, key: &Bytes, action: Action) -> oneshot::Receiver<Result<Outcome>> {
         let (tx, rx) = oneshot::channel();
         let op = Op { ns: ns.to_string(), key: key.clone(), action, reply: Some(tx), copy: false };
-        self.push(&mut self.shared.state.lock(), op);
+        let lane = self.lane(key);
+        self.push(lane, &mut lane.state.0.lock(), op);
         rx
     }
 
     /// Removes a namespace on every lane (after everything queued before).
     pub fn submit_namespace(&self, ns: &str) -> Vec<oneshot::Receiver<Result<Outcome>>> {
-        let mut st = self.shared.state.lock();
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(self.lanes.len());
         for lane in &self.lanes {
+            let mut st = lane.state.0.lock();
+            // Every pending key of the namespace ends removed.
+            for ((pns, _), p) in st.pending.iter_mut() {
+                if pns == ns {
+                    p.latest = Latest::Removed;
+                }
+            }
             let (tx, rx) = oneshot::channel();
-            // An empty key marks a namespace-wide operation.
+            // An empty key marks a namespace-wide operation (not in the pending map).
             let op = Op {
                 ns: ns.to_string(),
                 key: Bytes::new(),
@@ -228,32 +261,20 @@ impl Lower {
                 reply: Some(tx),
                 copy: false,
             };
-            self.push_to(&mut st, lane, op);
+            self.shared.c.inflight.fetch_add(1, Relaxed);
+            if let Err(mpsc::error::SendError(op)) = lane.tx.send(op) {
+                self.shared.c.inflight.fetch_sub(1, Relaxed);
+                worker_gone(op.reply);
+            }
             out.push(rx);
         }
         out
     }
 
-    fn push_to(&self, st: &mut State, tx: &mpsc::UnboundedSender<Op>, op: Op) {
-        // Every pending key of the namespace ends removed.
-        for ((ns, _), p) in st.pending.iter_mut() {
-            if *ns == op.ns {
-                p.latest = Latest::Removed;
-            }
-        }
-        self.shared.c.inflight.fetch_add(1, Relaxed);
-        if let Err(mpsc::error::SendError(op)) = tx.send(op) {
-            self.shared.c.inflight.fetch_sub(1, Relaxed);
-            if let Some(r) = op.reply {
-                let _ = r.send(Err(crate::error::WarehouseError::Config("offload worker stopped".into())));
-            }
-        }
-    }
-
     /// What the tier will hold for a key once queued operations land;
     /// `None` when nothing is queued for it.
     pub fn latest(&self, ns: &str, key: &[u8]) -> Option<Latest> {
-        let st = self.shared.state.lock();
+        let st = self.lane(key).state.0.lock();
         if st.pending.is_empty() {
             return None;
         }
@@ -276,9 +297,12 @@ impl Lower {
     }
 }
 
-/// Bookkeeping after an operation was applied (or abandoned).
-pub(crate) fn finish(shared: &Shared, ns: &str, key: &Bytes, copy: bool) {
-    let mut st = shared.state.lock();
+/// Bookkeeping after a worker applied an operation of its lane.
+pub(crate) fn finish(lane: &LaneState, shared: &Shared, ns: &str, key: &Bytes, copy: bool) {
+    finish_locked(&mut lane.0.lock(), shared, ns, key, copy);
+}
+
+fn finish_locked(st: &mut State, shared: &Shared, ns: &str, key: &Bytes, copy: bool) {
     if copy {
         st.copies = st.copies.saturating_sub(1);
     }
@@ -291,6 +315,5 @@ pub(crate) fn finish(shared: &Shared, ns: &str, key: &Bytes, copy: bool) {
             }
         }
     }
-    drop(st);
     shared.c.inflight.fetch_sub(1, Relaxed);
 }

@@ -194,8 +194,8 @@ impl Store {
             tier.map(|tier| {
                 tier.set_removal_sink(sink(tier.kind()));
                 let (l, rxs) = Lower::new(tier.clone(), cfg.queue_depth);
-                for rx in rxs {
-                    workers.push((tier.clone(), rx, l.shared.clone()));
+                for (rx, lane) in rxs {
+                    workers.push((tier.clone(), rx, lane, l.shared.clone()));
                 }
                 l
             })
@@ -212,8 +212,8 @@ impl Store {
             promoted_remote: AtomicU64::new(0),
             stripes: (0..STRIPES).map(|_| Mutex::new(0)).collect(),
         });
-        for (tier, rx, shared) in workers {
-            tokio::spawn(offload_worker(Arc::downgrade(&inner), tier, rx, shared));
+        for (tier, rx, lane, shared) in workers {
+            tokio::spawn(offload_worker(Arc::downgrade(&inner), tier, rx, lane, shared));
         }
         if let Ok(h) = tokio::runtime::Handle::try_current() {
             h.spawn(sweeper(Arc::downgrade(&inner)));
@@ -773,6 +773,7 @@ async fn offload_worker(
     inner: Weak<Inner>,
     tier: Arc<dyn Tier>,
     mut rx: mpsc::UnboundedReceiver<Op>,
+    lane: Arc<offload::LaneState>,
     shared: Arc<offload::Shared>,
 ) {
     let kind = tier.kind();
@@ -821,7 +822,7 @@ async fn offload_worker(
             Action::Expire { at } => tier.set_expiry(&ns, &key, at).await.map(Outcome::Found),
             Action::RemoveNamespace => tier.remove_namespace(&ns).await.map(Outcome::Count),
         };
-        offload::finish(&shared, &ns, &key, copy);
+        offload::finish(&lane, &shared, &ns, &key, copy);
         match &result {
             // A copy the tier refused (too big for it) is not there: a loss.
             Ok(Outcome::Put(refused)) if copy && !refused.is_empty() => {
