@@ -466,6 +466,7 @@ async fn randomized_history_matches_a_sequential_model() {
             .await
             .unwrap(),
         );
+        let c2 = c.clone();
         let s = Store::with_tiers(c, Some(disk.clone()), None);
         let clients: Vec<_> = (0..4)
             .map(|client| tokio::spawn(client_history(s.clone(), mode, client, 1000 * round as u64 + client as u64)))
@@ -491,6 +492,20 @@ async fn randomized_history_matches_a_sequential_model() {
         }
         assert!(checked > 300, "too few reads checked: {checked}");
         assert!(s.stats().tiers[0].evictions > 50, "memory pressure expected: {:?}", s.stats().tiers[0]);
+        if mode == OffloadMode::All {
+            // Restart: a store reopened on the same directory serves each
+            // key's last write (or nothing), never an older one.
+            drop((s, disk));
+            let s = Store::open(c2.clone()).await.unwrap();
+            let now = granary_warehouse::types::now_ms();
+            for (key, m) in &models {
+                if m.expiry.is_some_and(|(early, _)| early <= now + SLACK_MS) {
+                    continue;
+                }
+                let got = s.get("h", key).await.unwrap().map(|h| h.value);
+                assert_eq!(got, m.value, "after a restart, {key:?} is not its last write");
+            }
+        }
     }
 }
 
