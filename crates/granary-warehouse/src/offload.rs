@@ -128,6 +128,8 @@ pub(crate) struct Lower {
     /// Most copies queued per lane.
     depth: usize,
     pub shared: Arc<Shared>,
+    /// Whether the tier announces its own events (else the store does).
+    pub announces: bool,
 }
 
 /// A worker's end of one lane.
@@ -146,7 +148,7 @@ fn worker_gone(reply: Option<Reply>) {
 impl Lower {
     /// The lanes of `tier`, bounding queued copies to about `depth`; the
     /// lane ends are for the workers.
-    pub fn new(tier: Arc<dyn Tier>, depth: usize) -> (Lower, Vec<LaneEnd>) {
+    pub fn new(tier: Arc<dyn Tier>, depth: usize, announces: bool) -> (Lower, Vec<LaneEnd>) {
         let mut lanes = Vec::with_capacity(LANES);
         let mut ends = Vec::with_capacity(LANES);
         for _ in 0..LANES {
@@ -156,7 +158,7 @@ impl Lower {
             ends.push((rx, state));
         }
         let shared = Arc::new(Shared { c: Counters::default() });
-        (Lower { tier, lanes, depth: (depth / LANES).max(1), shared }, ends)
+        (Lower { tier, lanes, depth: (depth / LANES).max(1), shared, announces }, ends)
     }
 
     fn lane(&self, key: &[u8]) -> &Lane {

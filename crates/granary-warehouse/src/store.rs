@@ -183,19 +183,23 @@ impl Store {
     pub fn with_tiers(cfg: StoreConfig, disk: Option<Arc<dyn Tier>>, remote: Option<Arc<dyn Tier>>) -> Store {
         let memory = Arc::new(MemoryTier::new(cfg.memory.as_u64(), cfg.memory_policy));
         let (events, _) = broadcast::channel(8192);
-        // What a tier drops on its own (expiry, corruption, namespace removal) is announced too.
-        let sink = |tier: TierKind| -> crate::tier::RemovalSink {
+        // Tiers announce their own changes, under the locks that order them,
+        // so a subscriber sees one key's events in one tier in the order they
+        // happened; the store announces only for tiers that cannot.
+        let sink = |tier: TierKind| -> crate::tier::EventSink {
             let tx = events.clone();
-            Arc::new(move |ns: &str, key: &[u8]| emit(&tx, EventKind::Removed, ns, &Bytes::copy_from_slice(key), tier))
+            Arc::new(move |kind: EventKind, ns: &str, key: &[u8]| {
+                emit(&tx, kind, ns, &Bytes::copy_from_slice(key), tier)
+            })
         };
-        memory.set_removal_sink(sink(TierKind::Memory));
+        memory.set_event_sink(sink(TierKind::Memory));
         let mut workers = Vec::new();
         let mut lower = |tier: Option<Arc<dyn Tier>>| {
             tier.map(|tier| {
-                tier.set_removal_sink(sink(tier.kind()));
-                let (l, rxs) = Lower::new(tier.clone(), cfg.queue_depth);
+                let announces = tier.set_event_sink(sink(tier.kind()));
+                let (l, rxs) = Lower::new(tier.clone(), cfg.queue_depth, announces);
                 for (rx, lane) in rxs {
-                    workers.push((tier.clone(), rx, lane, l.shared.clone()));
+                    workers.push((tier.clone(), rx, lane, l.shared.clone(), announces));
                 }
                 l
             })
@@ -212,8 +216,8 @@ impl Store {
             promoted_remote: AtomicU64::new(0),
             stripes: (0..STRIPES).map(|_| Mutex::new(0)).collect(),
         });
-        for (tier, rx, lane, shared) in workers {
-            tokio::spawn(offload_worker(Arc::downgrade(&inner), tier, rx, lane, shared));
+        for (tier, rx, lane, shared, announces) in workers {
+            tokio::spawn(offload_worker(Arc::downgrade(&inner), tier, rx, lane, shared, announces));
         }
         if let Ok(h) = tokio::runtime::Handle::try_current() {
             h.spawn(sweeper(Arc::downgrade(&inner)));
@@ -335,11 +339,7 @@ impl Store {
         };
         // A value too big for memory comes straight back: it was never
         // stored there, and it is still in the tier it was read from.
-        let before = evicted.len();
         evicted.retain(|e| !(e.namespace == ns && e.key == key));
-        if evicted.len() == before {
-            self.emit(EventKind::Stored, ns, &key, TierKind::Memory);
-        }
         self.handle_evicted(evicted);
     }
 
@@ -399,16 +399,13 @@ impl Store {
             } else {
                 (Vec::new(), false)
             };
-            if in_memory {
-                self.emit(EventKind::Stored, ns, &key, TierKind::Memory);
-                if !opts.durable {
-                    for l in self.lower() {
-                        if mode == OffloadMode::All {
-                            l.offer_copy(ns, &key, value.clone(), meta);
-                        } else {
-                            // An older copy below would be served after this one leaves memory.
-                            l.invalidate(ns, &key);
-                        }
+            if in_memory && !opts.durable {
+                for l in self.lower() {
+                    if mode == OffloadMode::All {
+                        l.offer_copy(ns, &key, value.clone(), meta);
+                    } else {
+                        // An older copy below would be served after this one leaves memory.
+                        l.invalidate(ns, &key);
                     }
                 }
             }
@@ -465,7 +462,6 @@ impl Store {
     /// changed since the evicted value was written.
     fn handle_evicted(&self, evicted: Vec<Evicted>) {
         for e in evicted {
-            self.emit(EventKind::Removed, &e.namespace, &e.key, TierKind::Memory);
             let Some(value) = e.value else { continue };
             if self.inner.cfg.offload != OffloadMode::Evicted {
                 continue;
@@ -513,18 +509,18 @@ impl Store {
             let mut v = self.inner.stripe(ns, key).lock();
             *v += 1;
             // Queued before memory lets go, so no reader falls through to an older copy below.
-            let waits: Vec<_> = self.lower().map(|l| (l.tier.kind(), l.submit(ns, &k, Action::Remove))).collect();
+            let waits: Vec<_> =
+                self.lower().map(|l| (l.tier.kind(), l.announces, l.submit(ns, &k, Action::Remove))).collect();
             (self.inner.memory.remove_sync(ns, key), waits)
         };
-        if existed {
-            self.emit(EventKind::Removed, ns, &k, TierKind::Memory);
-        }
         let mut first_err = None;
-        for (kind, rx) in waits {
+        for (kind, announces, rx) in waits {
             match wait(rx).await {
                 Ok(Outcome::Found(true)) => {
                     existed = true;
-                    self.emit(EventKind::Removed, ns, &k, kind);
+                    if !announces {
+                        self.emit(EventKind::Removed, ns, &k, kind);
+                    }
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -757,9 +753,11 @@ fn offload_stats(l: &Lower) -> OffloadStats {
 
 /// Evictions from a lower tier: announce; in `evicted` mode, disk
 /// evictions go on to the remote tier when the disk still had the bytes.
-fn handle_evicted_below(inner: &Inner, tier: TierKind, evicted: Vec<Evicted>) {
+fn handle_evicted_below(inner: &Inner, tier: TierKind, announces: bool, evicted: Vec<Evicted>) {
     for e in evicted {
-        emit(&inner.events, EventKind::Removed, &e.namespace, &e.key, tier);
+        if !announces {
+            emit(&inner.events, EventKind::Removed, &e.namespace, &e.key, tier);
+        }
         if tier == TierKind::Disk && inner.cfg.offload == OffloadMode::Evicted {
             if let (Some(r), Some(value)) = (&inner.remote, e.value) {
                 let _v = inner.stripe(&e.namespace, &e.key).lock();
@@ -775,6 +773,8 @@ async fn offload_worker(
     mut rx: mpsc::UnboundedReceiver<Op>,
     lane: Arc<offload::LaneState>,
     shared: Arc<offload::Shared>,
+    // Whether the tier announces its own changes (else this worker does).
+    announces: bool,
 ) {
     let kind = tier.kind();
     while let Some(op) = rx.recv().await {
@@ -785,7 +785,7 @@ async fn offload_worker(
                     // Gone already; but an older copy in the tier must not
                     // outlive it (it would be served once memory lets go).
                     let found = tier.remove(&ns, &key).await;
-                    if let (Ok(true), Some(inner)) = (&found, inner.upgrade()) {
+                    if let (Ok(true), Some(inner), false) = (&found, inner.upgrade(), announces) {
                         emit(&inner.events, EventKind::Removed, &ns, &key, kind);
                     }
                     found.map(|_| Outcome::Put(Vec::new()))
@@ -797,10 +797,10 @@ async fn offload_worker(
                             let refused = refused.map(|i| evicted.remove(i));
                             let stored = refused.is_none();
                             if let Some(inner) = inner.upgrade() {
-                                if stored {
+                                if stored && !announces {
                                     emit(&inner.events, EventKind::Stored, &ns, &key, kind);
                                 }
-                                handle_evicted_below(&inner, kind, evicted);
+                                handle_evicted_below(&inner, kind, announces, evicted);
                             }
                             Ok(Outcome::Put(refused.into_iter().collect()))
                         }
@@ -812,7 +812,7 @@ async fn offload_worker(
                 let found = tier.remove(&ns, &key).await;
                 // A caller waiting for the result (DEL) announces it; a
                 // stale copy's removal is announced here.
-                if reply.is_none() && matches!(found, Ok(true)) {
+                if reply.is_none() && !announces && matches!(found, Ok(true)) {
                     if let Some(inner) = inner.upgrade() {
                         emit(&inner.events, EventKind::Removed, &ns, &key, kind);
                     }

@@ -605,3 +605,75 @@ async fn a_copy_expired_in_the_queue_still_clears_the_older_copy() {
     let got = s.get("n", &k(1)).await.unwrap().map(|h| h.value);
     assert_eq!(got, None, "an older value came back after the newer one expired");
 }
+
+/// Issue 13: a subscriber that applies the events in order ends with
+/// exactly the store's contents, tier by tier, after concurrent clients
+/// wrote, deleted and read a shared key set under memory and disk pressure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscribers_view_equals_the_store_after_a_randomized_run() {
+    use rand::{Rng, SeedableRng};
+    use tokio::sync::broadcast::error::TryRecvError;
+    for (round, mode) in [OffloadMode::All, OffloadMode::Hot, OffloadMode::Evicted].into_iter().enumerate() {
+        let dir = tempfile::tempdir().unwrap();
+        let dcfg = granary_warehouse::config::DiskConfig {
+            dir: dir.path().to_path_buf(),
+            capacity: granary_core::ByteSize::kib(5),
+            policy: PolicyKind::Lru,
+        };
+        let at_rest = granary_warehouse::tier::at_rest::AtRest::with_key(None, None);
+        let disk = Arc::new(granary_warehouse::tier::disk::open_disk(&dcfg, at_rest).await.unwrap());
+        let c = StoreConfig { offload: mode, hot_threshold: 1, ..StoreConfig::memory_only(4 * 1024) };
+        let s = Store::with_tiers(c, Some(disk.clone()), None);
+        let mut rx = s.subscribe();
+        let clients: Vec<_> = (0..4u64)
+            .map(|client| {
+                let s = s.clone();
+                tokio::spawn(async move {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(100 * round as u64 + client);
+                    for _ in 0..300 {
+                        let key = Bytes::from(format!("k{}", rng.random_range(0..12)));
+                        match rng.random_range(0..10) {
+                            0..=5 => {
+                                let v = Bytes::from(vec![client as u8; rng.random_range(100..1500)]);
+                                s.put("v", key, v, PutOptions::default()).await.unwrap();
+                            }
+                            6 | 7 => {
+                                s.delete("v", &key).await.unwrap();
+                            }
+                            _ => {
+                                s.get("v", &key).await.unwrap();
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for c in clients {
+            c.await.unwrap();
+        }
+        s.flush(Duration::from_secs(10)).await.unwrap();
+        let mut view = std::collections::HashMap::new();
+        loop {
+            match rx.try_recv() {
+                Ok(e) => {
+                    view.insert((e.tier, e.key), e.kind == EventKind::Stored);
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(e) => panic!("subscriber fell behind: {e}"),
+            }
+        }
+        let seen: std::collections::BTreeSet<_> =
+            view.into_iter().filter(|(_, present)| *present).map(|(k, _)| k).collect();
+        let mut held = std::collections::BTreeSet::new();
+        for k in s.memory().scan("v", 0, 100_000).await.unwrap().keys {
+            held.insert((TierKind::Memory, k));
+        }
+        for k in disk.scan("v", 0, 100_000).await.unwrap().keys {
+            held.insert((TierKind::Disk, k));
+        }
+        assert_eq!(seen, held, "mode {mode:?}: the event view differs from the store");
+        if mode != OffloadMode::Hot {
+            assert!(disk.stats().evictions > 20, "disk pressure expected: {:?}", disk.stats());
+        }
+    }
+}

@@ -60,7 +60,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use super::{RemovalSink, Removals, Tier, TierKind};
+use super::{EventSink, Tier, TierEvents, TierKind};
 use crate::config::DiskConfig;
 use crate::error::{Result, WarehouseError};
 use crate::policy::{EntryId, Policy, PolicyKind};
@@ -198,7 +198,7 @@ struct Shared {
     sync_hook: Mutex<Option<SyncHook>>,
     seq: AtomicU64,
     c: Counters,
-    removals: Removals,
+    events: TierEvents,
 }
 
 /// The disk tier; see the module docs.
@@ -267,7 +267,7 @@ pub async fn open_disk(cfg: &DiskConfig, at_rest: AtRest) -> Result<DiskTier> {
         sync_hook: Mutex::new(None),
         seq: AtomicU64::new(0),
         c: Counters::default(),
-        removals: Removals::default(),
+        events: TierEvents::default(),
     });
     let s2 = s.clone();
     blocking(move || s2.recover()).await?;
@@ -459,6 +459,7 @@ impl Shared {
             let mut ix = self.index.lock();
             if ix.remove(ns, &key).is_some() {
                 self.unlink_locked(ns, &key);
+                self.events.removed(ns, &key);
             }
             return Ok(vec![Evicted { namespace: ns.to_string(), key, value: Some(value), meta, seq: 0 }]);
         }
@@ -472,12 +473,13 @@ impl Shared {
         let mut victims = Vec::new();
         let mut ix = self.index.lock();
         // The older copy's file is replaced by the rename below.
-        ix.remove(ns, &key);
+        let had_old = ix.remove(ns, &key).is_some();
         let mut fits = true;
         while self.capacity != 0 && ix.bytes + size > self.capacity {
             match ix.evict_one() {
                 Some((vns, vkey, slot)) => {
                     let aside = self.set_aside(&vns, &vkey);
+                    self.events.removed(&vns, &vkey);
                     victims.push((vns, vkey, slot, aside));
                 }
                 None => {
@@ -489,6 +491,9 @@ impl Shared {
         if !fits {
             // Everything left is pinned: keep the budget, refuse this value.
             self.unlink_locked(ns, &key);
+            if had_old {
+                self.events.removed(ns, &key);
+            }
             drop(ix);
             let _ = remove_quiet(&tmp);
             let mut out = self.reap(victims);
@@ -497,12 +502,16 @@ impl Shared {
         }
         if let Err(e) = fs::rename(&tmp, &path) {
             self.unlink_locked(ns, &key);
+            if had_old {
+                self.events.removed(ns, &key);
+            }
             drop(ix);
             let _ = remove_quiet(&tmp);
             self.c.errors.fetch_add(1, Relaxed);
             self.reap(victims);
             return Err(io_err(e));
         }
+        self.events.stored(ns, &key);
         ix.insert(ns, key, size, meta);
         drop(ix);
         {
@@ -525,7 +534,7 @@ impl Shared {
             drop(ix);
             tracing::warn!(namespace = ns, %reason, "disk tier: dropped a corrupt entry");
             self.c.corrupt_dropped.fetch_add(1, Relaxed);
-            self.removals.removed(ns, key);
+            self.events.removed(ns, key);
         }
     }
 
@@ -544,7 +553,7 @@ impl Shared {
             ix.remove(ns, key);
             self.unlink_locked(ns, key);
             self.c.expirations.fetch_add(1, Relaxed);
-            self.removals.removed(ns, key);
+            self.events.removed(ns, key);
         }
         None
     }
@@ -732,8 +741,9 @@ impl Tier for DiskTier {
         TierKind::Disk
     }
 
-    fn set_removal_sink(&self, sink: RemovalSink) {
-        self.s.removals.set(sink);
+    fn set_event_sink(&self, sink: EventSink) -> bool {
+        self.s.events.set(sink);
+        true
     }
 
     async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
@@ -767,6 +777,7 @@ impl Tier for DiskTier {
             let found = ix.remove(&ns, &key).is_some();
             if found {
                 s.unlink_locked(&ns, &key);
+                s.events.removed(&ns, &key);
             }
             Ok(found)
         })
@@ -782,7 +793,7 @@ impl Tier for DiskTier {
             for k in keys {
                 if ix.remove(&ns, &k).is_some() {
                     s.unlink_locked(&ns, &k);
-                    s.removals.removed(&ns, &k);
+                    s.events.removed(&ns, &k);
                     n += 1;
                 }
             }
@@ -859,7 +870,7 @@ impl Tier for DiskTier {
                 let Some((ns, key)) = ix.by_id.get(&id).cloned() else { continue };
                 if ix.slot(&ns, &key).is_some_and(|sl| sl.pins == 0) && ix.remove(&ns, &key).is_some() {
                     s.unlink_locked(&ns, &key);
-                    s.removals.removed(&ns, &key);
+                    s.events.removed(&ns, &key);
                     n += 1;
                 }
             }

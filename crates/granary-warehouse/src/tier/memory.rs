@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use super::{RemovalSink, Removals, Tier, TierKind};
+use super::{EventSink, Tier, TierEvents, TierKind};
 use crate::error::Result;
 use crate::policy::{EntryId, Policy, PolicyKind};
 use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
@@ -76,7 +76,7 @@ pub struct MemoryTier {
     capacity: u64,
     policy: PolicyKind,
     c: Counters,
-    removals: Removals,
+    events: TierEvents,
 }
 
 fn entry_size(key: &[u8], value: &[u8]) -> u64 {
@@ -109,7 +109,7 @@ impl MemoryTier {
                 })
             })
             .collect();
-        MemoryTier { shards, capacity, policy, c: Counters::default(), removals: Removals::default() }
+        MemoryTier { shards, capacity, policy, c: Counters::default(), events: TierEvents::default() }
     }
 
     fn shard(&self, ns: &str, key: &[u8]) -> &Mutex<Shard> {
@@ -178,7 +178,7 @@ impl MemoryTier {
         if expired {
             self.remove_locked(&mut s, ns, key);
             s.expirations += 1;
-            self.removals.removed(ns, key);
+            self.events.removed(ns, key);
         }
         s.misses += 1;
         None
@@ -206,7 +206,9 @@ impl MemoryTier {
         let mut s = self.shards[home].lock();
         if self.capacity != 0 && size > self.capacity {
             // Too big for this tier: replace nothing, hand it straight back.
-            self.remove_locked(&mut s, ns, &key);
+            if self.remove_locked(&mut s, ns, &key) {
+                self.events.removed(ns, &key);
+            }
             return vec![Evicted { namespace: ns.to_string(), key, value: Some(value), meta, seq }];
         }
         self.remove_locked(&mut s, ns, &key);
@@ -241,6 +243,7 @@ impl MemoryTier {
         if same {
             if let Some(slot) = self.take_locked(&mut s, ns, &key) {
                 s.policy.remove(slot.id);
+                self.events.removed(ns, &key);
                 evicted.push(Evicted { namespace: ns.to_string(), key, value: Some(slot.value), meta, seq });
             }
         }
@@ -272,6 +275,7 @@ impl MemoryTier {
         s.by_id.insert(id, (ns_arc.clone(), key.clone()));
         let space = s.spaces.entry(ns_arc).or_default();
         space.order.insert((scan_hash(&key), key.clone()));
+        self.events.stored(ns, &key);
         space.map.insert(key, Slot { id, seq, value, meta, hits: 0, pins: 0 });
         s.bytes += size;
         self.c.bytes.fetch_add(size, Relaxed);
@@ -282,7 +286,11 @@ impl MemoryTier {
     /// Removes a key; whether it was there.
     pub fn remove_sync(&self, ns: &str, key: &[u8]) -> bool {
         let mut s = self.shard(ns, key).lock();
-        self.remove_locked(&mut s, ns, key)
+        let found = self.remove_locked(&mut s, ns, key);
+        if found {
+            self.events.removed(ns, key);
+        }
+        found
     }
 
     /// Sets or clears a live entry's expiry (and with `seq`, its version);
@@ -321,6 +329,7 @@ impl MemoryTier {
         let (ns, key) = s.by_id.get(&victim).cloned()?;
         let slot = self.take_locked(s, &ns, &key)?;
         s.evictions += 1;
+        self.events.removed(&ns, &key);
         Some(Evicted { namespace: ns.to_string(), key, value: Some(slot.value), meta: slot.meta, seq: slot.seq })
     }
 
@@ -361,8 +370,9 @@ impl Tier for MemoryTier {
         TierKind::Memory
     }
 
-    fn set_removal_sink(&self, sink: RemovalSink) {
-        self.removals.set(sink);
+    fn set_event_sink(&self, sink: EventSink) -> bool {
+        self.events.set(sink);
+        true
     }
 
     async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
@@ -393,7 +403,7 @@ impl Tier for MemoryTier {
             for k in keys {
                 if self.remove_locked(&mut s, ns, &k) {
                     n += 1;
-                    self.removals.removed(ns, &k);
+                    self.events.removed(ns, &k);
                 }
             }
         }
@@ -468,7 +478,7 @@ impl Tier for MemoryTier {
                     if !pinned && self.remove_locked(&mut s, &ns, &key) {
                         n += 1;
                         s.expirations += 1;
-                        self.removals.removed(&ns, &key);
+                        self.events.removed(&ns, &key);
                     }
                 }
             }

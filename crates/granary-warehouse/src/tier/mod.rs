@@ -16,7 +16,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::error::Result;
-use crate::types::{EntryMeta, Evicted, ScanPage, Stored, TierStats};
+use crate::types::{EntryMeta, EventKind, Evicted, ScanPage, Stored, TierStats};
 
 pub mod at_rest;
 pub mod disk;
@@ -48,23 +48,30 @@ impl fmt::Display for TierKind {
     }
 }
 
-/// Told of each entry a tier drops on its own (expiry, corruption,
-/// namespace removal), so the store can announce it as `removed`.
-pub type RemovalSink = Arc<dyn Fn(&str, &[u8]) + Send + Sync>;
+/// Where a tier announces the entries it stores and drops, so the store
+/// can publish them as events.
+pub type EventSink = Arc<dyn Fn(EventKind, &str, &[u8]) + Send + Sync>;
 
-/// A tier's [`RemovalSink`], once the store has set it.
+/// A tier's [`EventSink`], once the store has set it. Tiers call it under
+/// the lock that orders the change, so one key's events in one tier come
+/// out in the order its entry changed.
 #[derive(Default)]
-pub struct Removals(OnceLock<RemovalSink>);
+pub struct TierEvents(OnceLock<EventSink>);
 
-impl Removals {
-    pub fn set(&self, sink: RemovalSink) {
+impl TierEvents {
+    pub fn set(&self, sink: EventSink) {
         let _ = self.0.set(sink);
     }
 
-    /// Reports one removed entry.
+    pub fn stored(&self, ns: &str, key: &[u8]) {
+        if let Some(s) = self.0.get() {
+            s(EventKind::Stored, ns, key);
+        }
+    }
+
     pub fn removed(&self, ns: &str, key: &[u8]) {
         if let Some(s) = self.0.get() {
-            s(ns, key);
+            s(EventKind::Removed, ns, key);
         }
     }
 }
@@ -74,9 +81,13 @@ impl Removals {
 pub trait Tier: Send + Sync + 'static {
     fn kind(&self) -> TierKind;
 
-    /// Where to report entries the tier drops on its own; tiers that never
-    /// drop entries by themselves ignore it.
-    fn set_removal_sink(&self, _sink: RemovalSink) {}
+    /// Where to announce entries. Returns true if the tier announces every
+    /// entry it stores or drops (in order, under its own locks); false if it
+    /// announces at most what it drops on its own (expiry, corruption), and
+    /// the store announces its writes and removals for it.
+    fn set_event_sink(&self, _sink: EventSink) -> bool {
+        false
+    }
 
     /// The value and metadata, or `None` if absent or expired. Counts a hit
     /// or a miss. A corrupt entry is dropped, counted and reported as absent.

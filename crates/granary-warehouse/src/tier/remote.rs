@@ -35,7 +35,7 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{GetOptions, GetRange, GetResult, GetResultPayload, ObjectStore, PutPayload};
 
-use super::{RemovalSink, Removals, Tier, TierKind};
+use super::{EventSink, Tier, TierEvents, TierKind};
 use crate::config::RemoteConfig;
 use crate::error::{Result, WarehouseError};
 use crate::tier::at_rest::{value_offset, AlignedBuf, AtRest, Corrupt, Record, RecordHead, MAX_HEAD, PREAMBLE};
@@ -60,7 +60,7 @@ pub struct RemoteTier {
     prefix: Path,
     at_rest: AtRest,
     c: Counters,
-    removals: Removals,
+    events: TierEvents,
 }
 
 fn remote_err(op: &str, path: &Path, e: object_store::Error) -> WarehouseError {
@@ -91,7 +91,7 @@ pub async fn open_remote(cfg: &RemoteConfig, at_rest: AtRest) -> Result<RemoteTi
     opts.extend(cfg.options.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.clone())));
     let (store, prefix) = object_store::parse_url_opts(&url, opts)
         .map_err(|e| WarehouseError::Config(format!("remote url {:?}: {e}", cfg.url)))?;
-    Ok(RemoteTier { store: Arc::from(store), prefix, at_rest, c: Counters::default(), removals: Removals::default() })
+    Ok(RemoteTier { store: Arc::from(store), prefix, at_rest, c: Counters::default(), events: TierEvents::default() })
 }
 
 impl RemoteTier {
@@ -156,7 +156,7 @@ impl RemoteTier {
     async fn drop_corrupt(&self, ns: &str, key: &[u8], path: &Path, reason: &Corrupt) {
         tracing::warn!(%path, %reason, "remote tier: dropping a corrupt object");
         self.c.corrupt_dropped.fetch_add(1, Relaxed);
-        self.removals.removed(ns, key);
+        self.events.removed(ns, key);
         if let Err(e) = self.store.delete(path).await {
             if !matches!(e, object_store::Error::NotFound { .. }) {
                 self.fail("delete", path, e);
@@ -228,8 +228,9 @@ impl Tier for RemoteTier {
         TierKind::Remote
     }
 
-    fn set_removal_sink(&self, sink: RemovalSink) {
-        self.removals.set(sink);
+    fn set_event_sink(&self, sink: EventSink) -> bool {
+        self.events.set(sink);
+        false
     }
 
     async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
@@ -244,7 +245,7 @@ impl Tier for RemoteTier {
             self.c.misses.fetch_add(1, Relaxed);
             self.c.expirations.fetch_add(1, Relaxed);
             self.delete(&self.object_path(ns, key)).await?;
-            self.removals.removed(ns, key);
+            self.events.removed(ns, key);
             return Ok(None);
         }
         self.c.hits.fetch_add(1, Relaxed);
