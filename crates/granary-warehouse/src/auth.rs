@@ -1,7 +1,9 @@
 //! Who a client is, for both servers.
 //!
 //! Each namespace may have a bearer token; one admin token covers every
-//! namespace and the admin endpoints. Tokens are kept only as SHA-256
+//! namespace and the admin endpoints; an optional metrics token opens
+//! `/metrics` and nothing else (for a scraper that must not be able to
+//! flush the store). Tokens are kept only as SHA-256
 //! digests and compared in constant time. With no token configured at all
 //! the servers run open (for loopback development): every client is the
 //! `default` namespace and admin actions are refused unless an admin token
@@ -23,6 +25,8 @@ pub enum Principal {
     Admin,
     /// One namespace.
     Namespace(String),
+    /// `/metrics` only: no namespace, no admin command.
+    Metrics,
 }
 
 impl Principal {
@@ -35,6 +39,7 @@ impl Principal {
         match self {
             Principal::Admin => true,
             Principal::Namespace(n) => n == ns,
+            Principal::Metrics => false,
         }
     }
 }
@@ -72,6 +77,7 @@ pub fn sha256(data: &[u8]) -> [u8; 32] {
 pub struct Auth {
     admin: Option<[u8; 32]>,
     namespaces: Vec<(String, [u8; 32])>,
+    metrics: Option<[u8; 32]>,
 }
 
 impl Auth {
@@ -83,7 +89,24 @@ impl Auth {
             ns.push((name.clone(), t.digest().map_err(|e| format!("token of namespace {name:?}: {e}"))?));
         }
         ns.sort();
-        Ok(Auth { admin, namespaces: ns })
+        Ok(Auth { admin, namespaces: ns, metrics: None })
+    }
+
+    /// Adds a token that opens `/metrics` and nothing else.
+    pub fn with_metrics_token(mut self, t: &TokenConfig) -> Result<Auth, String> {
+        self.metrics = Some(t.digest().map_err(|e| format!("metrics token: {e}"))?);
+        Ok(self)
+    }
+
+    /// [`Auth::with_metrics_token`] with a plain token (tests, flags).
+    pub fn with_metrics_plain(mut self, token: &str) -> Auth {
+        self.metrics = Some(sha256(token.as_bytes()));
+        self
+    }
+
+    /// Whether a metrics-only token is configured.
+    pub fn has_metrics(&self) -> bool {
+        self.metrics.is_some()
     }
 
     /// Convenience for tests and flags: plain tokens.
@@ -91,6 +114,7 @@ impl Auth {
         Auth {
             admin: admin.map(|t| sha256(t.as_bytes())),
             namespaces: namespaces.iter().map(|(n, t)| (n.to_string(), sha256(t.as_bytes()))).collect(),
+            metrics: None,
         }
     }
 
@@ -123,6 +147,11 @@ impl Auth {
             let ok = bool::from(t.ct_eq(&d));
             if ok && found.is_none() && namespace.is_none_or(|n| n == name) {
                 found = Some(Principal::Namespace(name.clone()));
+            }
+        }
+        if let Some(m) = &self.metrics {
+            if bool::from(m.ct_eq(&d)) && found.is_none() && namespace.is_none() {
+                found = Some(Principal::Metrics);
             }
         }
         found

@@ -78,12 +78,40 @@ pub struct NamespaceConfig {
     pub ttl_secs: Option<u64>,
 }
 
+/// Limits of the network front ends against idle or abusive clients.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeLimits {
+    /// Most RESP connections open at once; one more is answered
+    /// `-ERR max number of clients reached` and closed (Redis's `maxclients`).
+    pub max_connections: usize,
+    /// Seconds a RESP connection may wait between commands before it is
+    /// closed; 0 keeps idle connections open (Redis's `timeout`).
+    pub idle_timeout_secs: u64,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        ServeLimits { max_connections: 10_000, idle_timeout_secs: 0 }
+    }
+}
+
+impl ServeLimits {
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        (self.idle_timeout_secs != 0).then(|| Duration::from_secs(self.idle_timeout_secs))
+    }
+}
+
 /// Everything the store needs; servers' settings live beside it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
     /// Byte budget of the memory tier.
     pub memory: ByteSize,
+    /// `false`: no memory tier; writes go straight to the next tier,
+    /// synchronously, and reads are not promoted (LMCache's
+    /// `LMCACHE_LOCAL_CPU=false`). Needs a disk or remote tier.
+    pub memory_tier: bool,
     /// Eviction policy of the memory tier.
     pub memory_policy: PolicyKind,
     pub disk: Option<DiskConfig>,
@@ -105,6 +133,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             memory: ByteSize::gib(1),
+            memory_tier: true,
             memory_policy: PolicyKind::Lru,
             disk: None,
             remote: None,

@@ -21,6 +21,11 @@ pub enum WarehouseError {
     Corrupt { tier: TierKind, reason: String },
     #[error("configuration: {0}")]
     Config(String),
+    /// No tier could take the value: refused, never acknowledged.
+    #[error("no tier can hold a value of {size} bytes")]
+    OutOfMemory { size: u64 },
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout { what: &'static str, after: std::time::Duration },
 }
 
 impl WarehouseError {

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use serde::Serialize;
 
 use crate::auth::Auth;
+use crate::config::ServeLimits;
 use crate::store::Store;
 
 /// Counters of one protocol's front end.
@@ -55,6 +56,8 @@ pub struct ServerCtx {
     pub http: ProtocolStats,
     /// Set once the store is open and the listeners are bound (`/ready`).
     pub ready: std::sync::atomic::AtomicBool,
+    /// Connection limits of the front ends.
+    pub limits: ServeLimits,
 }
 
 impl ServerCtx {
@@ -65,6 +68,13 @@ impl ServerCtx {
             resp: ProtocolStats::default(),
             http: ProtocolStats::default(),
             ready: std::sync::atomic::AtomicBool::new(true),
+            limits: ServeLimits::default(),
         }
+    }
+
+    /// Replaces the default connection limits.
+    pub fn with_limits(mut self, limits: ServeLimits) -> Self {
+        self.limits = limits;
+        self
     }
 }

@@ -6,6 +6,19 @@
 //! waits on a slow tier unless it asks for durability. A full queue drops
 //! the copy and counts it: the warehouse is a cache. Read errors in a lower
 //! tier count as misses (and errors), never fail the read.
+//!
+//! One order per key: every operation on a key (write, delete, expiry,
+//! promotion, the copy of an eviction) is decided under that key's lock,
+//! which also numbers it (a version per lock stripe); what it does below
+//! memory goes through the key's offload lane ([`crate::offload`]) in that
+//! order. A promotion or an eviction's copy carries the version it was
+//! read under and is dropped if the key has changed since, so none can
+//! bring back a value that a later write or delete replaced.
+//!
+//! Nothing is acknowledged that is stored nowhere: a value memory cannot
+//! take (larger than its budget, or no memory tier) is written to the next
+//! tier synchronously, and refused with [`WarehouseError::OutOfMemory`]
+//! when no tier takes it.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
@@ -13,11 +26,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
+use parking_lot::Mutex;
 use serde::Serialize;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::config::{OffloadMode, StoreConfig};
 use crate::error::{Result, WarehouseError};
+use crate::offload::{self, Action, Latest, Lower, Op, Outcome};
 use crate::tier::memory::{cut_page, MemoryTier};
 use crate::tier::{Tier, TierKind};
 use crate::types::{now_ms, Condition, EntryMeta, Event, EventKind, Evicted, PutOptions, ScanPage, TierStats, Ttl};
@@ -26,8 +41,8 @@ use crate::types::{now_ms, Condition, EntryMeta, Event, EventKind, Evicted, PutO
 pub const MAX_NAMESPACE: usize = 128;
 /// Longest accepted key.
 pub const MAX_KEY: usize = 4096;
-/// Lanes per offload queue (a key always uses the same lane, keeping its writes in order).
-const LANES: usize = 4;
+/// Key lock stripes (each also holds the version of its keys' last operation).
+const STRIPES: usize = 4096;
 
 /// A value found by [`Store::get`].
 #[derive(Debug, Clone)]
@@ -67,52 +82,14 @@ pub struct StoreStats {
     pub offload_mode: Option<OffloadMode>,
 }
 
-enum Op {
-    Put { ns: String, key: Bytes, value: Bytes, meta: EntryMeta },
-    Remove { ns: String, key: Bytes },
-}
-
-#[derive(Default)]
-struct OffloadCounters {
-    queued: AtomicU64,
-    written: AtomicU64,
-    dropped: AtomicU64,
-    errors: AtomicU64,
-}
-
-struct Lower {
-    tier: Arc<dyn Tier>,
-    lanes: Vec<mpsc::Sender<Op>>,
-    c: Arc<OffloadCounters>,
-}
-
-impl Lower {
-    fn offer(&self, op: Op) -> bool {
-        let key = match &op {
-            Op::Put { key, .. } | Op::Remove { key, .. } => key,
-        };
-        let lane = (xxhash_rust::xxh3::xxh3_64(key) as usize) % self.lanes.len();
-        match self.lanes[lane].try_send(op) {
-            Ok(()) => {
-                self.c.queued.fetch_add(1, Relaxed);
-                true
-            }
-            Err(_) => {
-                self.c.dropped.fetch_add(1, Relaxed);
-                false
-            }
-        }
-    }
-
-    fn stats(&self) -> OffloadStats {
-        OffloadStats {
-            tier: Some(self.tier.kind()),
-            queued: self.c.queued.load(Relaxed),
-            written: self.c.written.load(Relaxed),
-            dropped: self.c.dropped.load(Relaxed),
-            errors: self.c.errors.load(Relaxed),
-        }
-    }
+/// What [`Store::put_with`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PutOutcome {
+    /// False when a condition (NX/XX) kept the value out.
+    pub stored: bool,
+    /// Whether a tier that survives a crash (the disk, fsynced, or the
+    /// remote tier) holds the value: only ever true for a durable put.
+    pub durable: bool,
 }
 
 struct Inner {
@@ -123,6 +100,19 @@ struct Inner {
     events: broadcast::Sender<Event>,
     promoted_disk: AtomicU64,
     promoted_remote: AtomicU64,
+    /// Key locks; each holds the version of the last operation on its keys.
+    stripes: Box<[Mutex<u64>]>,
+}
+
+impl Inner {
+    fn stripe(&self, ns: &str, key: &[u8]) -> &Mutex<u64> {
+        let h = xxhash_rust::xxh3::xxh3_64_with_seed(key, xxhash_rust::xxh3::xxh3_64(ns.as_bytes()));
+        &self.stripes[(h as usize) % self.stripes.len()]
+    }
+
+    fn lower(&self) -> impl Iterator<Item = &Lower> {
+        self.disk.iter().chain(self.remote.iter())
+    }
 }
 
 /// The tiered store; cheap to clone (all clones share one store).
@@ -171,6 +161,11 @@ impl Store {
     /// tier's index), starts the offload workers and the expiry sweeper.
     /// Must run inside a Tokio runtime.
     pub async fn open(cfg: StoreConfig) -> Result<Store> {
+        if !cfg.memory_tier && cfg.disk.is_none() && cfg.remote.is_none() {
+            return Err(WarehouseError::Config(
+                "memory_tier = false needs a disk or remote tier: nothing could be stored".into(),
+            ));
+        }
         let at_rest = crate::tier::at_rest::AtRest::from_config(cfg.compression, cfg.encryption.as_ref())?;
         let disk: Option<Arc<dyn Tier>> = match &cfg.disk {
             Some(d) => Some(Arc::new(crate::tier::disk::open_disk(d, at_rest.clone()).await?)),
@@ -188,19 +183,25 @@ impl Store {
     pub fn with_tiers(cfg: StoreConfig, disk: Option<Arc<dyn Tier>>, remote: Option<Arc<dyn Tier>>) -> Store {
         let memory = Arc::new(MemoryTier::new(cfg.memory.as_u64(), cfg.memory_policy));
         let (events, _) = broadcast::channel(8192);
-        let depth = (cfg.queue_depth / LANES).max(1);
+        // Tiers announce their own changes, under the locks that order them,
+        // so a subscriber sees one key's events in one tier in the order they
+        // happened; the store announces only for tiers that cannot.
+        let sink = |tier: TierKind| -> crate::tier::EventSink {
+            let tx = events.clone();
+            Arc::new(move |kind: EventKind, ns: &str, key: &[u8]| {
+                emit(&tx, kind, ns, &Bytes::copy_from_slice(key), tier)
+            })
+        };
+        memory.set_event_sink(sink(TierKind::Memory));
         let mut workers = Vec::new();
         let mut lower = |tier: Option<Arc<dyn Tier>>| {
             tier.map(|tier| {
-                let c = Arc::new(OffloadCounters::default());
-                let lanes = (0..LANES)
-                    .map(|_| {
-                        let (tx, rx) = mpsc::channel(depth);
-                        workers.push((tier.clone(), rx, c.clone()));
-                        tx
-                    })
-                    .collect();
-                Lower { tier, lanes, c }
+                let announces = tier.set_event_sink(sink(tier.kind()));
+                let (l, rxs) = Lower::new(tier.clone(), cfg.queue_depth, announces);
+                for (rx, lane) in rxs {
+                    workers.push((tier.clone(), rx, lane, l.shared.clone(), announces));
+                }
+                l
             })
         };
         let disk = lower(disk);
@@ -213,14 +214,13 @@ impl Store {
             events,
             promoted_disk: AtomicU64::new(0),
             promoted_remote: AtomicU64::new(0),
+            stripes: (0..STRIPES).map(|_| Mutex::new(0)).collect(),
         });
-        for (tier, rx, c) in workers {
-            tokio::spawn(offload_worker(Arc::downgrade(&inner), tier, rx, c));
+        for (tier, rx, lane, shared, announces) in workers {
+            tokio::spawn(offload_worker(Arc::downgrade(&inner), tier, rx, lane, shared, announces));
         }
-        if inner.disk.is_some() || inner.remote.is_some() || tokio::runtime::Handle::try_current().is_ok() {
-            if let Ok(h) = tokio::runtime::Handle::try_current() {
-                h.spawn(sweeper(Arc::downgrade(&inner)));
-            }
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn(sweeper(Arc::downgrade(&inner)));
         }
         Store { inner }
     }
@@ -241,14 +241,16 @@ impl Store {
 
     /// Tiers present, fastest first.
     pub fn tiers(&self) -> Vec<TierKind> {
-        let mut t = vec![TierKind::Memory];
-        t.extend(self.inner.disk.as_ref().map(|l| l.tier.kind()));
-        t.extend(self.inner.remote.as_ref().map(|l| l.tier.kind()));
+        let mut t = Vec::new();
+        if self.inner.cfg.memory_tier {
+            t.push(TierKind::Memory);
+        }
+        t.extend(self.lower().map(|l| l.tier.kind()));
         t
     }
 
     fn lower(&self) -> impl Iterator<Item = &Lower> {
-        self.inner.disk.iter().chain(self.inner.remote.iter())
+        self.inner.lower()
     }
 
     fn lower_tier(&self, kind: TierKind) -> Option<&Arc<dyn Tier>> {
@@ -273,48 +275,71 @@ impl Store {
     /// Reads a value, walking the tiers and promoting a hit into memory.
     pub async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Hit>> {
         validate(ns, key)?;
-        if let Some(s) = self.inner.memory.get_sync(ns, key) {
+        if let Some((s, seq)) = self.inner.memory.get_versioned(ns, key) {
             if self.inner.cfg.offload == OffloadMode::Hot && s.hits == self.inner.cfg.hot_threshold {
-                self.offload_all(ns, Bytes::copy_from_slice(key), s.value.clone(), s.meta);
+                let key = Bytes::copy_from_slice(key);
+                let v = self.inner.stripe(ns, &key).lock();
+                // Copied only if no later operation replaced what was read.
+                if *v == seq {
+                    for l in self.lower() {
+                        l.offer_copy(ns, &key, s.value.clone(), s.meta);
+                    }
+                }
             }
             return Ok(Some(Hit { value: s.value, tier: TierKind::Memory, meta: s.meta }));
         }
+        let version = *self.inner.stripe(ns, key).lock();
         for l in self.lower() {
             let kind = l.tier.kind();
-            let found = match l.tier.get(ns, key).await {
-                Ok(f) => f,
-                Err(e) => {
-                    tracing::warn!(tier = %kind, error = %e, "read failed; counted as a miss");
-                    None
+            let found = match l.latest(ns, key) {
+                // Queued for this tier: what it will hold is the answer.
+                Some(Latest::Value(v, m)) => {
+                    Latest::Value(v, m).live().map(|(value, meta)| crate::types::Stored { value, meta, hits: 1 })
                 }
+                Some(Latest::Removed) => None,
+                Some(Latest::Unknown) | None => match l.tier.get(ns, key).await {
+                    Ok(f) => f,
+                    Err(e) => {
+                        tracing::warn!(tier = %kind, error = %e, "read failed; counted as a miss");
+                        None
+                    }
+                },
             };
             if let Some(s) = found {
                 let key = Bytes::copy_from_slice(key);
-                self.promote(ns, key, s.value.clone(), s.meta, kind);
+                self.promote(ns, key, s.value.clone(), s.meta, kind, version);
                 return Ok(Some(Hit { value: s.value, tier: kind, meta: s.meta }));
             }
         }
         Ok(None)
     }
 
-    fn promote(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta, from: TierKind) {
+    /// Copies a value read from `from` into memory (and from the remote
+    /// tier onto disk in mode `all`), unless the key changed since the
+    /// read began (`version`).
+    fn promote(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta, from: TierKind, version: u64) {
         match from {
             TierKind::Disk => self.inner.promoted_disk.fetch_add(1, Relaxed),
             _ => self.inner.promoted_remote.fetch_add(1, Relaxed),
         };
-        if from == TierKind::Remote && self.inner.cfg.offload == OffloadMode::All {
-            if let Some(d) = &self.inner.disk {
-                d.offer(Op::Put { ns: ns.to_string(), key: key.clone(), value: value.clone(), meta });
+        let mut evicted = {
+            let v = self.inner.stripe(ns, &key).lock();
+            if *v != version {
+                return;
             }
-        }
-        let mut evicted = self.inner.memory.put_sync(ns, key.clone(), value, meta);
+            if from == TierKind::Remote && self.inner.cfg.offload == OffloadMode::All {
+                if let Some(d) = &self.inner.disk {
+                    d.offer_copy(ns, &key, value.clone(), meta);
+                }
+            }
+            if !self.inner.cfg.memory_tier {
+                return;
+            }
+            self.inner.memory.put_versioned(ns, key.clone(), value, meta, version)
+        };
         // A value too big for memory comes straight back: it was never
         // stored there, and it is still in the tier it was read from.
-        let before = evicted.len();
         evicted.retain(|e| !(e.namespace == ns && e.key == key));
-        if evicted.len() == before {
-            self.emit(EventKind::Stored, ns, &key, TierKind::Memory);
-        }
         self.handle_evicted(evicted);
     }
 
@@ -335,6 +360,12 @@ impl Store {
 
     /// Stores a value; `Ok(false)` when a condition (NX/XX) kept it out.
     pub async fn put(&self, ns: &str, key: Bytes, value: Bytes, opts: PutOptions) -> Result<bool> {
+        Ok(self.put_with(ns, key, value, opts).await?.stored)
+    }
+
+    /// Stores a value and says whether it is durable. A value that no tier
+    /// can take is refused with [`WarehouseError::OutOfMemory`].
+    pub async fn put_with(&self, ns: &str, key: Bytes, value: Bytes, opts: PutOptions) -> Result<PutOutcome> {
         validate(ns, &key)?;
         let limit = self.inner.cfg.max_value.as_u64();
         if value.len() as u64 > limit {
@@ -342,96 +373,112 @@ impl Store {
         }
         match opts.condition {
             Condition::Always => {}
-            Condition::IfAbsent if self.exists(ns, &key).await? => return Ok(false),
-            Condition::IfPresent if !self.exists(ns, &key).await? => return Ok(false),
+            Condition::IfAbsent if self.exists(ns, &key).await? => return Ok(PutOutcome::default()),
+            Condition::IfPresent if !self.exists(ns, &key).await? => return Ok(PutOutcome::default()),
             _ => {}
         }
         let ttl = opts.ttl.or_else(|| self.inner.cfg.namespace_ttl(ns));
         let meta = EntryMeta { expires_at_ms: ttl.map(|t| now_ms() + t.as_millis() as u64), depth: opts.depth };
-        let mut evicted = self.inner.memory.put_sync(ns, key.clone(), value.clone(), meta);
-        // A value larger than the memory budget comes straight back: it goes to the lower tiers only.
-        let rejected =
-            evicted.iter().position(|e| e.namespace == ns && e.key == key).map(|i| evicted.remove(i)).is_some();
-        if !rejected {
-            self.emit(EventKind::Stored, ns, &key, TierKind::Memory);
+        let mode = self.inner.cfg.offload;
+        let size = value.len() as u64;
+        let memory_can = self.inner.cfg.memory_tier && self.inner.memory.could_hold(&key, &value);
+        if !memory_can && self.lower().next().is_none() {
+            // Refused before anything changes: the key keeps its old value.
+            return Err(WarehouseError::OutOfMemory { size });
         }
-        // An older copy below would be served after this one leaves memory.
-        if self.inner.cfg.offload != OffloadMode::All || rejected {
-            self.drop_stale_below(ns, &key).await;
-        }
-        self.handle_evicted(evicted);
-        if opts.durable {
-            if let Some(d) = &self.inner.disk {
-                let ev = d.tier.put(ns, key.clone(), value.clone(), meta).await?;
-                d.tier.flush().await?;
-                self.emit(EventKind::Stored, ns, &key, TierKind::Disk);
-                self.handle_evicted_below(TierKind::Disk, ev);
-                if self.inner.cfg.offload == OffloadMode::All || rejected {
-                    if let Some(r) = &self.inner.remote {
-                        r.offer(Op::Put { ns: ns.to_string(), key, value, meta });
+        let (seq, in_memory, evicted) = {
+            let mut v = self.inner.stripe(ns, &key).lock();
+            *v += 1;
+            let seq = *v;
+            let (evicted, in_memory) = if self.inner.cfg.memory_tier {
+                let mut ev = self.inner.memory.put_versioned(ns, key.clone(), value.clone(), meta, seq);
+                // A value memory cannot take comes straight back.
+                let rejected =
+                    ev.iter().position(|e| e.namespace == ns && e.key == key).map(|i| ev.remove(i)).is_some();
+                (ev, !rejected)
+            } else {
+                (Vec::new(), false)
+            };
+            if in_memory && !opts.durable {
+                for l in self.lower() {
+                    if mode == OffloadMode::All {
+                        l.offer_copy(ns, &key, value.clone(), meta);
+                    } else {
+                        // An older copy below would be served after this one leaves memory.
+                        l.invalidate(ns, &key);
                     }
                 }
-                return Ok(true);
             }
-            if let Some(r) = &self.inner.remote {
-                r.tier.put(ns, key.clone(), value, meta).await?;
-                self.emit(EventKind::Stored, ns, &key, TierKind::Remote);
-                return Ok(true);
-            }
+            (seq, in_memory, evicted)
+        };
+        self.handle_evicted(evicted);
+        if in_memory && !opts.durable {
+            return Ok(PutOutcome { stored: true, durable: false });
         }
-        if self.inner.cfg.offload == OffloadMode::All || rejected {
-            self.offload_all(ns, key, value, meta);
-        }
-        Ok(true)
-    }
-
-    async fn drop_stale_below(&self, ns: &str, key: &[u8]) {
-        for l in self.lower() {
-            match l.tier.contains_local(ns, key) {
-                Some(false) => {}
-                // The tier's index knows it has the key: drop it now.
-                Some(true) => {
-                    let _ = l.tier.remove(ns, key).await;
+        // Synchronously to the first lower tier that takes it: the value
+        // must be held somewhere (memory refused it) or durable.
+        let lowers: Vec<&Lower> = self.lower().collect();
+        for (i, l) in lowers.iter().enumerate() {
+            let rx = {
+                let v = self.inner.stripe(ns, &key).lock();
+                if *v != seq {
+                    // A later operation on the key replaced this write.
+                    return Ok(PutOutcome { stored: true, durable: false });
                 }
-                // Only the tier itself can tell: queue the removal behind earlier writes.
-                None => {
-                    l.offer(Op::Remove { ns: ns.to_string(), key: Bytes::copy_from_slice(key) });
+                l.submit(ns, &key, Action::Put { value: value.clone(), meta })
+            };
+            let Outcome::Put(ev) = wait(rx).await? else { continue };
+            let kind = l.tier.kind();
+            let taken = !ev.iter().any(|e| e.namespace == ns && e.key == key);
+            if !taken {
+                continue;
+            }
+            let mut durable = kind == TierKind::Remote;
+            if kind == TierKind::Disk && opts.durable {
+                l.tier.flush().await?;
+                durable = true;
+            }
+            // The tiers below this one: a copy (mode `all`), else no stale copy.
+            let v = self.inner.stripe(ns, &key).lock();
+            if *v == seq {
+                for below in &lowers[i + 1..] {
+                    if mode == OffloadMode::All || !in_memory {
+                        below.offer_copy(ns, &key, value.clone(), meta);
+                    } else {
+                        below.invalidate(ns, &key);
+                    }
                 }
             }
+            return Ok(PutOutcome { stored: true, durable: durable && opts.durable });
         }
-    }
-
-    fn offload_all(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta) {
-        for l in self.lower() {
-            l.offer(Op::Put { ns: ns.to_string(), key: key.clone(), value: value.clone(), meta });
+        if in_memory {
+            return Ok(PutOutcome { stored: true, durable: false });
         }
+        Err(WarehouseError::OutOfMemory { size })
     }
 
     /// Memory evictions: announce them, and in `evicted` mode copy them to
-    /// the first lower tier that does not hold them yet.
+    /// the first lower tier that does not hold them yet, unless the key
+    /// changed since the evicted value was written.
     fn handle_evicted(&self, evicted: Vec<Evicted>) {
         for e in evicted {
-            self.emit(EventKind::Removed, &e.namespace, &e.key, TierKind::Memory);
             let Some(value) = e.value else { continue };
             if self.inner.cfg.offload != OffloadMode::Evicted {
                 continue;
             }
+            let v = self.inner.stripe(&e.namespace, &e.key).lock();
+            if *v != e.seq {
+                continue;
+            }
             for l in self.lower() {
-                if l.tier.contains_local(&e.namespace, &e.key) == Some(true) {
+                if l.holds_local(&e.namespace, &e.key) == Some(true) {
                     break;
                 }
-                if l.offer(Op::Put { ns: e.namespace.clone(), key: e.key.clone(), value: value.clone(), meta: e.meta })
-                {
+                if l.offer_copy(&e.namespace, &e.key, value.clone(), e.meta) {
                     break;
                 }
             }
         }
-    }
-
-    /// Evictions from a lower tier: announce; in `evicted` mode, disk
-    /// evictions go on to the remote tier when the disk still had the bytes.
-    fn handle_evicted_below(&self, tier: TierKind, evicted: Vec<Evicted>) {
-        handle_evicted_below(&self.inner, tier, evicted);
     }
 
     /// Whether a live entry exists in any tier.
@@ -441,7 +488,7 @@ impl Store {
             return Ok(true);
         }
         for l in self.lower() {
-            let found = match l.tier.contains_local(ns, key) {
+            let found = match l.holds_local(ns, key) {
                 Some(b) => b,
                 None => l.tier.contains(ns, key).await.unwrap_or(false),
             };
@@ -452,40 +499,76 @@ impl Store {
         Ok(false)
     }
 
-    /// Removes a key from every tier; whether it existed anywhere.
+    /// Removes a key from every tier; whether it existed anywhere. Returns
+    /// once every tier has applied the removal (after anything queued
+    /// before it for the key).
     pub async fn delete(&self, ns: &str, key: &[u8]) -> Result<bool> {
         validate(ns, key)?;
         let k = Bytes::copy_from_slice(key);
-        let mut existed = self.inner.memory.remove(ns, key).await?;
-        if existed {
-            self.emit(EventKind::Removed, ns, &k, TierKind::Memory);
-        }
-        for l in self.lower() {
-            if l.tier.remove(ns, key).await? {
-                existed = true;
-                self.emit(EventKind::Removed, ns, &k, l.tier.kind());
+        let (mut existed, waits) = {
+            let mut v = self.inner.stripe(ns, key).lock();
+            *v += 1;
+            // Queued before memory lets go, so no reader falls through to an older copy below.
+            let waits: Vec<_> =
+                self.lower().map(|l| (l.tier.kind(), l.announces, l.submit(ns, &k, Action::Remove))).collect();
+            (self.inner.memory.remove_sync(ns, key), waits)
+        };
+        let mut first_err = None;
+        for (kind, announces, rx) in waits {
+            match wait(rx).await {
+                Ok(Outcome::Found(true)) => {
+                    existed = true;
+                    if !announces {
+                        self.emit(EventKind::Removed, ns, &k, kind);
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
             }
         }
-        Ok(existed)
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(existed),
+        }
     }
 
     /// Removes every key of a namespace from every tier; how many entries.
     pub async fn delete_namespace(&self, ns: &str) -> Result<u64> {
         validate(ns, b"-")?;
-        let mut n = self.inner.memory.remove_namespace(ns).await?;
-        for l in self.lower() {
-            n += l.tier.remove_namespace(ns).await?;
+        let waits: Vec<_> = self.lower().flat_map(|l| l.submit_namespace(ns)).collect();
+        let mut n = 0;
+        for rx in waits {
+            if let Outcome::Count(c) = wait(rx).await? {
+                n += c;
+            }
         }
+        // Reads that began before this point must not promote what they found.
+        for s in self.inner.stripes.iter() {
+            *s.lock() += 1;
+        }
+        n += self.inner.memory.remove_namespace(ns).await?;
         Ok(n)
     }
 
-    /// Sets (or with `None`, clears) a key's time to live in every tier.
+    /// Sets (or with `None`, clears) a key's time to live in every tier,
+    /// including a copy still queued for a lower tier.
     pub async fn expire(&self, ns: &str, key: &[u8], ttl: Option<Duration>) -> Result<bool> {
         validate(ns, key)?;
         let at = ttl.map(|t| now_ms() + t.as_millis() as u64);
-        let mut found = self.inner.memory.set_expiry(ns, key, at).await?;
-        for l in self.lower() {
-            found |= l.tier.set_expiry(ns, key, at).await?;
+        let k = Bytes::copy_from_slice(key);
+        let (mut found, waits) = {
+            let mut v = self.inner.stripe(ns, key).lock();
+            *v += 1;
+            let found = self.inner.memory.set_expiry_versioned(ns, key, at, Some(*v));
+            let waits: Vec<_> = self.lower().map(|l| l.submit(ns, &k, Action::Expire { at })).collect();
+            (found, waits)
+        };
+        for rx in waits {
+            if let Outcome::Found(f) = wait(rx).await? {
+                found |= f;
+            }
         }
         Ok(found)
     }
@@ -498,7 +581,11 @@ impl Store {
             if meta.is_some() {
                 break;
             }
-            meta = l.tier.meta(ns, key).await.unwrap_or(None);
+            meta = match l.latest(ns, key) {
+                Some(Latest::Value(v, m)) => Latest::Value(v, m).live().map(|(_, m)| m),
+                Some(Latest::Removed) => None,
+                Some(Latest::Unknown) | None => l.tier.meta(ns, key).await.unwrap_or(None),
+            };
         }
         Ok(match meta {
             None => Ttl::Missing,
@@ -508,7 +595,6 @@ impl Store {
             }
         })
     }
-
     /// Longest prefix of `keys` present in memory or on disk, without I/O.
     pub fn lookup_local(&self, ns: &str, keys: &[impl AsRef<[u8]>]) -> LookupResult {
         let in_memory = self.inner.memory.prefix_len(ns, keys);
@@ -519,7 +605,7 @@ impl Store {
             let k = k.as_ref();
             let tier = if self.inner.memory.contains_sync(ns, k) {
                 TierKind::Memory
-            } else if self.inner.disk.as_ref().and_then(|d| d.tier.contains_local(ns, k)) == Some(true) {
+            } else if self.inner.disk.as_ref().and_then(|d| d.holds_local(ns, k)) == Some(true) {
                 TierKind::Disk
             } else {
                 break;
@@ -601,16 +687,14 @@ impl Store {
         Ok(all)
     }
 
-    /// Waits until queued offloads have drained (or `timeout`), then makes
-    /// the disk tier durable. For shutdown and tests.
+    /// Waits until queued offloads have drained, then makes the disk tier
+    /// durable; an error if they have not drained within `timeout`.
     pub async fn flush(&self, timeout: Duration) -> Result<()> {
         let deadline = tokio::time::Instant::now() + timeout;
         for l in self.lower() {
-            while l.lanes.iter().any(|tx| tx.capacity() < tx.max_capacity())
-                || l.c.written.load(Relaxed) + l.c.errors.load(Relaxed) < l.c.queued.load(Relaxed)
-            {
+            while !l.idle() {
                 if tokio::time::Instant::now() >= deadline {
-                    break;
+                    return Err(WarehouseError::Timeout { what: "offload queues to drain", after: timeout });
                 }
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
@@ -619,12 +703,25 @@ impl Store {
         Ok(())
     }
 
+    /// Writes that have so far failed to reach the tier that makes writes
+    /// durable (dropped from a full queue, or failed there); `None` when
+    /// writes are not copied to such a tier at all (no disk or remote
+    /// tier, or offload mode `hot` / `evicted`). WAITAOF compares two
+    /// readings.
+    pub fn durability_losses(&self) -> Option<u64> {
+        let l = self.lower().next()?;
+        if self.inner.cfg.memory_tier && self.inner.cfg.offload != OffloadMode::All {
+            return None;
+        }
+        Some(l.shared.c.dropped.load(Relaxed) + l.shared.c.errors.load(Relaxed))
+    }
+
     pub fn stats(&self) -> StoreStats {
         let mut tiers = vec![self.inner.memory.stats()];
         tiers.extend(self.lower().map(|l| l.tier.stats()));
         StoreStats {
             tiers,
-            offload: self.lower().map(Lower::stats).collect(),
+            offload: self.lower().map(offload_stats).collect(),
             promotions_from_disk: self.inner.promoted_disk.load(Relaxed),
             promotions_from_remote: self.inner.promoted_remote.load(Relaxed),
             offload_mode: Some(self.inner.cfg.offload),
@@ -638,46 +735,111 @@ fn emit(events: &broadcast::Sender<Event>, kind: EventKind, ns: &str, key: &Byte
     }
 }
 
-fn handle_evicted_below(inner: &Inner, tier: TierKind, evicted: Vec<Evicted>) {
+/// Waits for an operation queued on a lane.
+async fn wait(rx: oneshot::Receiver<Result<Outcome>>) -> Result<Outcome> {
+    rx.await.unwrap_or_else(|_| Err(WarehouseError::Config("offload worker stopped".into())))
+}
+
+fn offload_stats(l: &Lower) -> OffloadStats {
+    let c = &l.shared.c;
+    OffloadStats {
+        tier: Some(l.tier.kind()),
+        queued: c.queued.load(Relaxed),
+        written: c.written.load(Relaxed),
+        dropped: c.dropped.load(Relaxed),
+        errors: c.errors.load(Relaxed),
+    }
+}
+
+/// Evictions from a lower tier: announce; in `evicted` mode, disk
+/// evictions go on to the remote tier when the disk still had the bytes.
+fn handle_evicted_below(inner: &Inner, tier: TierKind, announces: bool, evicted: Vec<Evicted>) {
     for e in evicted {
-        emit(&inner.events, EventKind::Removed, &e.namespace, &e.key, tier);
+        if !announces {
+            emit(&inner.events, EventKind::Removed, &e.namespace, &e.key, tier);
+        }
         if tier == TierKind::Disk && inner.cfg.offload == OffloadMode::Evicted {
             if let (Some(r), Some(value)) = (&inner.remote, e.value) {
-                r.offer(Op::Put { ns: e.namespace, key: e.key, value, meta: e.meta });
+                let _v = inner.stripe(&e.namespace, &e.key).lock();
+                r.offer_copy(&e.namespace, &e.key, value, e.meta);
             }
         }
     }
 }
 
-async fn offload_worker(inner: Weak<Inner>, tier: Arc<dyn Tier>, mut rx: mpsc::Receiver<Op>, c: Arc<OffloadCounters>) {
+async fn offload_worker(
+    inner: Weak<Inner>,
+    tier: Arc<dyn Tier>,
+    mut rx: mpsc::UnboundedReceiver<Op>,
+    lane: Arc<offload::LaneState>,
+    shared: Arc<offload::Shared>,
+    // Whether the tier announces its own changes (else this worker does).
+    announces: bool,
+) {
     let kind = tier.kind();
     while let Some(op) = rx.recv().await {
-        let result = match op {
-            Op::Put { ns, key, value, meta } => {
+        let Op { ns, key, action, reply, copy } = op;
+        let result = match action {
+            Action::Put { value, meta } => {
                 if meta.is_expired(now_ms()) {
-                    Ok(())
+                    // Gone already; but an older copy in the tier must not
+                    // outlive it (it would be served once memory lets go).
+                    let found = tier.remove(&ns, &key).await;
+                    if let (Ok(true), Some(inner), false) = (&found, inner.upgrade(), announces) {
+                        emit(&inner.events, EventKind::Removed, &ns, &key, kind);
+                    }
+                    found.map(|_| Outcome::Put(Vec::new()))
                 } else {
                     match tier.put(&ns, key.clone(), value, meta).await {
-                        Ok(evicted) => {
+                        Ok(mut evicted) => {
+                            // A value the tier cannot take comes back among the evictions.
+                            let refused = evicted.iter().position(|e| e.namespace == ns && e.key == key);
+                            let refused = refused.map(|i| evicted.remove(i));
+                            let stored = refused.is_none();
                             if let Some(inner) = inner.upgrade() {
-                                emit(&inner.events, EventKind::Stored, &ns, &key, kind);
-                                handle_evicted_below(&inner, kind, evicted);
+                                if stored && !announces {
+                                    emit(&inner.events, EventKind::Stored, &ns, &key, kind);
+                                }
+                                handle_evicted_below(&inner, kind, announces, evicted);
                             }
-                            Ok(())
+                            Ok(Outcome::Put(refused.into_iter().collect()))
                         }
                         Err(e) => Err(e),
                     }
                 }
             }
-            Op::Remove { ns, key } => tier.remove(&ns, &key).await.map(|_| ()),
+            Action::Remove => {
+                let found = tier.remove(&ns, &key).await;
+                // A caller waiting for the result (DEL) announces it; a
+                // stale copy's removal is announced here.
+                if reply.is_none() && !announces && matches!(found, Ok(true)) {
+                    if let Some(inner) = inner.upgrade() {
+                        emit(&inner.events, EventKind::Removed, &ns, &key, kind);
+                    }
+                }
+                found.map(Outcome::Found)
+            }
+            Action::Expire { at } => tier.set_expiry(&ns, &key, at).await.map(Outcome::Found),
+            Action::RemoveNamespace => tier.remove_namespace(&ns).await.map(Outcome::Count),
         };
-        match result {
-            Ok(()) => c.written.fetch_add(1, Relaxed),
+        offload::finish(&lane, &shared, &ns, &key, copy);
+        match &result {
+            // A copy the tier refused (too big for it) is not there: a loss.
+            Ok(Outcome::Put(refused)) if copy && !refused.is_empty() => {
+                shared.c.dropped.fetch_add(1, Relaxed);
+            }
+            Ok(Outcome::Put(_)) => {
+                shared.c.written.fetch_add(1, Relaxed);
+            }
+            Ok(_) => {}
             Err(e) => {
                 tracing::warn!(tier = %kind, error = %e, "offload failed");
-                c.errors.fetch_add(1, Relaxed)
+                shared.c.errors.fetch_add(1, Relaxed);
             }
-        };
+        }
+        if let Some(r) = reply {
+            let _ = r.send(result);
+        }
     }
 }
 

@@ -64,6 +64,10 @@ pub struct Evicted {
     /// The value, when the tier still holds it in memory (for offload on eviction).
     pub value: Option<Bytes>,
     pub meta: EntryMeta,
+    /// The store's version of the write that put it there (memory tier
+    /// only, 0 elsewhere): an eviction is copied down only if no later
+    /// operation on the key has happened since.
+    pub seq: u64,
 }
 
 /// When a put applies.

@@ -108,7 +108,7 @@ async fn block_round_trip_head_and_delete() {
 
     let r = s.put("anyns", key, body.clone(), "", None).await;
     assert_eq!(r.status(), StatusCode::CREATED);
-    assert_eq!(r.json::<Value>().await.unwrap(), json!({"stored": true, "bytes": body.len()}));
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"stored": true, "bytes": body.len(), "durable": false}));
 
     let r = s.get(&path, None).await;
     assert_eq!(r.status(), StatusCode::OK);
@@ -162,6 +162,8 @@ async fn durable_put_is_on_disk_when_answered() {
     let r = s.put("d", &h[1], block(2), "?durable=true&depth=1", None).await;
     assert_eq!(r.status(), StatusCode::CREATED);
     assert_eq!(disk_entries(&store), 1, "a durable put is on disk when answered");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["durable"], true, "{v}");
     let (status, err) = error_of(s.put("d", &h[1], block(2), "?durable=maybe", None).await).await;
     assert_eq!((status, err["param"].as_str()), (StatusCode::BAD_REQUEST, Some("durable")));
     s.shutdown().await;
@@ -538,5 +540,67 @@ async fn a_lagging_event_subscriber_is_told_how_many_it_missed() {
     let missed = seen.last().unwrap()["missed"].as_u64().unwrap();
     assert!(missed >= 20_000 - 8192, "missed {missed}");
     drop(stream);
+    s.shutdown().await;
+}
+
+/// Issue 13: `?durable=true` on a store with nothing durable below memory
+/// answers `"durable": false`; a block no tier can hold gets 507.
+#[tokio::test]
+async fn durable_tells_the_truth_and_no_tier_means_507() {
+    let s = Server::start(Store::memory_only(1 << 24), Auth::default()).await;
+    let h = hashes(1);
+    let r = s.put("d", &h[0], block(1), "?durable=true", None).await;
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!((v["stored"].clone(), v["durable"].clone()), (Value::Bool(true), Value::Bool(false)), "{v}");
+    s.shutdown().await;
+
+    let s = Server::start(Store::memory_only(200), Auth::default()).await;
+    let (status, err) = error_of(s.put("d", &h[0], block(1), "", None).await).await;
+    assert_eq!((status, err["code"].as_str()), (StatusCode::INSUFFICIENT_STORAGE, Some("insufficient_storage")));
+    assert_eq!(s.get(&format!("/v1/blocks/d/{}", h[0]), None).await.status(), StatusCode::NOT_FOUND);
+    s.shutdown().await;
+}
+
+/// Issue 13: a PUT without a valid token is refused before its body is
+/// read: a client announcing 100 MiB and sending none gets its 401 at once.
+#[tokio::test]
+async fn put_checks_the_token_before_reading_the_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Server::with_tokens().await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    for auth in ["", "Authorization: Bearer wrong\r\n"] {
+        let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head = format!(
+            "PUT /v1/blocks/a/{} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {}\r\n\r\n",
+            hashes(1)[0],
+            100 << 20
+        );
+        c.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(3), c.read(&mut buf))
+            .await
+            .expect("no answer until the body arrives: the body was read before the token was checked")
+            .unwrap();
+        let text = String::from_utf8_lossy(&buf[..n]);
+        assert!(text.starts_with("HTTP/1.1 401"), "{text}");
+    }
+    s.shutdown().await;
+}
+
+/// Issue 13: a metrics-only token reads `/metrics` and nothing else.
+#[tokio::test]
+async fn metrics_token_reads_metrics_and_nothing_else() {
+    let auth = Auth::from_plain(Some(ADMIN), &[("a", TOKEN_A)]).with_metrics_plain("scrape");
+    let s = Server::start(Store::memory_only(1 << 24), auth).await;
+    assert_eq!(s.get("/metrics", Some("scrape")).await.status(), StatusCode::OK);
+    assert_eq!(s.get("/metrics", Some(ADMIN)).await.status(), StatusCode::OK);
+    assert_eq!(s.get("/metrics", Some(TOKEN_A)).await.status(), StatusCode::FORBIDDEN);
+    assert_eq!(s.get("/stats", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
+    assert_eq!(s.get("/cache/list", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
+    let h = hashes(1);
+    assert_eq!(s.put("a", &h[0], block(1), "", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
+    assert_eq!(s.get(&format!("/v1/blocks/a/{}", h[0]), Some("scrape")).await.status(), StatusCode::FORBIDDEN);
+    assert_eq!(s.get("/v1/events", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
     s.shutdown().await;
 }

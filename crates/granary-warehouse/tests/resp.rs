@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use granary_warehouse::auth::Auth;
+use granary_warehouse::config::ServeLimits;
 use granary_warehouse::{ServerCtx, Store, StoreConfig};
 
 struct Server {
@@ -27,11 +28,16 @@ impl Server {
     }
 
     fn start_with(cfg: StoreConfig, auth: Auth) -> Server {
+        Self::start_limited(cfg, auth, ServeLimits::default())
+    }
+
+    fn start_limited(cfg: StoreConfig, auth: Auth, limits: ServeLimits) -> Server {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (port, ctx) = rt.block_on(async {
-            let store = Store::with_tiers(cfg, None, None);
-            let ctx = Arc::new(ServerCtx::new(store, auth));
+            // Opened, so that configured lower tiers exist.
+            let store = Store::open(cfg).await.unwrap();
+            let ctx = Arc::new(ServerCtx::new(store, auth).with_limits(limits));
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = listener.local_addr().unwrap().port();
             tokio::spawn(granary_warehouse::resp::serve(listener, ctx.clone(), async {
@@ -401,7 +407,8 @@ fn resp3_nulls_and_waitaof() {
     assert!(text.starts_with("%7\r\n$6\r\nserver\r\n$5\r\nredis\r\n"), "{text}");
     assert!(text.contains("$5\r\nproto\r\n:3\r\n"), "{text}");
     expect(&mut s, &resp(&[b"GET", b"nothing"]), b"_\r\n");
-    expect(&mut s, &resp(&[b"WAITAOF", b"1", b"0", b"100"]), b"*2\r\n:1\r\n:0\r\n");
+    // Memory only: nothing is durable, and WAITAOF says so.
+    expect(&mut s, &resp(&[b"WAITAOF", b"1", b"0", b"100"]), b"*2\r\n:0\r\n:0\r\n");
     expect(&mut s, &resp(&[b"HELLO", b"4"]), b"-NOPROTO unsupported protocol version\r\n");
 }
 
@@ -442,4 +449,101 @@ fn shutdown_stops_the_server_and_closes_connections() {
         assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "listener must be closed");
         assert_eq!(ctx.resp.connections_open.load(Relaxed), 0);
     });
+}
+
+/// Issue 13: WAITAOF answers 1 only when the writes so far are synced on
+/// the disk tier.
+#[test]
+fn waitaof_counts_only_a_synced_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = StoreConfig::memory_only(1 << 20);
+    cfg.disk = Some(granary_warehouse::config::DiskConfig {
+        dir: dir.path().to_path_buf(),
+        capacity: granary_core::ByteSize::mib(16),
+        policy: granary_warehouse::PolicyKind::Lru,
+    });
+    let srv = Server::start_with(cfg.clone(), Auth::default());
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"SET", b"k", b"v"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"WAITAOF", b"1", b"0", b"1000"]), b"*2\r\n:1\r\n:0\r\n");
+    drop(srv);
+    // Write-back mode: writes stay in memory, so WAITAOF cannot claim them.
+    let dir2 = tempfile::tempdir().unwrap();
+    cfg.offload = granary_warehouse::OffloadMode::Evicted;
+    cfg.disk.as_mut().unwrap().dir = dir2.path().to_path_buf();
+    let srv = Server::start_with(cfg, Auth::default());
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"SET", b"k", b"v"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"WAITAOF", b"1", b"0", b"1000"]), b"*2\r\n:0\r\n:0\r\n");
+}
+
+/// Issue 13: a value no tier can hold is refused with Redis's OOM error.
+#[test]
+fn a_value_no_tier_can_hold_gets_oom() {
+    let srv = Server::start_with(StoreConfig::memory_only(1000), Auth::default());
+    let mut s = srv.connect();
+    let big = vec![b'x'; 5000];
+    let got = read_until(&mut s, &resp(&[b"SET", b"big", &big]), b"\r\n");
+    assert!(got.starts_with(b"-OOM "), "{}", String::from_utf8_lossy(&got));
+    expect(&mut s, &resp(&[b"GET", b"big"]), b"$-1\r\n");
+    // A refused write leaves the key's old value alone, as in Redis.
+    expect(&mut s, &resp(&[b"SET", b"k", b"old"]), b"+OK\r\n");
+    let got = read_until(&mut s, &resp(&[b"SET", b"k", &big]), b"\r\n");
+    assert!(got.starts_with(b"-OOM "), "{}", String::from_utf8_lossy(&got));
+    expect(&mut s, &resp(&[b"GET", b"k"]), b"$3\r\nold\r\n");
+}
+
+/// Issue 13: before AUTH, a client on a server with tokens may send only
+/// small commands (Redis: 10 arguments, 16 KiB); more is an error and a
+/// closed connection. After AUTH the usual limits apply.
+#[test]
+fn unauthenticated_clients_are_limited_like_redis() {
+    let srv = Server::start(Auth::from_plain(None, &[("a", "secret")]));
+    let args: Vec<&[u8]> = vec![b"x"; 11];
+    let mut s = srv.connect();
+    s.write_all(&resp(&args)).unwrap();
+    let (got, closed) = read_to_close(&mut s);
+    assert!(got.starts_with(b"-ERR Protocol error: too many arguments"), "{}", String::from_utf8_lossy(&got));
+    assert!(closed, "connection left open");
+
+    let big = vec![b'v'; 20 * 1024];
+    let mut s = srv.connect();
+    // Only the header: the server must refuse without waiting for the bytes.
+    s.write_all(format!("*3\r\n$3\r\nSET\r\n$1\r\nk\r\n${}\r\n", 1 << 30).as_bytes()).unwrap();
+    let (got, closed) = read_to_close(&mut s);
+    assert!(got.starts_with(b"-ERR Protocol error: bulk of"), "{}", String::from_utf8_lossy(&got));
+    assert!(closed, "connection left open");
+
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"AUTH", b"secret"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"SET", b"k", &big]), b"+OK\r\n");
+    let many: Vec<&[u8]> = std::iter::once(&b"DEL"[..]).chain(std::iter::repeat_n(&b"k"[..], 20)).collect();
+    expect(&mut s, &resp(&many), b":1\r\n");
+}
+
+/// Issue 13: past `max_connections` a client is told so and closed; a
+/// connection idle past `idle_timeout_secs` is closed.
+#[test]
+fn connection_cap_and_idle_timeout() {
+    let limits = ServeLimits { max_connections: 2, idle_timeout_secs: 1 };
+    let srv = Server::start_limited(StoreConfig::memory_only(1 << 20), Auth::default(), limits);
+    let mut a = srv.connect();
+    let mut b = srv.connect();
+    expect(&mut a, &resp(&[b"PING"]), b"+PONG\r\n");
+    expect(&mut b, &resp(&[b"PING"]), b"+PONG\r\n");
+    let mut c = srv.connect();
+    let (got, closed) = read_to_close(&mut c);
+    assert_eq!(String::from_utf8_lossy(&got), "-ERR max number of clients reached\r\n");
+    assert!(closed);
+    // `a` keeps talking for a while; `b` stays silent and is closed.
+    let t = std::time::Instant::now();
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(400));
+        expect(&mut a, &resp(&[b"PING"]), b"+PONG\r\n");
+    }
+    let (_, closed) = read_to_close(&mut b);
+    assert!(closed && t.elapsed() < Duration::from_secs(5), "idle connection not closed");
+    // A slot is free again.
+    let mut d = srv.connect();
+    expect(&mut d, &resp(&[b"PING"]), b"+PONG\r\n");
 }

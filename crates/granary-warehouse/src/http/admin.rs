@@ -11,7 +11,7 @@ use axum::Json;
 use serde_json::json;
 
 use super::error::ApiError;
-use super::{admin_access, display_key, mark_normal, AppState, Params};
+use super::{admin_access, display_key, mark_normal, metrics_access, AppState, Params};
 use crate::types::Ttl;
 
 /// Largest page `/cache/list` returns.
@@ -30,7 +30,7 @@ pub(super) async fn ready(State(st): State<AppState>) -> Response {
 }
 
 pub(super) async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
-    admin_access(&st, &headers)?;
+    metrics_access(&st, &headers)?;
     let text = crate::metrics::render(&st.ctx, Some(&st.metrics), st.started.elapsed());
     // OpenMetrics for scrapers that ask for it (Prometheus does), the
     // classic text format for everyone else.

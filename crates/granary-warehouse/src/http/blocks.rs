@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, PathRejection};
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{FromRequest, Path, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -57,12 +57,18 @@ fn body_or_error(body: Result<Bytes, BytesRejection>, limit: u64) -> Result<Byte
     })
 }
 
+/// The body, read only now: after the token and the parameters are checked,
+/// so an unauthenticated client cannot make the server buffer a block.
+async fn read_body(st: &AppState, req: Request, limit: u64) -> Result<Bytes, ApiError> {
+    body_or_error(Bytes::from_request(req, st).await, limit)
+}
+
 pub(super) async fn put_block(
     State(st): State<AppState>,
     headers: HeaderMap,
     path: Result<Path<(String, String)>, PathRejection>,
     RawQuery(query): RawQuery,
-    body: Result<Bytes, BytesRejection>,
+    req: Request,
 ) -> Result<Response, ApiError> {
     let (ns, key) = block_target(&st, &headers, path)?;
     let q = Params::parse(query.as_deref());
@@ -70,12 +76,12 @@ pub(super) async fn put_block(
     let depth = q.u64("depth", 0, u32::MAX as u64)?.unwrap_or(0) as u32;
     let durable = q.flag("durable")?;
     let condition = if q.flag("nx")? { Condition::IfAbsent } else { Condition::Always };
-    let body = body_or_error(body, st.body_limit)?;
+    let body = read_body(&st, req, st.body_limit).await?;
     KvBlock::decode(body.clone()).map_err(|e| ApiError::invalid("body", "invalid_block", e.to_string()))?;
     let bytes = body.len();
-    let stored = st.ctx.store.put(&ns, key, body, PutOptions { ttl, condition, durable, depth }).await?;
-    let answer = Json(json!({ "stored": stored, "bytes": bytes }));
-    Ok(if stored {
+    let done = st.ctx.store.put_with(&ns, key, body, PutOptions { ttl, condition, durable, depth }).await?;
+    let answer = Json(json!({ "stored": done.stored, "bytes": bytes, "durable": done.durable }));
+    Ok(if done.stored {
         (StatusCode::CREATED, answer).into_response()
     } else {
         mark_normal((StatusCode::CONFLICT, answer).into_response())
@@ -168,13 +174,9 @@ fn parse_lookup(body: &[u8]) -> Result<(String, Vec<Bytes>), ApiError> {
     Ok((ns, out))
 }
 
-pub(super) async fn lookup(
-    State(st): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+pub(super) async fn lookup(State(st): State<AppState>, headers: HeaderMap, req: Request) -> Result<Response, ApiError> {
     let access = data_access(&st, &headers)?;
-    let body = body_or_error(body, super::LOOKUP_BODY_LIMIT as u64)?;
+    let body = read_body(&st, req, super::LOOKUP_BODY_LIMIT as u64).await?;
     let (ns, keys) = parse_lookup(&body)?;
     access.check(&ns)?;
     let found = st.ctx.store.lookup(&ns, &keys).await?;

@@ -120,6 +120,12 @@ impl From<WarehouseError> for ApiError {
                 ApiError::invalid(field, "invalid_value", format!("invalid {field}: {reason}"))
             }
             WarehouseError::TooLarge { limit, .. } => ApiError::too_large(limit),
+            WarehouseError::OutOfMemory { size } => ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                ErrorType::ServerError,
+                "insufficient_storage",
+                format!("no tier can hold a value of {size} bytes"),
+            ),
             other => ApiError::internal(&other),
         }
     }

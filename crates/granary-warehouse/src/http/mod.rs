@@ -10,7 +10,8 @@
 //!
 //! Clients authenticate with `Authorization: Bearer <token>`: a namespace
 //! token opens its own namespace, the admin token opens all of them and the
-//! admin endpoints. A server with no token configured is open for the data
+//! admin endpoints, a metrics token opens `/metrics` alone. Token checks
+//! come before a request body is read. A server with no token configured is open for the data
 //! endpoints. Every failure is answered by [`error::ApiError`] in one JSON
 //! shape. [`serve`] counts connections and bytes at the socket; a middleware
 //! counts requests and times them for `/metrics`.
@@ -214,7 +215,12 @@ fn data_access(st: &AppState, headers: &HeaderMap) -> Result<Access, ApiError> {
     if st.ctx.auth.is_open() {
         return Ok(Access::Open);
     }
-    authenticate(st, headers).map(Access::As)
+    match authenticate(st, headers)? {
+        Principal::Metrics => {
+            Err(ApiError::forbidden("metrics_only", "this token opens /metrics only").param("authorization"))
+        }
+        p => Ok(Access::As(p)),
+    }
 }
 
 fn admin_access(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -223,7 +229,22 @@ fn admin_access(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
     match authenticate(st, headers)? {
         Principal::Admin => Ok(()),
-        Principal::Namespace(_) => Err(ApiError::forbidden("admin_required", "this endpoint needs the admin token")),
+        Principal::Namespace(_) | Principal::Metrics => {
+            Err(ApiError::forbidden("admin_required", "this endpoint needs the admin token"))
+        }
+    }
+}
+
+/// `/metrics`: the admin token or the metrics-only token.
+fn metrics_access(st: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if !st.ctx.auth.has_admin() && !st.ctx.auth.has_metrics() {
+        return Err(ApiError::forbidden("no_admin_token", "no admin token configured"));
+    }
+    match authenticate(st, headers)? {
+        Principal::Admin | Principal::Metrics => Ok(()),
+        Principal::Namespace(_) => {
+            Err(ApiError::forbidden("admin_required", "this endpoint needs the admin or the metrics token"))
+        }
     }
 }
 

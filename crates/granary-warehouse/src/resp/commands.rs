@@ -86,6 +86,8 @@ pub enum CmdError {
 fn store_error_text(e: &WarehouseError) -> String {
     match e {
         WarehouseError::TooLarge { .. } => format!("ERR value too large: {e}"),
+        // Redis's code for a write refused for lack of memory; clients know it.
+        WarehouseError::OutOfMemory { .. } => format!("OOM command not allowed: {e}"),
         WarehouseError::Invalid { .. } => format!("ERR {e}"),
         WarehouseError::Io { .. } | WarehouseError::Remote(_) | WarehouseError::Corrupt { .. } => {
             format!("ERR storage error: {e}")
@@ -120,6 +122,8 @@ pub struct Session<'a> {
     principal: Option<Principal>,
     ns: String,
     name: Option<Bytes>,
+    /// [`crate::Store::durability_losses`] at the last WAITAOF (or connect).
+    losses_mark: Option<u64>,
 }
 
 fn lower(name: &[u8]) -> String {
@@ -169,7 +173,13 @@ impl<'a> Session<'a> {
             principal,
             ns: DEFAULT_NAMESPACE.to_string(),
             name: None,
+            losses_mark: ctx.store.durability_losses(),
         }
+    }
+
+    /// Whether the client may run data commands (authenticated, or an open server).
+    pub fn authenticated(&self) -> bool {
+        self.principal.is_some()
     }
 
     /// Runs one command and writes its reply; counts it.
@@ -412,9 +422,18 @@ impl<'a> Session<'a> {
                 } else {
                     Duration::from_millis(timeout as u64).min(MAX_DURABILITY_WAIT)
                 };
-                self.ctx.store.flush(wait).await?;
+                // 1 only if every write so far reached a tier that makes it
+                // durable, and that tier synced within the timeout.
+                let synced = match self.ctx.store.flush(wait).await {
+                    Ok(()) => true,
+                    Err(WarehouseError::Timeout { .. }) => false,
+                    Err(e) => return Err(e.into()),
+                };
+                let now = self.ctx.store.durability_losses();
+                let local = synced && now.is_some() && now == self.losses_mark;
+                self.losses_mark = now;
                 out.array(2);
-                out.int(1);
+                out.int(i64::from(local));
                 out.int(0);
             }
             "WAIT" => {
@@ -440,6 +459,7 @@ impl<'a> Session<'a> {
         self.ns = match &p {
             Principal::Admin => DEFAULT_NAMESPACE.to_string(),
             Principal::Namespace(n) => n.clone(),
+            Principal::Metrics => DEFAULT_NAMESPACE.to_string(),
         };
         self.principal = Some(p);
     }
@@ -451,11 +471,12 @@ impl<'a> Session<'a> {
         // `default` is the name Redis clients send when they have only a password.
         let ns = user.filter(|u| !is(u, "default")).map(|u| String::from_utf8_lossy(u).into_owned());
         match self.ctx.auth.authenticate(ns.as_deref(), pass) {
+            // The metrics token is for HTTP `/metrics` alone.
+            Some(Principal::Metrics) | None => Err(CmdError::WrongPass),
             Some(p) => {
                 self.bind(p);
                 Ok(())
             }
-            None => Err(CmdError::WrongPass),
         }
     }
 

@@ -10,6 +10,12 @@
 //! a vectored write. A malformed or oversized request closes only the
 //! connection that sent it.
 //!
+//! Against hostile clients: until AUTH succeeds on a server with tokens, a
+//! command may have at most 10 arguments and 16 KiB (Redis's limits for
+//! unauthenticated clients); connections beyond `max_connections` are told
+//! so and closed; with `idle_timeout_secs`, a connection silent that long
+//! between commands is closed.
+//!
 //! [`Store`]: crate::store::Store
 
 pub mod commands;
@@ -66,7 +72,21 @@ pub async fn serve(
         tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _peer)) => {
+                Ok((mut stream, _peer)) => {
+                    while conns.try_join_next().is_some() {}
+                    if conns.len() >= ctx.limits.max_connections {
+                        ctx.resp.requests_error.fetch_add(1, Relaxed);
+                        // Told why, then closed, as Redis does past `maxclients`.
+                        conns.spawn(async move {
+                            use tokio::io::AsyncWriteExt;
+                            let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                                let _ = stream.write_all(b"-ERR max number of clients reached\r\n").await;
+                                let _ = stream.shutdown().await;
+                            })
+                            .await;
+                        });
+                        continue;
+                    }
                     conns.spawn(connection(stream, ctx.clone(), info.clone(), stop_rx.clone()));
                 }
                 Err(e) => {
@@ -106,6 +126,11 @@ async fn connection(
     let _open = OpenGuard(&stats.connections_open);
     let _ = stream.set_nodelay(true);
     let limits = Limits::for_max_value(ctx.store.config().max_value.as_u64());
+    let before_auth = Limits::unauthenticated();
+    let idle = ctx.limits.idle_timeout();
+    // The idle clock restarts on a whole command, not on any byte, so a
+    // client trickling a frame in cannot hold the connection forever.
+    let mut last_command = tokio::time::Instant::now();
     let mut session = Session::new(&ctx, &info);
     let mut input = BytesMut::with_capacity(READ_CHUNK);
     let mut out = Out::new();
@@ -113,9 +138,11 @@ async fn connection(
     let mut need = 1usize;
     loop {
         while input.len() >= need {
-            match parse_command(&mut input, &limits) {
+            let lim = if session.authenticated() { &limits } else { &before_auth };
+            match parse_command(&mut input, lim) {
                 Ok(Parse::Command(args)) => {
                     need = 1;
+                    last_command = tokio::time::Instant::now();
                     if args.is_empty() {
                         continue;
                     }
@@ -155,6 +182,7 @@ async fn connection(
         } else if input.capacity() - input.len() < MIN_READ {
             input.reserve(READ_CHUNK);
         }
+        let idle_until = idle.map(|d| last_command + d);
         tokio::select! {
             r = stream.read_buf(&mut input) => match r {
                 Ok(0) | Err(_) => return,
@@ -162,6 +190,15 @@ async fn connection(
                     stats.bytes_read.fetch_add(n as u64, Relaxed);
                 }
             },
+            _ = async {
+                match idle_until {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                tracing::debug!("RESP connection idle past the timeout; closing");
+                return;
+            }
             _ = stop.changed() => return,
         }
     }

@@ -38,6 +38,14 @@ impl Limits {
     }
 }
 
+impl Limits {
+    /// Limits before AUTH on a server with tokens: as Redis allows
+    /// unauthenticated clients, a few arguments and small frames.
+    pub fn unauthenticated() -> Limits {
+        Limits { max_bulk: 16 * 1024, max_args: 10, max_inline: 16 * 1024, max_frame: 16 * 1024 }
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Limits::for_max_value(512 << 20)

@@ -15,7 +15,10 @@
 //! the entry's name, so a reader sees the old file or the new one, never a
 //! mix. [`Tier::flush`] fsyncs the files written since the last flush and
 //! the directories whose entries changed; a durable write is `put` then
-//! `flush`.
+//! `flush`. Flushes run one at a time: a flush that finds another syncing
+//! waits for it and then syncs what is still dirty, so it never returns
+//! while a file it must cover (taken by the other flush) is unsynced; a
+//! failed sync puts its files back in the dirty set for the next one.
 //!
 //! The index (per namespace: key → size, metadata; a scan-order set; an
 //! eviction [`Policy`]) lives in memory and answers `contains_local`,
@@ -57,7 +60,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use super::{Tier, TierKind};
+use super::{EventSink, Tier, TierEvents, TierKind};
 use crate::config::DiskConfig;
 use crate::error::{Result, WarehouseError};
 use crate::policy::{EntryId, Policy, PolicyKind};
@@ -177,6 +180,10 @@ struct Dirty {
     dirs: HashSet<PathBuf>,
 }
 
+/// Called after each fsync, in tests.
+#[cfg(test)]
+type SyncHook = Arc<dyn Fn(&Path) + Send + Sync>;
+
 struct Shared {
     dir: PathBuf,
     at_rest: AtRest,
@@ -184,8 +191,14 @@ struct Shared {
     policy: PolicyKind,
     index: Mutex<Index>,
     dirty: Mutex<Dirty>,
+    /// Held while a flush syncs (see the module docs).
+    syncing: Mutex<()>,
+    /// Called after each fsync (tests: slow or observe syncs).
+    #[cfg(test)]
+    sync_hook: Mutex<Option<SyncHook>>,
     seq: AtomicU64,
     c: Counters,
+    events: TierEvents,
 }
 
 /// The disk tier; see the module docs.
@@ -249,8 +262,12 @@ pub async fn open_disk(cfg: &DiskConfig, at_rest: AtRest) -> Result<DiskTier> {
             policy: cfg.policy.build(capacity),
         }),
         dirty: Mutex::new(Dirty::default()),
+        syncing: Mutex::new(()),
+        #[cfg(test)]
+        sync_hook: Mutex::new(None),
         seq: AtomicU64::new(0),
         c: Counters::default(),
+        events: TierEvents::default(),
     });
     let s2 = s.clone();
     blocking(move || s2.recover()).await?;
@@ -418,7 +435,7 @@ impl Shared {
                     }
                 }
                 self.c.evictions.fetch_add(1, Relaxed);
-                Evicted { namespace: ns.to_string(), key, value, meta: slot.meta }
+                Evicted { namespace: ns.to_string(), key, value, meta: slot.meta, seq: 0 }
             })
             .collect()
     }
@@ -442,8 +459,9 @@ impl Shared {
             let mut ix = self.index.lock();
             if ix.remove(ns, &key).is_some() {
                 self.unlink_locked(ns, &key);
+                self.events.removed(ns, &key);
             }
-            return Ok(vec![Evicted { namespace: ns.to_string(), key, value: Some(value), meta }]);
+            return Ok(vec![Evicted { namespace: ns.to_string(), key, value: Some(value), meta, seq: 0 }]);
         }
         let tmp = self.tmp_beside(&path);
         if let Err(e) = write_new(&tmp, &sealed) {
@@ -455,12 +473,13 @@ impl Shared {
         let mut victims = Vec::new();
         let mut ix = self.index.lock();
         // The older copy's file is replaced by the rename below.
-        ix.remove(ns, &key);
+        let had_old = ix.remove(ns, &key).is_some();
         let mut fits = true;
         while self.capacity != 0 && ix.bytes + size > self.capacity {
             match ix.evict_one() {
                 Some((vns, vkey, slot)) => {
                     let aside = self.set_aside(&vns, &vkey);
+                    self.events.removed(&vns, &vkey);
                     victims.push((vns, vkey, slot, aside));
                 }
                 None => {
@@ -472,20 +491,27 @@ impl Shared {
         if !fits {
             // Everything left is pinned: keep the budget, refuse this value.
             self.unlink_locked(ns, &key);
+            if had_old {
+                self.events.removed(ns, &key);
+            }
             drop(ix);
             let _ = remove_quiet(&tmp);
             let mut out = self.reap(victims);
-            out.push(Evicted { namespace: ns.to_string(), key, value: Some(value), meta });
+            out.push(Evicted { namespace: ns.to_string(), key, value: Some(value), meta, seq: 0 });
             return Ok(out);
         }
         if let Err(e) = fs::rename(&tmp, &path) {
             self.unlink_locked(ns, &key);
+            if had_old {
+                self.events.removed(ns, &key);
+            }
             drop(ix);
             let _ = remove_quiet(&tmp);
             self.c.errors.fetch_add(1, Relaxed);
             self.reap(victims);
             return Err(io_err(e));
         }
+        self.events.stored(ns, &key);
         ix.insert(ns, key, size, meta);
         drop(ix);
         {
@@ -508,6 +534,7 @@ impl Shared {
             drop(ix);
             tracing::warn!(namespace = ns, %reason, "disk tier: dropped a corrupt entry");
             self.c.corrupt_dropped.fetch_add(1, Relaxed);
+            self.events.removed(ns, key);
         }
     }
 
@@ -526,6 +553,7 @@ impl Shared {
             ix.remove(ns, key);
             self.unlink_locked(ns, key);
             self.c.expirations.fetch_add(1, Relaxed);
+            self.events.removed(ns, key);
         }
         None
     }
@@ -627,7 +655,24 @@ impl Shared {
     }
 
     fn flush(&self) -> Result<()> {
+        // One flush at a time: one that started earlier may hold files this
+        // caller wrote, and must have synced them before this one returns.
+        let _one = self.syncing.lock();
         let d = std::mem::take(&mut *self.dirty.lock());
+        if d.files.is_empty() && d.dirs.is_empty() {
+            return Ok(());
+        }
+        let r = self.sync_dirty(&d);
+        if r.is_err() {
+            // Not synced: the next flush must try these again.
+            let mut now = self.dirty.lock();
+            now.files.extend(d.files);
+            now.dirs.extend(d.dirs);
+        }
+        r
+    }
+
+    fn sync_dirty(&self, d: &Dirty) -> Result<()> {
         // Many files: one syncfs does the work of a fsync per file and per
         // directory, with one barrier instead of hundreds.
         #[cfg(target_os = "linux")]
@@ -635,6 +680,7 @@ impl Shared {
             let dir = File::open(&self.dir).map_err(io_err)?;
             // SAFETY: syncfs takes any fd on the filesystem; `dir` is open for the call.
             if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&dir)) } == 0 {
+                self.synced(&self.dir);
                 return Ok(());
             }
         }
@@ -644,12 +690,25 @@ impl Shared {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => return Err(io_err(e)),
             }
+            self.synced(f);
         }
         for dir in &d.dirs {
             File::open(dir).and_then(|f| f.sync_all()).map_err(io_err)?;
+            self.synced(dir);
         }
         Ok(())
     }
+
+    #[cfg(test)]
+    fn synced(&self, path: &Path) {
+        let hook = self.sync_hook.lock().clone();
+        if let Some(h) = hook {
+            h(path);
+        }
+    }
+
+    #[cfg(not(test))]
+    fn synced(&self, _path: &Path) {}
 }
 
 /// Pending files above which `flush` syncs the whole filesystem at once.
@@ -682,8 +741,14 @@ impl Tier for DiskTier {
         TierKind::Disk
     }
 
+    fn set_event_sink(&self, sink: EventSink) -> bool {
+        self.s.events.set(sink);
+        true
+    }
+
     async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
-        if self.contains_local(ns, key) == Some(false) {
+        // An expired entry still goes on: the read drops it (and says so).
+        if self.s.index.lock().slot(ns, key).is_none() {
             self.s.c.misses.fetch_add(1, Relaxed);
             return Ok(None);
         }
@@ -712,6 +777,7 @@ impl Tier for DiskTier {
             let found = ix.remove(&ns, &key).is_some();
             if found {
                 s.unlink_locked(&ns, &key);
+                s.events.removed(&ns, &key);
             }
             Ok(found)
         })
@@ -727,6 +793,7 @@ impl Tier for DiskTier {
             for k in keys {
                 if ix.remove(&ns, &k).is_some() {
                     s.unlink_locked(&ns, &k);
+                    s.events.removed(&ns, &k);
                     n += 1;
                 }
             }
@@ -803,6 +870,7 @@ impl Tier for DiskTier {
                 let Some((ns, key)) = ix.by_id.get(&id).cloned() else { continue };
                 if ix.slot(&ns, &key).is_some_and(|sl| sl.pins == 0) && ix.remove(&ns, &key).is_some() {
                     s.unlink_locked(&ns, &key);
+                    s.events.removed(&ns, &key);
                     n += 1;
                 }
             }
@@ -839,5 +907,56 @@ impl Tier for DiskTier {
             torn_removed: c.torn_removed.load(Relaxed),
             errors: c.errors.load(Relaxed),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DiskConfig;
+    use granary_core::ByteSize;
+    use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
+
+    /// Issue 13: a second durable flush must not return while the first,
+    /// which took its files, is still syncing them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_flushes_never_acknowledge_unsynced_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = DiskConfig { dir: dir.path().to_path_buf(), capacity: ByteSize::mib(64), policy: PolicyKind::Lru };
+        let t = Arc::new(open_disk(&cfg, AtRest::with_key(None, None)).await.unwrap());
+        let synced: Arc<Mutex<HashSet<PathBuf>>> = Arc::default();
+        let first = Arc::new(AtomicBool::new(true));
+        let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+        let started_tx = Mutex::new(started_tx);
+        {
+            let synced = synced.clone();
+            *t.s.sync_hook.lock() = Some(Arc::new(move |p: &Path| {
+                synced.lock().insert(p.to_path_buf());
+                if first.swap(false, Relaxed) {
+                    // The first flush is now mid-sync: let the second one run, and be slow.
+                    let _ = started_tx.lock().send(());
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+            }));
+        }
+        let meta = EntryMeta::default();
+        // Writer B's file is dirty before writer A flushes, so A's flush takes it.
+        t.put("n", Bytes::from_static(b"b"), Bytes::from_static(b"vb"), meta).await.unwrap();
+        t.put("n", Bytes::from_static(b"a"), Bytes::from_static(b"va"), meta).await.unwrap();
+        let a = {
+            let t = t.clone();
+            tokio::spawn(async move { t.flush().await })
+        };
+        tokio::task::spawn_blocking(move || started_rx.recv().unwrap()).await.unwrap();
+        // Writer B's durable flush: must cover B's file and its directory.
+        t.flush().await.unwrap();
+        let done = synced.lock().clone();
+        for key in [&b"a"[..], b"b"] {
+            let path = t.entry_path("n", key);
+            assert!(done.contains(&path), "flush returned before {} was synced", path.display());
+            assert!(done.contains(path.parent().unwrap()), "flush returned before the directory of {key:?} was synced");
+        }
+        a.await.unwrap().unwrap();
     }
 }

@@ -5,7 +5,10 @@
 //! additionally keep an entry from being chosen for eviction. The map is
 //! split into shards (each with its own lock, policy and share of the
 //! budget) once the budget is large enough for sharding not to distort
-//! eviction.
+//! eviction. A shard's share bounds what its own writes evict, not what it
+//! may hold: a value larger than one share empties its shard and then takes
+//! room from the other shards, so any value up to the whole budget fits and
+//! the total stays within the budget.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -15,7 +18,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use super::{Tier, TierKind};
+use super::{EventSink, Tier, TierEvents, TierKind};
 use crate::error::Result;
 use crate::policy::{EntryId, Policy, PolicyKind};
 use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
@@ -30,6 +33,8 @@ const MAX_SHARDS: usize = 16;
 
 struct Slot {
     id: EntryId,
+    /// The store's version of the write (see [`Evicted::seq`]).
+    seq: u64,
     value: Bytes,
     meta: EntryMeta,
     hits: u32,
@@ -71,6 +76,7 @@ pub struct MemoryTier {
     capacity: u64,
     policy: PolicyKind,
     c: Counters,
+    events: TierEvents,
 }
 
 fn entry_size(key: &[u8], value: &[u8]) -> u64 {
@@ -103,11 +109,19 @@ impl MemoryTier {
                 })
             })
             .collect();
-        MemoryTier { shards, capacity, policy, c: Counters::default() }
+        MemoryTier { shards, capacity, policy, c: Counters::default(), events: TierEvents::default() }
     }
 
     fn shard(&self, ns: &str, key: &[u8]) -> &Mutex<Shard> {
         self.shard_in(ns_seed(ns), key)
+    }
+
+    fn shard_index(&self, ns: &str, key: &[u8]) -> usize {
+        if self.shards.len() == 1 {
+            return 0;
+        }
+        let h = xxhash_rust::xxh3::xxh3_64_with_seed(key, ns_seed(ns));
+        (h as usize) & (self.shards.len() - 1)
     }
 
     /// The shard of `key` in the namespace whose [`ns_seed`] is `seed`.
@@ -132,8 +146,18 @@ impl MemoryTier {
             .count()
     }
 
+    /// Whether a value of this size could ever be held (within the whole budget).
+    pub fn could_hold(&self, key: &[u8], value: &[u8]) -> bool {
+        self.capacity == 0 || entry_size(key, value) <= self.capacity
+    }
+
     /// Reads a value without an await: the in-process fast path.
     pub fn get_sync(&self, ns: &str, key: &[u8]) -> Option<Stored> {
+        self.get_versioned(ns, key).map(|(s, _)| s)
+    }
+
+    /// [`MemoryTier::get_sync`], with the version the entry was written under.
+    pub fn get_versioned(&self, ns: &str, key: &[u8]) -> Option<(Stored, u64)> {
         let now = now_ms();
         let mut s = self.shard(ns, key).lock();
         let expired = match s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) {
@@ -143,7 +167,7 @@ impl MemoryTier {
             }
             Some(slot) if !slot.meta.is_expired(now) => {
                 slot.hits = slot.hits.saturating_add(1);
-                let out = Stored { value: slot.value.clone(), meta: slot.meta, hits: slot.hits };
+                let out = (Stored { value: slot.value.clone(), meta: slot.meta, hits: slot.hits }, slot.seq);
                 let id = slot.id;
                 s.policy.access(id);
                 s.hits += 1;
@@ -154,6 +178,7 @@ impl MemoryTier {
         if expired {
             self.remove_locked(&mut s, ns, key);
             s.expirations += 1;
+            self.events.removed(ns, key);
         }
         s.misses += 1;
         None
@@ -168,19 +193,74 @@ impl MemoryTier {
 
     /// Stores a value without an await.
     pub fn put_sync(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta) -> Vec<Evicted> {
+        self.put_versioned(ns, key, value, meta, 0)
+    }
+
+    /// Stores a value written under version `seq`; returns what was evicted.
+    /// A value that cannot fit (larger than the whole budget, or no room
+    /// left that is not pinned) is not stored and comes back as an eviction
+    /// of itself, any older value of the key removed.
+    pub fn put_versioned(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta, seq: u64) -> Vec<Evicted> {
         let size = entry_size(&key, &value);
-        let mut s = self.shard(ns, &key).lock();
-        if s.budget != 0 && size > s.budget {
+        let home = self.shard_index(ns, &key);
+        let mut s = self.shards[home].lock();
+        if self.capacity != 0 && size > self.capacity {
             // Too big for this tier: replace nothing, hand it straight back.
-            self.remove_locked(&mut s, ns, &key);
-            return vec![Evicted { namespace: ns.to_string(), key, value: Some(value), meta }];
+            if self.remove_locked(&mut s, ns, &key) {
+                self.events.removed(ns, &key);
+            }
+            return vec![Evicted { namespace: ns.to_string(), key, value: Some(value), meta, seq }];
         }
         self.remove_locked(&mut s, ns, &key);
         let mut evicted = Vec::new();
         while s.budget != 0 && s.bytes + size > s.budget {
-            let Some(v) = self.evict_one(&mut s) else { break };
+            let Some(v) = self.evict_one(&mut s, None) else { break };
             evicted.push(v);
         }
+        let id = self.insert_locked(&mut s, ns, key.clone(), value, meta, seq, size);
+        drop(s);
+        if self.capacity == 0 || self.c.bytes.load(Relaxed) <= self.capacity {
+            return evicted;
+        }
+        // Over the whole budget (a value larger than its shard's share, or
+        // a shard full of pinned entries): take room from the other shards,
+        // then from this one, never evicting the new entry itself.
+        let n = self.shards.len();
+        for i in (1..=n).map(|d| (home + d) % n) {
+            let mut s = self.shards[i].lock();
+            let skip = (i == home).then_some(id);
+            while self.c.bytes.load(Relaxed) > self.capacity {
+                let Some(v) = self.evict_one(&mut s, skip) else { break };
+                evicted.push(v);
+            }
+            if self.c.bytes.load(Relaxed) <= self.capacity {
+                return evicted;
+            }
+        }
+        // Everything else is pinned: refuse the new value.
+        let mut s = self.shards[home].lock();
+        let same = s.spaces.get(ns).and_then(|n| n.map.get(&key[..])).is_some_and(|slot| slot.id == id);
+        if same {
+            if let Some(slot) = self.take_locked(&mut s, ns, &key) {
+                s.policy.remove(slot.id);
+                self.events.removed(ns, &key);
+                evicted.push(Evicted { namespace: ns.to_string(), key, value: Some(slot.value), meta, seq });
+            }
+        }
+        evicted
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn insert_locked(
+        &self,
+        s: &mut Shard,
+        ns: &str,
+        key: Bytes,
+        value: Bytes,
+        meta: EntryMeta,
+        seq: u64,
+        size: u64,
+    ) -> EntryId {
         let id = s.next_id;
         s.next_id += 1;
         let ns_arc: Arc<str> = match s.spaces.get_key_value(ns) {
@@ -195,23 +275,62 @@ impl MemoryTier {
         s.by_id.insert(id, (ns_arc.clone(), key.clone()));
         let space = s.spaces.entry(ns_arc).or_default();
         space.order.insert((scan_hash(&key), key.clone()));
-        space.map.insert(key, Slot { id, value, meta, hits: 0, pins: 0 });
+        self.events.stored(ns, &key);
+        space.map.insert(key, Slot { id, seq, value, meta, hits: 0, pins: 0 });
         s.bytes += size;
         self.c.bytes.fetch_add(size, Relaxed);
         self.c.entries.fetch_add(1, Relaxed);
-        evicted
+        id
     }
 
-    fn evict_one(&self, s: &mut Shard) -> Option<Evicted> {
+    /// Removes a key; whether it was there.
+    pub fn remove_sync(&self, ns: &str, key: &[u8]) -> bool {
+        let mut s = self.shard(ns, key).lock();
+        let found = self.remove_locked(&mut s, ns, key);
+        if found {
+            self.events.removed(ns, key);
+        }
+        found
+    }
+
+    /// Sets or clears a live entry's expiry (and with `seq`, its version);
+    /// whether the key was there.
+    pub fn set_expiry_versioned(&self, ns: &str, key: &[u8], expires_at_ms: Option<u64>, seq: Option<u64>) -> bool {
+        let now = now_ms();
+        let mut s = self.shard(ns, key).lock();
+        let Some(slot) = s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) else { return false };
+        if slot.meta.is_expired(now) {
+            return false;
+        }
+        let (id, old) = (slot.id, slot.meta.expires_at_ms);
+        slot.meta.expires_at_ms = expires_at_ms;
+        if let Some(seq) = seq {
+            slot.seq = seq;
+        }
+        if let Some(t) = old {
+            s.expiry.remove(&(t, id));
+        }
+        if let Some(t) = expires_at_ms {
+            s.expiry.insert((t, id), ());
+        }
+        true
+    }
+
+    /// Evicts one unpinned entry of the shard other than `skip`.
+    fn evict_one(&self, s: &mut Shard, skip: Option<EntryId>) -> Option<Evicted> {
         let Shard { policy, by_id, spaces, .. } = s;
         let victim = policy.evict(&mut |id| {
+            if Some(id) == skip {
+                return false;
+            }
             let Some((ns, key)) = by_id.get(&id) else { return true };
             spaces.get(&**ns).and_then(|n| n.map.get(key)).is_none_or(|slot| slot.pins == 0)
         })?;
         let (ns, key) = s.by_id.get(&victim).cloned()?;
         let slot = self.take_locked(s, &ns, &key)?;
         s.evictions += 1;
-        Some(Evicted { namespace: ns.to_string(), key, value: Some(slot.value), meta: slot.meta })
+        self.events.removed(&ns, &key);
+        Some(Evicted { namespace: ns.to_string(), key, value: Some(slot.value), meta: slot.meta, seq: slot.seq })
     }
 
     /// Removes an entry with the shard locked, policy included.
@@ -251,6 +370,11 @@ impl Tier for MemoryTier {
         TierKind::Memory
     }
 
+    fn set_event_sink(&self, sink: EventSink) -> bool {
+        self.events.set(sink);
+        true
+    }
+
     async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
         Ok(self.get_sync(ns, key))
     }
@@ -268,8 +392,7 @@ impl Tier for MemoryTier {
     }
 
     async fn remove(&self, ns: &str, key: &[u8]) -> Result<bool> {
-        let mut s = self.shard(ns, key).lock();
-        Ok(self.remove_locked(&mut s, ns, key))
+        Ok(self.remove_sync(ns, key))
     }
 
     async fn remove_namespace(&self, ns: &str) -> Result<u64> {
@@ -278,28 +401,17 @@ impl Tier for MemoryTier {
             let mut s = shard.lock();
             let keys: Vec<Bytes> = s.spaces.get(ns).map(|sp| sp.map.keys().cloned().collect()).unwrap_or_default();
             for k in keys {
-                n += self.remove_locked(&mut s, ns, &k) as u64;
+                if self.remove_locked(&mut s, ns, &k) {
+                    n += 1;
+                    self.events.removed(ns, &k);
+                }
             }
         }
         Ok(n)
     }
 
     async fn set_expiry(&self, ns: &str, key: &[u8], expires_at_ms: Option<u64>) -> Result<bool> {
-        let now = now_ms();
-        let mut s = self.shard(ns, key).lock();
-        let Some(slot) = s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) else { return Ok(false) };
-        if slot.meta.is_expired(now) {
-            return Ok(false);
-        }
-        let (id, old) = (slot.id, slot.meta.expires_at_ms);
-        slot.meta.expires_at_ms = expires_at_ms;
-        if let Some(t) = old {
-            s.expiry.remove(&(t, id));
-        }
-        if let Some(t) = expires_at_ms {
-            s.expiry.insert((t, id), ());
-        }
-        Ok(true)
+        Ok(self.set_expiry_versioned(ns, key, expires_at_ms, None))
     }
 
     async fn meta(&self, ns: &str, key: &[u8]) -> Result<Option<EntryMeta>> {
@@ -366,6 +478,7 @@ impl Tier for MemoryTier {
                     if !pinned && self.remove_locked(&mut s, &ns, &key) {
                         n += 1;
                         s.expirations += 1;
+                        self.events.removed(&ns, &key);
                     }
                 }
             }

@@ -9,13 +9,14 @@
 //! [`TierStats`].
 
 use std::fmt;
+use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use serde::Serialize;
 
 use crate::error::Result;
-use crate::types::{EntryMeta, Evicted, ScanPage, Stored, TierStats};
+use crate::types::{EntryMeta, EventKind, Evicted, ScanPage, Stored, TierStats};
 
 pub mod at_rest;
 pub mod disk;
@@ -47,10 +48,46 @@ impl fmt::Display for TierKind {
     }
 }
 
+/// Where a tier announces the entries it stores and drops, so the store
+/// can publish them as events.
+pub type EventSink = Arc<dyn Fn(EventKind, &str, &[u8]) + Send + Sync>;
+
+/// A tier's [`EventSink`], once the store has set it. Tiers call it under
+/// the lock that orders the change, so one key's events in one tier come
+/// out in the order its entry changed.
+#[derive(Default)]
+pub struct TierEvents(OnceLock<EventSink>);
+
+impl TierEvents {
+    pub fn set(&self, sink: EventSink) {
+        let _ = self.0.set(sink);
+    }
+
+    pub fn stored(&self, ns: &str, key: &[u8]) {
+        if let Some(s) = self.0.get() {
+            s(EventKind::Stored, ns, key);
+        }
+    }
+
+    pub fn removed(&self, ns: &str, key: &[u8]) {
+        if let Some(s) = self.0.get() {
+            s(EventKind::Removed, ns, key);
+        }
+    }
+}
+
 /// One storage tier.
 #[async_trait]
 pub trait Tier: Send + Sync + 'static {
     fn kind(&self) -> TierKind;
+
+    /// Where to announce entries. Returns true if the tier announces every
+    /// entry it stores or drops (in order, under its own locks); false if it
+    /// announces at most what it drops on its own (expiry, corruption), and
+    /// the store announces its writes and removals for it.
+    fn set_event_sink(&self, _sink: EventSink) -> bool {
+        false
+    }
 
     /// The value and metadata, or `None` if absent or expired. Counts a hit
     /// or a miss. A corrupt entry is dropped, counted and reported as absent.

@@ -35,7 +35,7 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{GetOptions, GetRange, GetResult, GetResultPayload, ObjectStore, PutPayload};
 
-use super::{Tier, TierKind};
+use super::{EventSink, Tier, TierEvents, TierKind};
 use crate::config::RemoteConfig;
 use crate::error::{Result, WarehouseError};
 use crate::tier::at_rest::{value_offset, AlignedBuf, AtRest, Corrupt, Record, RecordHead, MAX_HEAD, PREAMBLE};
@@ -60,6 +60,7 @@ pub struct RemoteTier {
     prefix: Path,
     at_rest: AtRest,
     c: Counters,
+    events: TierEvents,
 }
 
 fn remote_err(op: &str, path: &Path, e: object_store::Error) -> WarehouseError {
@@ -90,7 +91,7 @@ pub async fn open_remote(cfg: &RemoteConfig, at_rest: AtRest) -> Result<RemoteTi
     opts.extend(cfg.options.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.clone())));
     let (store, prefix) = object_store::parse_url_opts(&url, opts)
         .map_err(|e| WarehouseError::Config(format!("remote url {:?}: {e}", cfg.url)))?;
-    Ok(RemoteTier { store: Arc::from(store), prefix, at_rest, c: Counters::default() })
+    Ok(RemoteTier { store: Arc::from(store), prefix, at_rest, c: Counters::default(), events: TierEvents::default() })
 }
 
 impl RemoteTier {
@@ -152,9 +153,10 @@ impl RemoteTier {
     }
 
     /// Deletes an object that failed verification and counts it.
-    async fn drop_corrupt(&self, path: &Path, reason: &Corrupt) {
+    async fn drop_corrupt(&self, ns: &str, key: &[u8], path: &Path, reason: &Corrupt) {
         tracing::warn!(%path, %reason, "remote tier: dropping a corrupt object");
         self.c.corrupt_dropped.fetch_add(1, Relaxed);
+        self.events.removed(ns, key);
         if let Err(e) = self.store.delete(path).await {
             if !matches!(e, object_store::Error::NotFound { .. }) {
                 self.fail("delete", path, e);
@@ -169,7 +171,7 @@ impl RemoteTier {
         match self.at_rest.open(bytes, Some((ns, key))) {
             Ok(r) => Ok(Some(r)),
             Err(c) => {
-                self.drop_corrupt(&path, &c).await;
+                self.drop_corrupt(ns, key, &path, &c).await;
                 Ok(None)
             }
         }
@@ -196,7 +198,7 @@ impl RemoteTier {
         match self.read_head(&path).await? {
             None => Ok(None),
             Some(Err(c)) => {
-                self.drop_corrupt(&path, &c).await;
+                self.drop_corrupt(ns, key, &path, &c).await;
                 Ok(None)
             }
             Some(Ok(h)) if h.namespace != ns || h.key != key => {
@@ -204,7 +206,7 @@ impl RemoteTier {
                     found_ns: h.namespace,
                     found_key: String::from_utf8_lossy(&h.key).into_owned(),
                 };
-                self.drop_corrupt(&path, &c).await;
+                self.drop_corrupt(ns, key, &path, &c).await;
                 Ok(None)
             }
             Some(Ok(h)) if h.meta.is_expired(now_ms()) => Ok(None),
@@ -226,6 +228,11 @@ impl Tier for RemoteTier {
         TierKind::Remote
     }
 
+    fn set_event_sink(&self, sink: EventSink) -> bool {
+        self.events.set(sink);
+        false
+    }
+
     async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
         let rec = match self.read(ns, key).await {
             Ok(Some(r)) => r,
@@ -238,6 +245,7 @@ impl Tier for RemoteTier {
             self.c.misses.fetch_add(1, Relaxed);
             self.c.expirations.fetch_add(1, Relaxed);
             self.delete(&self.object_path(ns, key)).await?;
+            self.events.removed(ns, key);
             return Ok(None);
         }
         self.c.hits.fetch_add(1, Relaxed);
