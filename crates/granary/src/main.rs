@@ -86,6 +86,9 @@ struct WarehouseArgs {
     /// Admin token (all namespaces, admin endpoints).
     #[arg(long, env = "GRANARY_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
+    /// Token that reads /metrics and nothing else (for a Prometheus scraper).
+    #[arg(long, env = "GRANARY_METRICS_TOKEN", hide_env_values = true)]
+    metrics_token: Option<String>,
     /// Namespace token, NAMESPACE=TOKEN (repeatable).
     #[arg(long = "token", value_parser = config::parse_token_flag)]
     tokens: Vec<(String, String)>,
@@ -156,6 +159,7 @@ fn run() -> Result<()> {
                 compression: a.compression,
                 encryption_key_file: a.encryption_key_file,
                 admin_token: a.admin_token,
+                metrics_token: a.metrics_token,
                 tokens: a.tokens,
             };
             let cfg = config::load_warehouse(a.config.as_deref(), &env, &flags)?;

@@ -13,14 +13,17 @@ use tokio::sync::watch;
 use crate::config::WarehouseConfig;
 
 pub async fn run(cfg: WarehouseConfig) -> Result<()> {
-    let auth =
+    let mut auth =
         Auth::new(cfg.admin_token.as_ref(), &cfg.tokens).map_err(|e| anyhow::anyhow!("warehouse tokens: {e}"))?;
+    if let Some(t) = &cfg.metrics_token {
+        auth = auth.with_metrics_token(t).map_err(|e| anyhow::anyhow!("warehouse tokens: {e}"))?;
+    }
     if auth.is_open() {
         tracing::warn!("no tokens configured: every client shares namespace `default`; admin endpoints are disabled");
     }
     let started = std::time::Instant::now();
     let store = Store::open(cfg.store.clone()).await.context("opening the store")?;
-    let ctx = Arc::new(ServerCtx::new(store.clone(), auth));
+    let ctx = Arc::new(ServerCtx::new(store.clone(), auth).with_limits(cfg.limits.clone()));
     let recovered: u64 = store.stats().tiers.iter().map(|t| t.recovered).sum();
     tracing::info!(tiers = ?store.tiers(), recovered, took_ms = started.elapsed().as_millis() as u64, "store open");
 

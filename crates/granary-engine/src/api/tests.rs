@@ -89,6 +89,12 @@ impl Backend for ScriptedBackend {
         let (tx, rx) = mpsc::unbounded_channel();
         let n = self.reply.len().min(req.max_tokens);
         for &id in &self.reply[..n] {
+            if let Some(top) = req.sampling.logprobs {
+                // The chosen token first among its alternatives, at ln(1/2).
+                let lp = -std::f32::consts::LN_2;
+                let alts = (0..top as u32).map(|i| (id + i, lp - i as f32)).collect();
+                tx.send(Event::Logprobs(Box::new(crate::TokenLogprobs { logprob: lp, top: alts }))).unwrap();
+            }
             tx.send(Event::Token(id)).unwrap();
         }
         match &self.end {
@@ -386,7 +392,7 @@ async fn chat_completion_in_one_body() {
         ChatMessage { role: "user".into(), content: "Hi!".into() },
     ];
     let text = tok.apply_chat_template(&messages, true).unwrap();
-    assert_eq!(req.prompt, tok.encode(&text, true).unwrap());
+    assert_eq!(req.prompt, tok.encode(&text, false).unwrap());
     assert_eq!(req.stop_token_ids, tok.eos_token_ids());
     assert_eq!(req.namespace, "default");
     assert_eq!(req.max_tokens, CONTEXT - req.prompt.len());
@@ -398,6 +404,75 @@ async fn chat_completion_in_one_body() {
         json!({"prompt_tokens": req.prompt.len(), "completion_tokens": n, "total_tokens": req.prompt.len() + n,
                "prompt_tokens_details": {"cached_tokens": 5}})
     );
+}
+
+#[tokio::test]
+async fn sampling_defaults_fill_what_the_request_leaves_out() {
+    let Some((backend, app)) = scripted() else { return };
+    let (status, _) = send_json(&app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(status, StatusCode::OK);
+    let p = backend.last_request().sampling;
+    let d = crate::SamplingDefaults::default();
+    assert_eq!((p.temperature, p.top_p, p.top_k, p.min_p), (d.temperature, d.top_p, d.top_k, d.min_p));
+    assert_eq!((d.temperature, d.top_k), (0.8, 40), "llama.cpp server's defaults");
+    let body = chat_body(json!({"temperature": 0, "top_k": 5, "logit_bias": {"7": 3}, "presence_penalty": 1}));
+    let (status, _) = send_json(&app, post("/v1/chat/completions", body)).await;
+    assert_eq!(status, StatusCode::OK);
+    let p = backend.last_request().sampling;
+    assert_eq!((p.temperature, p.top_k, p.presence_penalty), (0.0, 5, 1.0));
+    assert_eq!(p.logit_bias, [(7, 3.0)]);
+    // A bias for a token the vocabulary lacks names the key.
+    let (status, body) =
+        send_json(&app, post("/v1/chat/completions", chat_body(json!({"logit_bias": {"9999999": 1}})))).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("logit_bias.9999999"));
+    // Completions default to 16 tokens.
+    let (status, _) = send_json(&app, post("/v1/completions", json!({"model": MODEL, "prompt": "a"}).to_string())).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(backend.last_request().max_tokens, 16);
+}
+
+#[tokio::test]
+async fn logprobs_in_both_shapes() {
+    let Some((backend, app)) = scripted() else { return };
+    let Some(tok) = tokenizer() else { return };
+    let n = backend.reply.len();
+    let body = chat_body(json!({"logprobs": true, "top_logprobs": 2}));
+    let (status, body) = send_json(&app, post("/v1/chat/completions", body)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let content = body["choices"][0]["logprobs"]["content"].as_array().expect("logprobs.content");
+    assert_eq!(content.len(), n);
+    let first = &content[0];
+    assert_eq!(first["token"], tok.decode(&backend.reply[..1], false).unwrap());
+    assert!((first["logprob"].as_f64().unwrap() + std::f64::consts::LN_2).abs() < 1e-6);
+    assert_eq!(first["top_logprobs"].as_array().unwrap().len(), 2);
+    assert_eq!(first["bytes"].as_array().unwrap().len(), first["token"].as_str().unwrap().len());
+    // Without logprobs: null.
+    let (_, body) = send_json(&app, post("/v1/chat/completions", chat_body(json!({})))).await;
+    assert_eq!(body["choices"][0]["logprobs"], Value::Null);
+    // Streamed: every token's entry arrives once, in order.
+    let (status, headers, bytes) =
+        send(&app, post("/v1/chat/completions", chat_body(json!({"logprobs": true, "stream": true})))).await;
+    assert_eq!(status, StatusCode::OK);
+    let chunks = sse_payloads(&headers, &bytes);
+    let streamed: Vec<String> = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0)?["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .map(|e| e["token"].as_str().unwrap().to_string())
+        .collect();
+    let want: Vec<String> = backend.reply.iter().map(|&id| tok.decode(&[id], false).unwrap()).collect();
+    assert_eq!(streamed, want);
+    // Completions: tokens, token_logprobs, top_logprobs, text_offset.
+    let req = json!({"model": MODEL, "prompt": "a", "logprobs": 1, "max_tokens": 4});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let lp = &body["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 1);
+    let offsets: Vec<u64> = lp["text_offset"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
 }
 
 #[tokio::test]
