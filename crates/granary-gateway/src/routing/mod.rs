@@ -13,15 +13,12 @@
 //! upstream is full; [`PoolSelector`] orders weighted pools.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use granary_core::hash::BlockHash;
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
-use tokio::sync::Notify;
 
 use crate::types::Priority;
 
@@ -42,6 +39,9 @@ pub struct Candidate {
     pub max_active: usize,
     /// Whether its KV events feed the index (else it is tracked approximately).
     pub publishes_events: bool,
+    /// Its identity for session affinity: a hash of its name, the same on
+    /// every gateway replica (unlike `index`, which is this process's).
+    pub affinity: u64,
 }
 
 impl Candidate {
@@ -199,11 +199,24 @@ pub struct Session {
     next: AtomicUsize,
 }
 
-fn rendezvous(session: &str, upstream: usize) -> u64 {
-    let mut h = std::hash::DefaultHasher::new();
-    session.hash(&mut h);
-    upstream.hash(&mut h);
-    h.finish()
+/// The weight of (session, upstream): blake3, so that every replica (and
+/// every build) ranks a session's upstreams alike.
+fn rendezvous(session: &str, affinity: u64) -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(&affinity.to_le_bytes());
+    h.update(session.as_bytes());
+    let out = h.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&out.as_bytes()[..8]);
+    u64::from_le_bytes(first)
+}
+
+/// An upstream's [`Candidate::affinity`] from its name.
+pub fn affinity_of(name: &str) -> u64 {
+    let out = blake3::hash(name.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&out.as_bytes()[..8]);
+    u64::from_le_bytes(first)
 }
 
 impl Policy for Session {
@@ -214,7 +227,7 @@ impl Policy for Session {
         match req.session {
             Some(s) if !s.is_empty() => {
                 let mut list: Vec<&Candidate> = candidates.iter().collect();
-                list.sort_by_key(|c| std::cmp::Reverse(rendezvous(s, c.index)));
+                list.sort_by_key(|c| std::cmp::Reverse(rendezvous(s, c.affinity)));
                 room_first(list)
             }
             _ => by_load(candidates, &self.next).into_iter().map(|c| c.index).collect(),
@@ -450,10 +463,6 @@ impl PoolSelector {
 }
 
 /// Waits for a notification or a timeout; used by [`Admission`].
-async fn wait(notify: &Notify, timeout: Duration) -> bool {
-    tokio::time::timeout(timeout, notify.notified()).await.is_ok()
-}
-
 impl Priority {
     fn rank(self) -> usize {
         self as usize
