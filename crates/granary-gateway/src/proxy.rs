@@ -20,7 +20,7 @@ use crate::agents::Agents;
 use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
 use crate::identity::{AuditRecord, Identity};
-use crate::limits::Limiter;
+use crate::limits::{Limiter, Quota};
 use crate::metrics::GatewayMetrics;
 use crate::routing::{build_policy, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
 use crate::types::Principal;
@@ -362,6 +362,8 @@ struct Outcome {
     /// The prompt's size in tokens, estimated from its bytes, for a stream
     /// cut before its usage chunk.
     prompt_estimate: u64,
+    /// What the limits left, for the response's `x-ratelimit-*` headers.
+    quota: Quota,
 }
 
 impl Outcome {
@@ -385,6 +387,7 @@ impl Outcome {
             usage_seen: false,
             streamed: 0,
             prompt_estimate: 0,
+            quota: Quota::default(),
         }
     }
 
@@ -402,6 +405,7 @@ impl Outcome {
             usage_seen: self.usage_seen,
             streamed: self.streamed,
             prompt_estimate: self.prompt_estimate,
+            quota: self.quota,
         }
     }
 
@@ -651,7 +655,7 @@ pub async fn handle(
     body: Body,
 ) -> Response {
     let mut out = Outcome::new(gw.clone(), endpoint, request_id);
-    let resp = match serve(&gw, &mut out, endpoint, &headers, body).await {
+    let mut resp = match serve(&gw, &mut out, endpoint, &headers, body).await {
         Ok(resp) => resp,
         Err(e) => {
             out.fail(&e);
@@ -659,6 +663,7 @@ pub async fn handle(
         }
     };
     out.done = true;
+    out.quota.apply(resp.headers_mut());
     resp
 }
 
@@ -707,12 +712,16 @@ async fn serve(
         return Err(ApiError::model_not_found(&parsed.model));
     }
     // 4. Limits.
-    if let Err(r) = gw.limiter.admit(&principal, parsed.estimate).await {
-        gw.metrics
-            .rate_limited
-            .get_or_create(&vec![("scope", r.scope.as_str().to_string()), ("limit", r.limit.to_string())])
-            .inc();
-        return Err(r.to_api_error());
+    match gw.limiter.admit(&principal, parsed.estimate).await {
+        Ok(quota) => out.quota = quota,
+        Err(r) => {
+            gw.metrics
+                .rate_limited
+                .get_or_create(&vec![("scope", r.scope.as_str().to_string()), ("limit", r.limit.to_string())])
+                .inc();
+            out.quota = r.quota;
+            return Err(r.to_api_error());
+        }
     }
     out.principal = Some(principal.clone());
     // 5. Route.

@@ -1331,3 +1331,41 @@ async fn issue_14_keys_rotate_with_a_grace_period_and_can_be_patched() {
     let (s, v) = g.admin(reqwest::Method::PATCH, &path, Some(json!({"bogus": 1}))).await;
     assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("bogus")), "{v}");
 }
+
+/// Issue 14, point 1: responses and 429s carry OpenAI's
+/// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers.
+#[tokio::test]
+async fn issue_14_responses_carry_openai_rate_limit_headers() {
+    let up = start_upstream("a", Mode::Ok, &["m"]).await;
+    let g = Gw::start(&named(&[("a", up.addr)]), |_| {}).await;
+    let key = g.key("acme", json!({"limits": {"requests_per_minute": 2, "tokens_per_minute": 1000}})).await;
+    let header = |r: &reqwest::Response, name: &str| {
+        r.headers().get(name).map(|v| v.to_str().unwrap().to_string()).unwrap_or_else(|| panic!("no {name}"))
+    };
+    let is_duration = |s: &str| {
+        let n = s.trim_end_matches("ms").trim_end_matches('s');
+        s.ends_with('s') && n.split('m').all(|p| p.parse::<f64>().is_ok())
+    };
+    let r = g.chat(&key, chat_body(false)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-ratelimit-limit-requests"), "2");
+    assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "1");
+    assert_eq!(header(&r, "x-ratelimit-limit-tokens"), "1000");
+    assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), "1000");
+    assert!(is_duration(&header(&r, "x-ratelimit-reset-requests")), "{}", header(&r, "x-ratelimit-reset-requests"));
+    assert!(is_duration(&header(&r, "x-ratelimit-reset-tokens")));
+    // The answer's 9 tokens are charged once it is recorded.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = g.chat(&key, chat_body(false)).await;
+    assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "0");
+    assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), "991");
+    let r = g.chat(&key, chat_body(false)).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "0");
+    assert_eq!(header(&r, "x-ratelimit-limit-requests"), "2");
+    assert!(r.headers().contains_key("retry-after"));
+    // A key without limits gets none of these headers.
+    let free = g.key("acme", json!({})).await;
+    let r = g.chat(&free, chat_body(false)).await;
+    assert!(!r.headers().contains_key("x-ratelimit-limit-requests"));
+}
