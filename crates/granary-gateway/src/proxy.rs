@@ -22,7 +22,7 @@ use crate::error::ApiError;
 use crate::identity::{AuditRecord, Identity};
 use crate::limits::{Limiter, Quota};
 use crate::metrics::GatewayMetrics;
-use crate::routing::{build_policy, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
+use crate::routing::{build_policy_with, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
 use crate::types::Principal;
 use crate::upstream::{Origin, Slot, SseParser, Upstream, Upstreams};
 
@@ -59,7 +59,8 @@ pub(crate) struct Pool {
 }
 
 impl Pool {
-    fn new(cfg: PoolConfig, index: Arc<crate::routing::KvIndex>) -> anyhow::Result<Pool> {
+    fn new(cfg: PoolConfig, upstreams: &Arc<Upstreams>) -> anyhow::Result<Pool> {
+        let index = upstreams.index.clone();
         let session_header = match cfg.routing.session_header() {
             Some(h) => Some(
                 HeaderName::try_from(h.to_ascii_lowercase())
@@ -68,7 +69,11 @@ impl Pool {
             None => None,
         };
         let kv_aware = matches!(cfg.routing, PolicyConfig::KvAware { .. });
-        let policy = build_policy(&cfg.routing, index);
+        // Session affinity by the upstream's name, the same on every replica.
+        let set = Arc::downgrade(upstreams);
+        let affinity: crate::routing::AffinityOf =
+            Arc::new(move |id| set.upgrade()?.by_id(id).map(|u| crate::routing::affinity_of(u.name())));
+        let policy = build_policy_with(&cfg.routing, index, Some(affinity));
         Ok(Pool { cfg, policy, session_header, kv_aware })
     }
 }
@@ -172,11 +177,11 @@ impl Gateway {
         let mut configured = Vec::new();
         for p in config.effective_pools() {
             let names = p.upstreams.clone();
-            configured.push((Arc::new(Pool::new(p, upstreams.index.clone())?), names));
+            configured.push((Arc::new(Pool::new(p, &upstreams)?), names));
         }
         // The agents' pools' policy must build too.
         let agents_cfg = config.gateway.agents.clone();
-        Pool::new(agent_pool_config("check", &agents_cfg), upstreams.index.clone())?;
+        Pool::new(agent_pool_config("check", &agents_cfg), &upstreams)?;
         let gw = Arc::new(Gateway {
             cfg: config.gateway.clone(),
             identity,
@@ -224,7 +229,7 @@ impl Gateway {
                 Some(p) => p.clone(),
                 None => {
                     let cfg = agent_pool_config(model, &self.agents.cfg);
-                    match Pool::new(cfg, self.upstreams.index.clone()) {
+                    match Pool::new(cfg, &self.upstreams) {
                         Ok(p) => {
                             let p = Arc::new(p);
                             agent_pools.insert(model.to_string(), p.clone());
@@ -830,7 +835,6 @@ fn route(
                     active: u.active.load(std::sync::atomic::Ordering::Relaxed),
                     max_active: u.cfg.max_active,
                     publishes_events: u.cfg.kv_events && u.kv_info().is_some(),
-                    affinity: crate::routing::affinity_of(u.name()),
                 })
                 .collect()
         };

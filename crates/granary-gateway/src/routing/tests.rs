@@ -10,13 +10,7 @@ fn cands(loads: &[(usize, usize)]) -> Vec<Candidate> {
     loads
         .iter()
         .enumerate()
-        .map(|(i, &(active, max_active))| Candidate {
-            index: i,
-            active,
-            max_active,
-            publishes_events: true,
-            affinity: super::affinity_of(&format!("u{i}")),
-        })
+        .map(|(i, &(active, max_active))| Candidate { index: i, active, max_active, publishes_events: true })
         .collect()
 }
 
@@ -253,23 +247,21 @@ async fn a_slot_handed_to_a_cancelled_waiter_goes_to_the_next() {
 #[test]
 fn issue_14_sessions_stick_to_the_same_upstream_name_on_every_replica() {
     let names = ["engine-a", "engine-b", "engine-c", "engine-d"];
-    let replica = |order: &[usize]| -> Vec<Candidate> {
-        order
+    // Each replica: its own ids (from 100 × its first upstream), and a
+    // policy that knows each id's name.
+    let replica = |order: &[usize]| -> (Vec<Candidate>, Session) {
+        let ids: Vec<(usize, &str)> = order.iter().enumerate().map(|(i, &n)| (i + 100 * order[0], names[n])).collect();
+        let cands = ids
             .iter()
-            .enumerate()
-            .map(|(id, &n)| Candidate {
-                index: id + 100 * order[0],
-                active: 0,
-                max_active: 0,
-                publishes_events: false,
-                affinity: super::affinity_of(names[n]),
-            })
-            .collect()
+            .map(|&(index, _)| Candidate { index, active: 0, max_active: 0, publishes_events: false })
+            .collect();
+        let lookup: Vec<(usize, u64)> = ids.iter().map(|&(i, n)| (i, super::affinity_of(n))).collect();
+        let policy = Session::with_affinity(Arc::new(move |id| lookup.iter().find(|(i, _)| *i == id).map(|x| x.1)));
+        (cands, policy)
     };
     let one = replica(&[0, 1, 2, 3]);
     let two = replica(&[3, 1, 0, 2]);
-    let name_of = |c: &[Candidate], order: &[usize], s: &str| {
-        let p = Session::default();
+    let name_of = |(c, p): &(Vec<Candidate>, Session), order: &[usize], s: &str| {
         let first = p.rank(&RouteRequest { namespace: "t", session: Some(s), blocks: &[] }, c)[0];
         names[order[c.iter().position(|x| x.index == first).unwrap()]]
     };
