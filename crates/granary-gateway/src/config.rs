@@ -604,6 +604,45 @@ routing = { policy = "session", header = "x-user" }
         assert_eq!(err("[gateway]\nmax_attempts = 0\n").field, "gateway.max_attempts");
     }
 
+    /// Issue 14, point 3: third-party upstreams' fields, and their checks.
+    #[test]
+    fn third_party_upstream_fields_parse_and_are_checked() {
+        let c = GatewayConfig::from_toml(
+            r#"
+[gateway]
+key_rotation_grace_s = 60
+agent_token_env = "AGENT"
+[gateway.model_fallbacks]
+big = ["small", "tiny"]
+[[upstream]]
+name = "vllm"
+url = "http://h:1"
+granary = false
+health_path = ""
+api_key_env = "VLLM_KEY"
+model_map = { big = "org/big-v2" }
+[[upstream]]
+name = "eng"
+url = "http://h:2"
+"#,
+        )
+        .unwrap();
+        let (v, e) = (&c.upstreams[0], &c.upstreams[1]);
+        assert_eq!((v.granary, v.health_path.as_str()), (Some(false), ""));
+        assert_eq!(v.model_map["big"], "org/big-v2");
+        assert_eq!((e.granary, e.health_path.as_str()), (None, "/health"), "defaults: detected, /health");
+        assert_eq!(c.gateway.model_fallbacks["big"], vec!["small".to_string(), "tiny".into()]);
+        assert_eq!((c.gateway.key_rotation_grace_s, c.gateway.agent_token_env.as_str()), (60, "AGENT"));
+        assert_eq!(c.gateway.metrics_token_env, "GRANARY_METRICS_TOKEN");
+
+        let err = |s: &str| GatewayConfig::from_toml(s).unwrap_err();
+        let up = "[[upstream]]\nname = \"a\"\nurl = \"http://x\"\n";
+        assert_eq!(err(&format!("{up}health_path = \"health\"\n")).field, "upstream[0].health_path");
+        assert_eq!(err(&format!("{up}model_map = {{ a = \"\" }}\n")).field, "upstream[0].model_map");
+        assert_eq!(err(&format!("{up}granary = \"yes\"\n")).field, "upstream[0].granary");
+        assert_eq!(err("[gateway.model_fallbacks]\nbig = [\"big\"]\n").field, "gateway.model_fallbacks.big[0]");
+    }
+
     #[test]
     fn the_agents_section_has_defaults_and_names_its_fields() {
         let c = GatewayConfig::from_toml("").unwrap();
