@@ -712,7 +712,14 @@ async fn serve(
     // agent load it)?
     let mut topo = gw.topology();
     let served = topo.serves(&parsed.model);
-    if !principal.may_use(&parsed.model) || (!served && !gw.agents.can_load(&parsed.model)) {
+    let loadable = !served && gw.agents.can_load(&parsed.model);
+    // A model nobody serves nor can load may still have a fallback that is.
+    let fallback_served = gw
+        .cfg
+        .model_fallbacks
+        .get(&parsed.model)
+        .is_some_and(|fs| fs.iter().any(|f| principal.may_use(f) && topo.serves(f)));
+    if !principal.may_use(&parsed.model) || (!served && !loadable && !fallback_served) {
         reject("model");
         return Err(ApiError::model_not_found(&parsed.model));
     }
@@ -738,7 +745,7 @@ async fn serve(
         }
     }
     // Nobody serves it yet: an agent loads it while the request waits.
-    if !served {
+    if loadable {
         gw.load_model(&parsed.model).await?;
         topo = gw.topology();
     }

@@ -1085,6 +1085,16 @@ async fn issue_14_model_aliases_and_fallbacks() {
     let audit = g.audit().await;
     let served: Vec<(u16, Option<String>)> = audit.iter().map(|r| (r.status, r.model.clone())).collect();
     assert!(served.contains(&(200, Some("small".into()))), "the fallback model is what is metered: {served:?}");
+
+    // No upstream serves the model at all: still its fallback, not 404.
+    let small = start_upstream("small", Mode::Ok, &["small"]).await;
+    let g = Gw::start(&named(&[("small", small.addr)]), |c| {
+        c.gateway.model_fallbacks.insert("gone".into(), vec!["small".into()]);
+    })
+    .await;
+    let key = g.key("acme", json!({})).await;
+    assert_eq!(g.chat(&key, chat_for("gone")).await.status(), 200);
+    assert_eq!(g.chat(&key, chat_for("other")).await.status(), 404);
 }
 
 /// What a dripping upstream did: chunks written, and whether its response
