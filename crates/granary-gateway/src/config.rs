@@ -20,7 +20,7 @@
 //! Everything but the upstreams has a default. [`GatewayConfig::validate`]
 //! checks references between sections and names the field at fault.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -56,7 +56,19 @@ pub struct GatewaySection {
     pub redis: Option<String>,
     /// The environment variable holding the admin token (the token itself
     /// never sits in the file). Without it, the admin API is disabled.
+    /// The admin token may do everything the scoped tokens below may.
     pub admin_token_env: String,
+    /// The environment variable holding the agent token: node agents'
+    /// heartbeats (`POST /admin/v1/agents/heartbeat`) and nothing else.
+    /// Unset: agents need the admin token.
+    pub agent_token_env: String,
+    /// The environment variable holding the metrics token: `GET /metrics`
+    /// and nothing else (for the Prometheus scraper). Unset: the scraper
+    /// needs the admin token.
+    pub metrics_token_env: String,
+    /// How long a key's previous secret keeps working after a rotation
+    /// (`POST /admin/v1/keys/{id}/rotate` without `grace_s`).
+    pub key_rotation_grace_s: u64,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
     /// Connecting to an upstream.
@@ -82,6 +94,11 @@ pub struct GatewaySection {
     pub tls: Option<ServerTls>,
     /// Node agents: engines they report join the upstream set at runtime.
     pub agents: AgentsConfig,
+    /// Model-level fallbacks: `big = ["small"]` sends a request for `big`
+    /// to `small`'s pools when no upstream of `big` can take it (none
+    /// routable, or every attempt failed before the first byte). Only to
+    /// models the key may use; tried in the order listed.
+    pub model_fallbacks: BTreeMap<String, Vec<String>>,
 }
 
 impl Default for GatewaySection {
@@ -91,6 +108,9 @@ impl Default for GatewaySection {
             database: "sqlite://gateway.db".into(),
             redis: None,
             admin_token_env: "GRANARY_ADMIN_TOKEN".into(),
+            agent_token_env: "GRANARY_AGENT_TOKEN".into(),
+            metrics_token_env: "GRANARY_METRICS_TOKEN".into(),
+            key_rotation_grace_s: 86_400,
             max_body_bytes: 4 << 20,
             connect_timeout_ms: 2_000,
             first_byte_timeout_s: 300,
@@ -104,6 +124,7 @@ impl Default for GatewaySection {
             breaker: BreakerConfig::default(),
             tls: None,
             agents: AgentsConfig::default(),
+            model_fallbacks: BTreeMap::new(),
         }
     }
 }
@@ -123,7 +144,8 @@ impl GatewaySection {
     }
 }
 
-/// Active health checks (`GET /health` on every upstream).
+/// Active health checks (`GET` of each upstream's `health_path`, `/health`
+/// unless configured otherwise; none for upstreams with an empty one).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
@@ -283,18 +305,43 @@ pub struct UpstreamConfig {
     /// Follow its `/v1/kv/events` stream (Granary engines publish one).
     #[serde(default = "yes")]
     pub kv_events: bool,
-    /// Send the tenant's KV namespace in `x-granary-namespace`.
+    /// Send the tenant's KV namespace in `x-granary-namespace` (to Granary
+    /// engines only; see `granary`).
     #[serde(default = "yes")]
     pub send_namespace: bool,
-    /// The environment variable holding a bearer token for this upstream.
+    /// Whether this is a Granary engine. Only Granary engines get Granary
+    /// headers (`x-granary-namespace`: a tenant's name never reaches a third
+    /// party) and are asked for their KV layout, KV events and tokenizer.
+    /// Absent: detected, an upstream that answers `GET /v1/kv/config` in
+    /// Granary's format is one (until then it is treated as not one).
+    #[serde(default)]
+    pub granary: Option<bool>,
+    /// The environment variable holding this upstream's API key, sent as
+    /// `Authorization: Bearer <key>` on every request to it (the client's
+    /// own `Authorization` is never forwarded).
     #[serde(default)]
     pub api_key_env: Option<String>,
+    /// The path of the active health check (`GET`, any 2xx passes). Empty:
+    /// passive health only, no probe; the breaker is driven by the outcomes
+    /// of requests alone.
+    #[serde(default = "default_health_path")]
+    pub health_path: String,
+    /// Model names as this upstream knows them: the name clients ask for →
+    /// the name sent to it (`{ "llama-3-8b" = "meta-llama/Meta-Llama-3-8B-Instruct" }`).
+    /// The upstream serves a client name when it lists either name; clients
+    /// see the client name in `/v1/models`.
+    #[serde(default)]
+    pub model_map: BTreeMap<String, String>,
     #[serde(default)]
     pub tls: Option<UpstreamTls>,
 }
 
 fn yes() -> bool {
     true
+}
+
+fn default_health_path() -> String {
+    "/health".into()
 }
 
 impl UpstreamConfig {
@@ -308,7 +355,10 @@ impl UpstreamConfig {
             role: Role::Both,
             kv_events: true,
             send_namespace: true,
+            granary: None,
             api_key_env: None,
+            health_path: default_health_path(),
+            model_map: BTreeMap::new(),
             tls: None,
         }
     }
@@ -436,6 +486,20 @@ impl GatewayConfig {
                     return Err(bad(field("tls"), "cert and key go together"));
                 }
             }
+            if !u.health_path.is_empty() && !u.health_path.starts_with('/') {
+                return Err(bad(field("health_path"), "must start with '/' (or be empty: passive health only)"));
+            }
+            if let Some((from, to)) = u.model_map.iter().find(|(k, v)| k.is_empty() || v.is_empty()) {
+                return Err(bad(field("model_map"), format!("empty model name in {from:?} = {to:?}")));
+            }
+        }
+        for (model, to) in &g.model_fallbacks {
+            if let Some(i) = to.iter().position(|m| m.is_empty() || m == model) {
+                return Err(bad(
+                    format!("gateway.model_fallbacks.{model}[{i}]"),
+                    "must name another model, not empty nor the model itself",
+                ));
+            }
         }
         let mut pool_names = HashSet::new();
         for (i, p) in self.pools.iter().enumerate() {
@@ -538,6 +602,45 @@ routing = { policy = "session", header = "x-user" }
         assert_eq!(e.field, "pool[0].upstreams[0]");
         assert!(e.message.contains("zz"));
         assert_eq!(err("[gateway]\nmax_attempts = 0\n").field, "gateway.max_attempts");
+    }
+
+    /// Issue 14, point 3: third-party upstreams' fields, and their checks.
+    #[test]
+    fn third_party_upstream_fields_parse_and_are_checked() {
+        let c = GatewayConfig::from_toml(
+            r#"
+[gateway]
+key_rotation_grace_s = 60
+agent_token_env = "AGENT"
+[gateway.model_fallbacks]
+big = ["small", "tiny"]
+[[upstream]]
+name = "vllm"
+url = "http://h:1"
+granary = false
+health_path = ""
+api_key_env = "VLLM_KEY"
+model_map = { big = "org/big-v2" }
+[[upstream]]
+name = "eng"
+url = "http://h:2"
+"#,
+        )
+        .unwrap();
+        let (v, e) = (&c.upstreams[0], &c.upstreams[1]);
+        assert_eq!((v.granary, v.health_path.as_str()), (Some(false), ""));
+        assert_eq!(v.model_map["big"], "org/big-v2");
+        assert_eq!((e.granary, e.health_path.as_str()), (None, "/health"), "defaults: detected, /health");
+        assert_eq!(c.gateway.model_fallbacks["big"], vec!["small".to_string(), "tiny".into()]);
+        assert_eq!((c.gateway.key_rotation_grace_s, c.gateway.agent_token_env.as_str()), (60, "AGENT"));
+        assert_eq!(c.gateway.metrics_token_env, "GRANARY_METRICS_TOKEN");
+
+        let err = |s: &str| GatewayConfig::from_toml(s).unwrap_err();
+        let up = "[[upstream]]\nname = \"a\"\nurl = \"http://x\"\n";
+        assert_eq!(err(&format!("{up}health_path = \"health\"\n")).field, "upstream[0].health_path");
+        assert_eq!(err(&format!("{up}model_map = {{ a = \"\" }}\n")).field, "upstream[0].model_map");
+        assert_eq!(err(&format!("{up}granary = \"yes\"\n")).field, "upstream[0].granary");
+        assert_eq!(err("[gateway.model_fallbacks]\nbig = [\"big\"]\n").field, "gateway.model_fallbacks.big[0]");
     }
 
     #[test]

@@ -20,9 +20,9 @@ use crate::agents::Agents;
 use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
 use crate::identity::{AuditRecord, Identity};
-use crate::limits::Limiter;
+use crate::limits::{Limiter, Quota};
 use crate::metrics::GatewayMetrics;
-use crate::routing::{build_policy, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
+use crate::routing::{build_policy_with, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
 use crate::types::Principal;
 use crate::upstream::{Origin, Slot, SseParser, Upstream, Upstreams};
 
@@ -59,7 +59,8 @@ pub(crate) struct Pool {
 }
 
 impl Pool {
-    fn new(cfg: PoolConfig, index: Arc<crate::routing::KvIndex>) -> anyhow::Result<Pool> {
+    fn new(cfg: PoolConfig, upstreams: &Arc<Upstreams>) -> anyhow::Result<Pool> {
+        let index = upstreams.index.clone();
         let session_header = match cfg.routing.session_header() {
             Some(h) => Some(
                 HeaderName::try_from(h.to_ascii_lowercase())
@@ -68,7 +69,11 @@ impl Pool {
             None => None,
         };
         let kv_aware = matches!(cfg.routing, PolicyConfig::KvAware { .. });
-        let policy = build_policy(&cfg.routing, index);
+        // Session affinity by the upstream's name, the same on every replica.
+        let set = Arc::downgrade(upstreams);
+        let affinity: crate::routing::AffinityOf =
+            Arc::new(move |id| set.upgrade()?.by_id(id).map(|u| crate::routing::affinity_of(u.name())));
+        let policy = build_policy_with(&cfg.routing, index, Some(affinity));
         Ok(Pool { cfg, policy, session_header, kv_aware })
     }
 }
@@ -125,8 +130,36 @@ pub struct Gateway {
     topology: ArcSwap<Topology>,
     rebuilding: Mutex<()>,
     pub(crate) agents: Agents,
-    admission: Arc<Admission>,
+    admission: Arc<Admission<Slot>>,
     tokenizers: RwLock<HashMap<String, TokenizerSlot>>,
+    /// The scoped operator tokens read from `agent_token_env` and
+    /// `metrics_token_env` (the admin token is the caller's to pass).
+    pub(crate) scoped: ScopedTokens,
+}
+
+/// Operator tokens narrower than the admin token.
+#[derive(Clone, Debug, Default)]
+pub struct ScopedTokens {
+    /// Node agents' heartbeats only.
+    pub agent: Option<crate::identity::AdminToken>,
+    /// `GET /metrics` only.
+    pub metrics: Option<crate::identity::AdminToken>,
+}
+
+impl ScopedTokens {
+    /// Reads the variables the configuration names; an unset or empty one
+    /// is no token, one shorter than 16 characters an error.
+    pub fn from_env(section: &GatewaySection) -> anyhow::Result<ScopedTokens> {
+        let read = |var: &str| -> anyhow::Result<Option<crate::identity::AdminToken>> {
+            match std::env::var(var) {
+                Ok(t) if t.is_empty() => Ok(None),
+                Ok(t) if t.len() < 16 => anyhow::bail!("{var} must be at least 16 characters"),
+                Ok(t) => Ok(Some(crate::identity::AdminToken::new(&t))),
+                Err(_) => Ok(None),
+            }
+        };
+        Ok(ScopedTokens { agent: read(&section.agent_token_env)?, metrics: read(&section.metrics_token_env)? })
+    }
 }
 
 #[derive(Clone)]
@@ -144,11 +177,11 @@ impl Gateway {
         let mut configured = Vec::new();
         for p in config.effective_pools() {
             let names = p.upstreams.clone();
-            configured.push((Arc::new(Pool::new(p, upstreams.index.clone())?), names));
+            configured.push((Arc::new(Pool::new(p, &upstreams)?), names));
         }
         // The agents' pools' policy must build too.
         let agents_cfg = config.gateway.agents.clone();
-        Pool::new(agent_pool_config("check", &agents_cfg), upstreams.index.clone())?;
+        Pool::new(agent_pool_config("check", &agents_cfg), &upstreams)?;
         let gw = Arc::new(Gateway {
             cfg: config.gateway.clone(),
             identity,
@@ -162,6 +195,7 @@ impl Gateway {
             rebuilding: Mutex::new(()),
             admission: Arc::new(Admission::new()),
             tokenizers: RwLock::new(HashMap::new()),
+            scoped: ScopedTokens::from_env(&config.gateway)?,
         });
         gw.rebuild();
         Ok(gw)
@@ -195,7 +229,7 @@ impl Gateway {
                 Some(p) => p.clone(),
                 None => {
                     let cfg = agent_pool_config(model, &self.agents.cfg);
-                    match Pool::new(cfg, self.upstreams.index.clone()) {
+                    match Pool::new(cfg, &self.upstreams) {
                         Ok(p) => {
                             let p = Arc::new(p);
                             agent_pools.insert(model.to_string(), p.clone());
@@ -295,15 +329,8 @@ fn pool_serves(pool: &Pool, model: &str) -> bool {
 }
 
 async fn fetch_tokenizer(up: &Upstream) -> anyhow::Result<Tokenizer> {
-    let files: HashMap<String, String> = up
-        .client
-        .get(up.url("/v1/kv/tokenizer"))
-        .timeout(Duration::from_secs(30))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
+    let files: HashMap<String, String> =
+        up.get("/v1/kv/tokenizer").timeout(Duration::from_secs(30)).send().await?.error_for_status()?.json().await?;
     let dir = tempfile::tempdir()?;
     for (name, text) in &files {
         if !matches!(name.as_str(), "tokenizer.json" | "tokenizer_config.json" | "generation_config.json") {
@@ -330,6 +357,18 @@ struct Outcome {
     principal: Option<Principal>,
     ttft: Option<Duration>,
     armed: bool,
+    /// The answer was handed over whole (or the stream ran to its end);
+    /// dropped before that, the client went away: status 499.
+    done: bool,
+    /// The upstream's usage object arrived (then it is the truth).
+    usage_seen: bool,
+    /// Completion tokens counted from streamed chunks so far.
+    streamed: u64,
+    /// The prompt's size in tokens, estimated from its bytes, for a stream
+    /// cut before its usage chunk.
+    prompt_estimate: u64,
+    /// What the limits left, for the response's `x-ratelimit-*` headers.
+    quota: Quota,
 }
 
 impl Outcome {
@@ -342,7 +381,19 @@ impl Outcome {
             status: 200,
             ..Default::default()
         };
-        Outcome { gw, start: Instant::now(), rec, principal: None, ttft: None, armed: true }
+        Outcome {
+            gw,
+            start: Instant::now(),
+            rec,
+            principal: None,
+            ttft: None,
+            armed: true,
+            done: false,
+            usage_seen: false,
+            streamed: 0,
+            prompt_estimate: 0,
+            quota: Quota::default(),
+        }
     }
 
     /// Moves the record into a new owner (a response stream).
@@ -355,6 +406,11 @@ impl Outcome {
             principal: self.principal.clone(),
             ttft: self.ttft,
             armed: true,
+            done: false,
+            usage_seen: self.usage_seen,
+            streamed: self.streamed,
+            prompt_estimate: self.prompt_estimate,
+            quota: self.quota,
         }
     }
 
@@ -370,6 +426,12 @@ impl Outcome {
         self.rec.error_code = Some(code.to_string());
     }
 
+    /// The answer is complete (or ended by the upstream): not the client's
+    /// hang-up.
+    fn finished(&mut self) {
+        self.done = true;
+    }
+
     fn first_byte(&mut self) {
         if self.ttft.is_none() {
             self.ttft = Some(self.start.elapsed());
@@ -379,6 +441,7 @@ impl Outcome {
     fn usage(&mut self, v: &Value) {
         let n = |x: &Value| x.as_u64().unwrap_or(0);
         if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            self.usage_seen = true;
             self.rec.prompt_tokens = n(&u["prompt_tokens"]);
             self.rec.completion_tokens = n(&u["completion_tokens"]);
             self.rec.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
@@ -390,6 +453,18 @@ impl Drop for Outcome {
     fn drop(&mut self) {
         if !self.armed {
             return;
+        }
+        if !self.done {
+            // The client went away before the answer was complete: the
+            // upstream request is already dropped with the future or stream
+            // that owned it.
+            self.rec.status = 499;
+            self.rec.error_code = Some("client_closed_request".into());
+        }
+        if !self.usage_seen && self.streamed > 0 {
+            // A stream cut before its usage chunk: charge what was produced.
+            self.rec.completion_tokens = self.streamed;
+            self.rec.prompt_tokens = self.prompt_estimate;
         }
         let m = &self.gw.metrics;
         m.active.dec();
@@ -439,6 +514,8 @@ struct Parsed {
     stream: bool,
     include_usage: bool,
     estimate: u64,
+    /// The prompt alone, estimated (~4 bytes a token).
+    prompt_estimate: u64,
 }
 
 fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
@@ -527,8 +604,9 @@ fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
         });
     }
     // A rough token estimate for token limits: ~4 bytes a token.
-    let estimate = bytes.len() as u64 / 4 + max_tokens;
-    Ok(Parsed { body, model, stream, include_usage, estimate })
+    let prompt_estimate = bytes.len() as u64 / 4;
+    let estimate = prompt_estimate + max_tokens;
+    Ok(Parsed { body, model, stream, include_usage, estimate, prompt_estimate })
 }
 
 /// The prompt's tokens as the engine will see them (chat template applied).
@@ -581,13 +659,16 @@ pub async fn handle(
     body: Body,
 ) -> Response {
     let mut out = Outcome::new(gw.clone(), endpoint, request_id);
-    match serve(&gw, &mut out, endpoint, &headers, body).await {
+    let mut resp = match serve(&gw, &mut out, endpoint, &headers, body).await {
         Ok(resp) => resp,
         Err(e) => {
             out.fail(&e);
             e.into_response()
         }
-    }
+    };
+    out.done = true;
+    out.quota.apply(resp.headers_mut());
+    resp
 }
 
 async fn serve(
@@ -617,6 +698,7 @@ async fn serve(
         ApiError::too_large(gw.cfg.max_body_bytes)
     })?;
     let mut parsed = parse_body(endpoint, &bytes).inspect_err(|_| reject("bad_request"))?;
+    out.prompt_estimate = parsed.prompt_estimate;
     out.rec.model = Some(parsed.model.clone());
     out.rec.stream = parsed.stream;
     if principal.log_prompts {
@@ -629,17 +711,28 @@ async fn serve(
     // agent load it)?
     let mut topo = gw.topology();
     let served = topo.serves(&parsed.model);
-    if !principal.may_use(&parsed.model) || (!served && !gw.agents.can_load(&parsed.model)) {
+    let loadable = !served && gw.agents.can_load(&parsed.model);
+    // A model nobody serves nor can load may still have a fallback that is.
+    let fallback_served = gw
+        .cfg
+        .model_fallbacks
+        .get(&parsed.model)
+        .is_some_and(|fs| fs.iter().any(|f| principal.may_use(f) && topo.serves(f)));
+    if !principal.may_use(&parsed.model) || (!served && !loadable && !fallback_served) {
         reject("model");
         return Err(ApiError::model_not_found(&parsed.model));
     }
     // 4. Limits.
-    if let Err(r) = gw.limiter.admit(&principal, parsed.estimate).await {
-        gw.metrics
-            .rate_limited
-            .get_or_create(&vec![("scope", r.scope.as_str().to_string()), ("limit", r.limit.to_string())])
-            .inc();
-        return Err(r.to_api_error());
+    match gw.limiter.admit(&principal, parsed.estimate).await {
+        Ok(quota) => out.quota = quota,
+        Err(r) => {
+            gw.metrics
+                .rate_limited
+                .get_or_create(&vec![("scope", r.scope.as_str().to_string()), ("limit", r.limit.to_string())])
+                .inc();
+            out.quota = r.quota;
+            return Err(r.to_api_error());
+        }
     }
     out.principal = Some(principal.clone());
     // 5. Route.
@@ -651,26 +744,58 @@ async fn serve(
         }
     }
     // Nobody serves it yet: an agent loads it while the request waits.
-    if !served {
+    if loadable {
         gw.load_model(&parsed.model).await?;
         topo = gw.topology();
     }
-    let plan = route(gw, &topo, endpoint, &parsed, &principal, headers);
+    let mut plan = route(gw, &topo, endpoint, &parsed, &parsed.model, &principal, headers);
+    // Model-level fallbacks: their pools come after the model's own, so
+    // they get the request when the model's own upstreams cannot.
+    for fallback in gw.cfg.model_fallbacks.get(&parsed.model).into_iter().flatten() {
+        if !principal.may_use(fallback) {
+            continue;
+        }
+        for c in route(gw, &topo, endpoint, &parsed, fallback, &principal, headers) {
+            if !plan.iter().any(|p| p.upstream.id == c.upstream.id && p.model == c.model) {
+                plan.push(c);
+            }
+        }
+    }
     if plan.is_empty() {
         return Err(ApiError::unavailable(format!("No upstream for model `{}` is available right now.", parsed.model)));
     }
     // Disaggregated pools: a prefill engine computes the prompt's KV first.
-    if let Some(prefill) = plan.iter().find(|c| c.prefill.is_some()).and_then(|c| c.prefill.clone()) {
-        prefill_first(gw, endpoint, &parsed, &principal, out, &prefill).await;
+    if let Some(first) = plan.iter().find(|c| c.prefill.is_some()) {
+        let prefill = first.prefill.clone().unwrap_or_default();
+        let model = first.model.clone();
+        prefill_first(gw, endpoint, &parsed, &model, &principal, out, &prefill).await;
     }
-    let payload = Bytes::from(serde_json::to_vec(&parsed.body).map_err(|e| ApiError::internal(&e))?);
-    attempt_all(gw, out, endpoint, &parsed, &principal, plan, payload).await
+    attempt_all(gw, out, endpoint, &parsed, &principal, plan).await
+}
+
+/// The body to send `up` for `model`: the client's, with the model named as
+/// the upstream knows it. Serialized once per distinct name.
+fn payload_for(
+    cache: &mut Vec<(String, Bytes)>,
+    body: &serde_json::Map<String, Value>,
+    wire_model: &str,
+) -> Result<Bytes, ApiError> {
+    if let Some((_, b)) = cache.iter().find(|(m, _)| m == wire_model) {
+        return Ok(b.clone());
+    }
+    let mut body = body.clone();
+    body.insert("model".into(), Value::String(wire_model.to_string()));
+    let bytes = Bytes::from(serde_json::to_vec(&body).map_err(|e| ApiError::internal(&e))?);
+    cache.push((wire_model.to_string(), bytes.clone()));
+    Ok(bytes)
 }
 
 /// One routing choice: the upstream to try, and for disaggregated pools the
 /// prefill engines to run first.
 struct Choice {
     upstream: Arc<Upstream>,
+    /// The model it serves the request as (the requested one, or a fallback).
+    model: String,
     prefill: Option<Vec<Arc<Upstream>>>,
 }
 
@@ -684,16 +809,16 @@ fn route(
     topo: &Topology,
     endpoint: Endpoint,
     parsed: &Parsed,
+    model: &str,
     p: &Principal,
     headers: &HeaderMap,
 ) -> Vec<Choice> {
     let mut plan: Vec<Choice> = Vec::new();
     let mut blocks_cache: Option<Vec<BlockHash>> = None;
-    for pi in topo.pool_order(&parsed.model) {
+    for pi in topo.pool_order(model) {
         let Some(view) = topo.pools.get(pi) else { continue };
         let pool = &view.pool;
-        let serving: Vec<&Arc<Upstream>> =
-            view.members.iter().filter(|u| u.serves(&parsed.model) && u.is_routable()).collect();
+        let serving: Vec<&Arc<Upstream>> = view.members.iter().filter(|u| u.serves(model) && u.is_routable()).collect();
         let decoders: Vec<&Arc<Upstream>> = serving.iter().copied().filter(|u| u.role() != Role::Prefill).collect();
         let prefillers: Vec<&Arc<Upstream>> = serving.iter().copied().filter(|u| u.role() == Role::Prefill).collect();
         if decoders.is_empty() {
@@ -701,7 +826,7 @@ fn route(
         }
         let blocks: &[BlockHash] = if pool.kv_aware {
             if blocks_cache.is_none() {
-                blocks_cache = Some(prompt_blocks(gw, endpoint, parsed, p, &decoders));
+                blocks_cache = Some(prompt_blocks(gw, endpoint, parsed, model, p, &decoders));
             }
             blocks_cache.as_deref().unwrap_or(&[])
         } else {
@@ -736,7 +861,7 @@ fn route(
         }
         for u in in_order(&ranked, &decoders) {
             if !plan.iter().any(|c| c.upstream.id == u.id) {
-                plan.push(Choice { upstream: u, prefill: prefill.clone() });
+                plan.push(Choice { upstream: u, model: model.to_string(), prefill: prefill.clone() });
             }
         }
     }
@@ -750,12 +875,13 @@ fn prompt_blocks(
     gw: &Arc<Gateway>,
     endpoint: Endpoint,
     parsed: &Parsed,
+    model: &str,
     p: &Principal,
     candidates: &[&Arc<Upstream>],
 ) -> Vec<BlockHash> {
-    let Some(source) = candidates.iter().find(|u| u.kv_info().is_some()) else { return vec![] };
+    let Some(source) = candidates.iter().find(|u| u.kv_info().is_some() && u.is_granary()) else { return vec![] };
     let Some(info) = source.kv_info() else { return vec![] };
-    let Some(tok) = gw.tokenizer(&parsed.model, source) else { return vec![] };
+    let Some(tok) = gw.tokenizer(model, source) else { return vec![] };
     match prompt_tokens(&tok, endpoint, &parsed.body) {
         Some(tokens) => info.chain(&p.namespace).hashes(&tokens),
         None => vec![],
@@ -772,7 +898,8 @@ async fn acquire(gw: &Arc<Gateway>, order: &[Arc<Upstream>], p: &Principal) -> R
             let prio = vec![("priority", p.priority.as_str().to_string())];
             gw.metrics.queue_waiting.get_or_create(&prio).inc();
             let t0 = Instant::now();
-            let got = gw.admission.acquire(p.priority, gw.cfg.queue_timeout(), try_take).await;
+            let wants: Vec<usize> = order.iter().map(|u| u.id).collect();
+            let got = gw.admission.acquire(p.priority, &wants, gw.cfg.queue_timeout(), try_take).await;
             gw.metrics.queue_waiting.get_or_create(&prio).dec();
             gw.metrics.queue_seconds.get_or_create(&prio).observe(t0.elapsed().as_secs_f64());
             got.ok_or_else(|| {
@@ -781,8 +908,11 @@ async fn acquire(gw: &Arc<Gateway>, order: &[Arc<Upstream>], p: &Principal) -> R
             })?
         }
     };
+    // Released, the slot's capacity goes straight to the best request
+    // waiting for this upstream.
     let admission = gw.admission.clone();
-    Ok(slot.on_release(move || admission.released()))
+    let up = slot.upstream.clone();
+    Ok(slot.on_release(move || admission.offer(up.id, || up.try_acquire())))
 }
 
 enum AttemptError {
@@ -807,7 +937,9 @@ fn request_to(
         .header(REQUEST_ID_HEADER, request_id)
         .timeout(timeout)
         .body(payload);
-    if up.cfg.send_namespace {
+    // Granary headers go to Granary engines only: a tenant's namespace is
+    // its name by default, and must not reach a third party.
+    if up.cfg.send_namespace && up.is_granary() {
         req = req.header(NAMESPACE_HEADER, &p.namespace);
     }
     if let Some(a) = &up.auth {
@@ -820,16 +952,18 @@ async fn prefill_first(
     gw: &Arc<Gateway>,
     endpoint: Endpoint,
     parsed: &Parsed,
+    model: &str,
     p: &Principal,
     out: &Outcome,
     order: &[Arc<Upstream>],
 ) {
-    let mut body = parsed.body.clone();
-    body.insert("stream".into(), Value::Bool(false));
-    body.remove("stream_options");
-    let Ok(payload) = serde_json::to_vec(&body) else { return };
     let Ok(slot) = acquire(gw, order, p).await else { return };
     let up = slot.upstream.clone();
+    let mut body = parsed.body.clone();
+    body.insert("stream".into(), Value::Bool(false));
+    body.insert("model".into(), Value::String(up.wire_model(model).to_string()));
+    body.remove("stream_options");
+    let Ok(payload) = serde_json::to_vec(&body) else { return };
     let res = request_to(&up, endpoint.path(), p, &out.rec.request_id, payload.into(), gw.cfg.first_byte_timeout())
         .send()
         .await;
@@ -858,9 +992,18 @@ async fn attempt_all(
     parsed: &Parsed,
     p: &Principal,
     plan: Vec<Choice>,
-    payload: Bytes,
 ) -> Result<Response, ApiError> {
-    let order: Vec<Arc<Upstream>> = plan.into_iter().map(|c| c.upstream).collect();
+    let mut payloads: Vec<(String, Bytes)> = Vec::new();
+    // The model each upstream serves the request as (the first choice
+    // naming it: the requested model before fallbacks).
+    let mut order: Vec<Arc<Upstream>> = Vec::new();
+    let mut models: HashMap<usize, String> = HashMap::new();
+    for c in plan {
+        if let std::collections::hash_map::Entry::Vacant(e) = models.entry(c.upstream.id) {
+            e.insert(c.model);
+            order.push(c.upstream);
+        }
+    }
     let mut tried: Vec<usize> = Vec::new();
     let mut backoff = Duration::from_millis(gw.cfg.retry_backoff_ms);
     let mut last = String::new();
@@ -886,7 +1029,10 @@ async fn attempt_all(
         }
         tried.push(up.id);
         out.rec.upstream = Some(up.name().to_string());
-        match attempt_one(gw, out, endpoint, parsed, p, slot, payload.clone()).await {
+        let model = models.get(&up.id).cloned().unwrap_or_else(|| parsed.model.clone());
+        let payload = payload_for(&mut payloads, &parsed.body, up.wire_model(&model))?;
+        out.rec.model = Some(model);
+        match attempt_one(gw, out, endpoint, parsed, p, slot, payload).await {
             Ok(resp) => return Ok(resp),
             Err(AttemptError::Final(resp)) => return Ok(resp),
             Err(AttemptError::Retryable(outcome, why)) => {
@@ -988,9 +1134,13 @@ async fn attempt_one(
 }
 
 /// Passes an SSE answer through event by event (never the whole answer),
-/// noting usage from the last chunk and hiding that chunk when the client
-/// did not ask for it. A failure mid-stream ends it with an error event:
-/// a stream that has started is never retried.
+/// counting completion tokens as chunks pass (one per choice with new
+/// content: engines stream a token a chunk), taking usage from the last
+/// chunk as the truth and hiding that chunk when the client did not ask for
+/// it. A failure mid-stream ends it with an error event: a stream that has
+/// started is never retried. When the client goes away the stream is
+/// dropped where it waits, and with it the upstream request; the record
+/// says 499 with the tokens counted so far.
 fn relay_sse(
     first: Bytes,
     mut body: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
@@ -1008,14 +1158,19 @@ fn relay_sse(
                 Some(c) => c,
                 None => match tokio::time::timeout(idle, body.next()).await {
                     Ok(Some(Ok(c))) => c,
-                    Ok(None) => break,
+                    Ok(None) => {
+                        out.finished();
+                        break;
+                    }
                     Ok(Some(Err(e))) => {
                         tracing::warn!(request_id = %out.rec.request_id, error = %e, "upstream stream broke");
+                        out.done = true;
                         out.broke(502, "upstream_error");
                         yield Ok(error_event("The upstream engine failed mid-stream."));
                         break;
                     }
                     Err(_) => {
+                        out.done = true;
                         out.broke(504, "upstream_timeout");
                         yield Ok(error_event("The upstream engine went silent mid-stream."));
                         break;
@@ -1025,7 +1180,11 @@ fn relay_sse(
             let mut pass = Vec::with_capacity(chunk.len());
             for ev in filter.push(&chunk) {
                 if let Some(data) = ev.data.as_deref() {
+                    if data.trim() == "[DONE]" {
+                        out.done = true;
+                    }
                     if let Ok(v) = serde_json::from_str::<Value>(data) {
+                        out.streamed += content_choices(&v);
                         if v.get("usage").is_some_and(|u| u.is_object()) {
                             out.usage(&v);
                             let usage_only = v["choices"].as_array().is_some_and(|c| c.is_empty());
@@ -1046,6 +1205,20 @@ fn relay_sse(
             yield Ok(Bytes::from(rest));
         }
     }
+}
+
+/// Choices of a streamed chunk that carry new output (text, reasoning or a
+/// tool call): a token each.
+fn content_choices(v: &Value) -> u64 {
+    let some = |x: &Value| x.as_str().is_some_and(|s| !s.is_empty());
+    let Some(choices) = v.get("choices").and_then(Value::as_array) else { return 0 };
+    choices
+        .iter()
+        .filter(|c| {
+            let d = &c["delta"];
+            some(&d["content"]) || some(&d["reasoning_content"]) || d["tool_calls"].is_array() || some(&c["text"])
+        })
+        .count() as u64
 }
 
 fn error_event(message: &str) -> Bytes {

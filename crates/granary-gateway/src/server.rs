@@ -12,7 +12,7 @@ use axum::{Extension, Json, Router};
 use serde_json::json;
 
 use crate::error::ApiError;
-use crate::identity::{admin_router, AdminToken};
+use crate::identity::{admin_router_with, AdminOptions, AdminToken};
 use crate::proxy::{handle, Endpoint, Gateway, REQUEST_ID_HEADER};
 
 /// A request's id (`req_` + 24 hex digits), set on every response.
@@ -35,8 +35,15 @@ async fn request_id(mut req: Request, next: Next) -> Response {
 }
 
 /// The public API, the admin API (when an admin token is set), `/health`,
-/// `/metrics` (admin token) and the OpenAPI description.
+/// `/metrics` (admin or metrics token) and the OpenAPI description. The
+/// scoped tokens (agent, metrics) come from the variables the gateway's
+/// configuration names ([`crate::proxy::ScopedTokens`]).
 pub fn router(gw: Arc<Gateway>, admin: Option<AdminToken>) -> Router {
+    let scoped = gw.scoped.clone();
+    let metrics_token = match (&admin, &scoped.metrics) {
+        (Some(a), Some(m)) => Some(a.or(m)),
+        (a, m) => a.clone().or_else(|| m.clone()),
+    };
     let mut app = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -45,15 +52,16 @@ pub fn router(gw: Arc<Gateway>, admin: Option<AdminToken>) -> Router {
         .route("/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
         .with_state(gw.clone());
+    app = app.merge(crate::agents::admin_routes(gw.clone(), admin.clone(), scoped.agent.clone()));
     if let Some(token) = admin.clone() {
-        app = app.merge(crate::agents::admin_routes(gw.clone(), token.clone()));
-        app = app.merge(admin_router(gw.identity.clone(), token));
+        let options = AdminOptions { rotation_grace: std::time::Duration::from_secs(gw.cfg.key_rotation_grace_s) };
+        app = app.merge(admin_router_with(gw.identity.clone(), token, options));
     } else {
         app = app.route("/admin/v1/{*rest}", axum::routing::any(admin_disabled));
     }
     app.fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(Extension(AdminGuard(admin)))
+        .layer(Extension(AdminGuard(metrics_token)))
         .layer(middleware::from_fn(request_id))
 }
 
@@ -126,7 +134,8 @@ async fn metrics(
     match &guard.0 {
         Some(t) if t.verify(bearer(&headers)) => {}
         Some(_) => {
-            return ApiError::unauthorized("invalid_admin_token", "Metrics need the admin token.").into_response()
+            return ApiError::unauthorized("invalid_admin_token", "Metrics need the metrics or the admin token.")
+                .into_response()
         }
         None => return ApiError::forbidden("admin_disabled", "No admin token is configured.").into_response(),
     }

@@ -167,6 +167,8 @@ pub struct Upstream {
     reported_healthy: AtomicBool,
     /// Left the upstream set: its metric series are gone and stay gone.
     removed: AtomicBool,
+    /// Answered `GET /v1/kv/config` like a Granary engine (for `granary` absent).
+    granary_detected: AtomicBool,
     /// Stops its health checker and KV event follower.
     stop: CancellationToken,
     models: RwLock<Vec<String>>,
@@ -209,6 +211,7 @@ impl Upstream {
             checked: AtomicBool::new(false),
             reported_healthy: AtomicBool::new(true),
             removed: AtomicBool::new(false),
+            granary_detected: AtomicBool::new(false),
             stop,
             models: RwLock::new(cfg.models.clone()),
             kv: RwLock::new(None),
@@ -256,12 +259,50 @@ impl Upstream {
         self.removed.load(Ordering::Relaxed)
     }
 
+    /// Whether it serves `model` (a client's name): it lists the name, or
+    /// the name `model_map` gives it for this upstream.
     pub fn serves(&self, model: &str) -> bool {
-        self.models.read().iter().any(|m| m == model)
+        let mapped = self.cfg.model_map.get(model);
+        self.models.read().iter().any(|m| m == model || mapped == Some(m))
     }
 
+    /// The models it serves, by the names clients use (`model_map` applied
+    /// backwards).
     pub fn models(&self) -> Vec<String> {
-        self.models.read().clone()
+        self.models
+            .read()
+            .iter()
+            .map(|m| match self.cfg.model_map.iter().find(|(_, to)| *to == m) {
+                Some((from, _)) => from.clone(),
+                None => m.clone(),
+            })
+            .collect()
+    }
+
+    /// The name of `model` (a client's name) as this upstream knows it.
+    pub fn wire_model<'a>(&'a self, model: &'a str) -> &'a str {
+        self.cfg.model_map.get(model).map(String::as_str).unwrap_or(model)
+    }
+
+    /// A Granary engine: configured as one, or (when not configured either
+    /// way) detected as one. Only these get Granary headers and are asked
+    /// for KV layouts, events and tokenizers.
+    pub fn is_granary(&self) -> bool {
+        self.cfg.granary.unwrap_or_else(|| self.granary_detected.load(Ordering::Relaxed))
+    }
+
+    /// Passive health only: no probe, the breaker alone decides.
+    pub fn passive_health(&self) -> bool {
+        self.cfg.health_path.is_empty()
+    }
+
+    /// A GET to this upstream, with its API key when it has one.
+    pub fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        let req = self.client.get(self.url(path));
+        match &self.auth {
+            Some(a) => req.header(reqwest::header::AUTHORIZATION, a),
+            None => req,
+        }
     }
 
     pub fn kv_info(&self) -> Option<KvInfo> {
@@ -332,7 +373,10 @@ impl Upstream {
     }
 
     async fn check_health(&self, timeout: Duration) -> bool {
-        let res = self.client.get(self.url("/health")).timeout(timeout).send().await;
+        if self.passive_health() {
+            return true;
+        }
+        let res = self.get(&self.cfg.health_path).timeout(timeout).send().await;
         matches!(res, Ok(r) if r.status().is_success())
     }
 
@@ -348,22 +392,24 @@ impl Upstream {
         if !self.cfg.models.is_empty() {
             *self.models.write() = self.cfg.models.clone();
         } else {
-            let mut req = self.client.get(self.url("/v1/models")).timeout(timeout);
-            if let Some(a) = &self.auth {
-                req = req.header(reqwest::header::AUTHORIZATION, a);
-            }
+            let req = self.get("/v1/models").timeout(timeout);
             let list: List = req.send().await?.error_for_status()?.json().await?;
             *self.models.write() = list.data.into_iter().map(|i| i.id).collect();
         }
         for m in self.models.read().iter() {
             self.metrics.know_model(m);
         }
-        if self.cfg.kv_events {
-            let info: Option<KvInfo> = match self.client.get(self.url("/v1/kv/config")).timeout(timeout).send().await {
+        // Only a Granary engine has a KV layout; one configured as not
+        // being one is never asked.
+        if self.cfg.granary != Some(false) {
+            let info: Option<KvInfo> = match self.get("/v1/kv/config").timeout(timeout).send().await {
                 Ok(r) if r.status().is_success() => r.json().await.ok(),
                 _ => None,
             };
-            *self.kv.write() = info;
+            self.granary_detected.store(info.is_some(), Ordering::Relaxed);
+            if self.cfg.kv_events {
+                *self.kv.write() = info;
+            }
         }
         Ok(())
     }
@@ -507,7 +553,8 @@ impl Upstreams {
         let list = self.list();
         futures::future::join_all(list.iter().map(|u| async move {
             let ok = u.check_health(timeout).await;
-            u.checked.store(true, Ordering::Relaxed);
+            // Passive health: never marked down by a check (there is none).
+            u.checked.store(!u.passive_health(), Ordering::Relaxed);
             u.up.store(ok, Ordering::Relaxed);
             if ok {
                 if let Err(e) = u.refresh_models(timeout).await {
@@ -539,7 +586,7 @@ impl Upstreams {
         let interval = Duration::from_millis(section.health.interval_ms);
         let timeout = Duration::from_millis(section.health.timeout_ms);
         tokio::spawn(health_loop(u.clone(), first_check, interval, timeout));
-        if u.cfg.kv_events {
+        if u.cfg.kv_events && u.cfg.granary != Some(false) {
             tokio::spawn(follow_events(u.clone(), self.index.clone(), self.metrics.clone()));
         }
     }
@@ -556,9 +603,12 @@ async fn health_loop(u: Arc<Upstream>, first: Duration, interval: Duration, time
         wait = interval;
         let ok = u.check_health(timeout).await;
         let was_up = u.up.swap(ok, Ordering::Relaxed);
-        u.checked.store(true, Ordering::Relaxed);
+        u.checked.store(!u.passive_health(), Ordering::Relaxed);
         if ok {
-            u.breaker.health_passed();
+            // Without a probe, only requests' outcomes move the breaker.
+            if !u.passive_health() {
+                u.breaker.health_passed();
+            }
             // Models and KV layout can change when an engine restarts.
             since_refresh = since_refresh.saturating_add(interval);
             if !was_up || since_refresh >= Duration::from_secs(30) || u.models.read().is_empty() {
@@ -591,7 +641,7 @@ async fn follow_events(u: Arc<Upstream>, index: Arc<KvIndex>, metrics: Arc<Gatew
     loop {
         let started = Instant::now();
         let run = async {
-            let resp = u.client.get(u.url("/v1/kv/events")).send().await?.error_for_status()?;
+            let resp = u.get("/v1/kv/events").send().await?.error_for_status()?;
             let mut body = resp.bytes_stream();
             let mut parser = SseParser::default();
             while let Some(chunk) = body.next().await {

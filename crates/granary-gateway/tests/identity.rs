@@ -11,7 +11,7 @@ use axum::body::Body;
 use axum::http::{header, Method, Request, StatusCode};
 use granary_gateway::identity::{
     admin_router, usage_csv, AdminError, AdminToken, AuditQuery, AuditRecord, AuthError, Identity, IdentityOptions,
-    NewKey, NewTenant, TenantUpdate, UsageQuery, UsageRow,
+    KeyUpdate, NewKey, NewTenant, TenantUpdate, UsageQuery, UsageRow,
 };
 use granary_gateway::{Limits, Priority};
 use tower::ServiceExt as _;
@@ -171,6 +171,24 @@ async fn identity_on_postgresql() {
     id.authenticate(&expiring.secret).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(id.authenticate(&expiring.secret).await.unwrap_err().to_api_error().code, Some("expired_api_key"));
+
+    // Rotation (the old secret works for its grace period) and update, on
+    // PostgreSQL (issue 14, point 5).
+    let r = id.create_key(NewKey { tenant: beta.clone(), ..Default::default() }).await.unwrap();
+    let rotated = id.rotate_key(r.info.id, Duration::from_millis(800)).await.unwrap();
+    assert_ne!(rotated.secret, r.secret);
+    id.authenticate(&rotated.secret).await.unwrap();
+    id.authenticate(&r.secret).await.expect("the old secret, within the grace period");
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(id.authenticate(&r.secret).await.unwrap_err().to_api_error().code, Some("expired_api_key"));
+    let u = KeyUpdate {
+        models: Some(Some(vec!["m".into()])),
+        expires_ms: Some(Some(now_ms() + 60_000)),
+        ..Default::default()
+    };
+    let info = id.update_key(r.info.id, u).await.unwrap();
+    assert_eq!(info.models, Some(vec!["m".to_string()]));
+    assert_eq!(id.authenticate(&rotated.secret).await.unwrap().models, Some(vec!["m".to_string()]));
 
     let b = id.create_key(NewKey { tenant: beta.clone(), ..Default::default() }).await.unwrap();
     id.update_tenant(&beta, TenantUpdate { disabled: Some(true), ..Default::default() }).await.unwrap();

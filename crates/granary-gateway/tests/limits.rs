@@ -118,7 +118,7 @@ async fn two_gateways_enforce_one_request_limit_together() {
             let mut admitted = 0;
             for _ in 0..20 {
                 match limiter.admit_at(&p, 0, T0).await {
-                    Ok(()) => admitted += 1,
+                    Ok(_) => admitted += 1,
                     Err(r) => {
                         assert_eq!((r.scope, r.limit, r.max), (Scope::Tenant, "requests_per_minute", 25));
                         assert_eq!(r.retry_after, Duration::from_millis(33_500));
@@ -322,4 +322,40 @@ async fn an_unreachable_server_at_start_is_not_an_error() {
 fn wall_ms() -> i64 {
     let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
     i64::try_from(d.as_millis()).unwrap()
+}
+
+/// Issue 14, point 1: what the per-minute limits leave, for the
+/// `x-ratelimit-*` headers, is the same in process and in Redis: the
+/// tightest of the key's and the tenant's, counting the request just
+/// admitted and the tokens charged so far.
+#[tokio::test]
+async fn issue_14_admissions_report_the_quota_left_in_process_and_in_redis() {
+    let server = RedisServer::start();
+    let mut limiters = vec![("memory", Limiter::in_process())];
+    if let Some(s) = &server {
+        limiters.push(("redis", Limiter::redis(&s.url(), options("quota:")).await.unwrap()));
+    }
+    let key = Limits { requests_per_minute: Some(5), tokens_per_minute: Some(1_000), ..Limits::default() };
+    let tenant = Limits { requests_per_minute: Some(3), ..Limits::default() };
+    let p = principal(5, 50, key, tenant);
+    let window_left = Duration::from_millis(60_000 - (T0.rem_euclid(60_000)) as u64);
+    for (name, l) in limiters {
+        let q = l.admit_at(&p, 10, T0).await.unwrap();
+        let r = q.requests.expect("a request quota");
+        assert_eq!((r.limit, r.remaining, r.reset), (3, 2, window_left), "{name}: the tenant's is tighter");
+        let t = q.tokens.expect("a token quota");
+        assert_eq!((t.limit, t.remaining), (1_000, 1_000), "{name}");
+        l.charge_at(&p, 300, T0).await;
+        let q = l.admit_at(&p, 10, T0).await.unwrap();
+        assert_eq!(q.requests.unwrap().remaining, 1, "{name}");
+        assert_eq!(q.tokens.unwrap().remaining, 700, "{name}");
+        l.admit_at(&p, 10, T0).await.unwrap();
+        let r = l.admit_at(&p, 10, T0).await.unwrap_err();
+        assert_eq!(r.quota.requests.unwrap().remaining, 0, "{name}: the refusal says none is left");
+        assert_eq!(
+            l.admit_at(&principal(6, 60, Limits::default(), Limits::default()), 0, T0).await.unwrap(),
+            Default::default()
+        );
+        assert_eq!(l.backend_errors(), 0);
+    }
 }

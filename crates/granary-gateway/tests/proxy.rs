@@ -40,6 +40,8 @@ enum Mode {
 #[derive(Default)]
 struct Seen {
     namespaces: Vec<String>,
+    /// The `Authorization` header of each generation request.
+    auths: Vec<String>,
     bodies: Vec<Value>,
 }
 
@@ -65,8 +67,9 @@ async fn up_generate(State(s): State<UpState>, headers: HeaderMap, Json(body): J
     s.hits.fetch_add(1, Ordering::SeqCst);
     {
         let mut seen = s.seen.lock();
-        seen.namespaces
-            .push(headers.get("x-granary-namespace").and_then(|v| v.to_str().ok()).unwrap_or("<none>").to_string());
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("<none>").to_string();
+        seen.namespaces.push(header("x-granary-namespace"));
+        seen.auths.push(header("authorization"));
         seen.bodies.push(body.clone());
     }
     match s.mode {
@@ -108,17 +111,42 @@ async fn start_upstream(name: &'static str, mode: Mode, models: &[&str]) -> Upst
 }
 
 async fn start_upstream_with(name: &'static str, mode: Mode, models: &[&str], delay: Duration) -> Upstream {
+    start_upstream_full(name, mode, models, delay, Extras { health: true, kv_config: false }).await
+}
+
+/// Routes a test upstream may lack or add.
+#[derive(Clone, Copy)]
+struct Extras {
+    /// `GET /health` answers 200 (else 404, like many OpenAI-compatible servers).
+    health: bool,
+    /// `GET /v1/kv/config` answers like a Granary engine.
+    kv_config: bool,
+}
+
+async fn start_upstream_full(name: &'static str, mode: Mode, models: &[&str], delay: Duration, x: Extras) -> Upstream {
     let hits = Arc::new(AtomicUsize::new(0));
     let seen = Arc::new(Mutex::new(Seen::default()));
     let gate = Arc::new(Notify::new());
     let st = UpState { mode, name, hits: hits.clone(), seen: seen.clone(), gate: gate.clone(), delay };
     let list: Vec<Value> = models.iter().map(|m| json!({"id": m, "object": "model"})).collect();
-    let app = Router::new()
-        .route("/health", get(|| async { "ok" }))
-        .route("/v1/models", get(move || async move { Json(json!({"object": "list", "data": list})) }))
-        .route("/v1/chat/completions", post(up_generate))
-        .route("/v1/completions", post(up_generate))
-        .with_state(st);
+    let mut app =
+        Router::new().route("/v1/models", get(move || async move { Json(json!({"object": "list", "data": list})) }));
+    if x.health {
+        app = app.route("/health", get(|| async { "ok" }));
+    }
+    if x.kv_config {
+        let layout = granary_core::hash::KvLayout {
+            dtype: granary_core::block::DType::F16,
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 8,
+            block_tokens: 16,
+        };
+        let info = json!({"model": models.first().copied().unwrap_or("m"), "fingerprint": "fp", "layout": layout});
+        app = app.route("/v1/kv/config", get(move || async move { Json(info) }));
+    }
+    let app =
+        app.route("/v1/chat/completions", post(up_generate)).route("/v1/completions", post(up_generate)).with_state(st);
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(l, app).await });
@@ -217,7 +245,7 @@ fn named(list: &[(&str, SocketAddr)]) -> Vec<(String, SocketAddr)> {
 #[tokio::test]
 async fn passes_answers_through_with_the_tenants_namespace_and_audits_them() {
     let up = start_upstream("a", Mode::Ok, &["m"]).await;
-    let g = Gw::start(&named(&[("a", up.addr)]), |_| {}).await;
+    let g = Gw::start(&named(&[("a", up.addr)]), |c| c.upstreams[0].granary = Some(true)).await;
     let key = g.key("acme", json!({})).await;
     let resp = g
         .http
@@ -617,6 +645,7 @@ async fn disaggregated_pools_prefill_then_decode() {
     let p = start_upstream("prefill", Mode::Ok, &["m"]).await;
     let d = start_upstream("decode", Mode::Ok, &["m"]).await;
     let g = Gw::start(&named(&[("p", p.addr), ("d", d.addr)]), |c| {
+        c.upstreams[0].granary = Some(true);
         c.upstreams[0].role = granary_gateway::config::Role::Prefill;
         c.upstreams[1].role = granary_gateway::config::Role::Decode;
     })
@@ -936,4 +965,515 @@ async fn heartbeats_are_validated_and_need_the_admin_token() {
     let off = Gw::start(&[], |c| c.gateway.agents.enabled = false).await;
     let (s, v) = off.admin(reqwest::Method::POST, "/admin/v1/agents/heartbeat", Some(good)).await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::FORBIDDEN, Some("agents_disabled")));
+}
+
+fn chat_for(model: &str) -> Value {
+    json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+/// Issue 14, point 3: `x-granary-namespace` (the tenant's name) reaches
+/// Granary engines only, configured or detected by their `/v1/kv/config`;
+/// an upstream's API key replaces the client's `Authorization`, and no
+/// upstream ever sees the client's key.
+#[tokio::test]
+async fn issue_14_granary_headers_only_to_granary_engines_and_upstream_keys_replace_the_clients() {
+    let x = |kv_config| Extras { health: true, kv_config };
+    let eng = start_upstream_full("eng", Mode::Ok, &["m1"], Duration::ZERO, x(true)).await;
+    let third = start_upstream_full("third", Mode::Ok, &["m2"], Duration::ZERO, x(false)).await;
+    let off = start_upstream_full("off", Mode::Ok, &["m3"], Duration::ZERO, x(true)).await;
+    let marked = start_upstream_full("marked", Mode::Ok, &["m4"], Duration::ZERO, x(false)).await;
+    std::env::set_var("GRANARY_TEST_THIRD_PARTY_KEY", "sk-third-party");
+    let ups = named(&[("eng", eng.addr), ("third", third.addr), ("off", off.addr), ("marked", marked.addr)]);
+    let g = Gw::start(&ups, |c| {
+        c.upstreams[1].api_key_env = Some("GRANARY_TEST_THIRD_PARTY_KEY".into());
+        c.upstreams[2].granary = Some(false);
+        c.upstreams[3].granary = Some(true);
+    })
+    .await;
+    let key = g.key("acme", json!({})).await;
+    for model in ["m1", "m2", "m3", "m4"] {
+        let r = g.chat(&key, chat_for(model)).await;
+        assert_eq!(r.status(), 200, "{model}: {}", r.text().await.unwrap());
+    }
+    let seen = |u: &Upstream| {
+        let s = u.seen.lock();
+        (s.namespaces.clone(), s.auths.clone())
+    };
+    let none = vec!["<none>".to_string()];
+    let acme = vec!["acme".to_string()];
+    assert_eq!(seen(&eng), (acme.clone(), none.clone()), "a detected Granary engine gets the namespace");
+    assert_eq!(
+        seen(&third),
+        (none.clone(), vec!["Bearer sk-third-party".to_string()]),
+        "a third party gets its own key and no namespace"
+    );
+    assert_eq!(seen(&off), (none.clone(), none.clone()), "granary = false: never, even if it looks like one");
+    assert_eq!(seen(&marked), (acme, none), "granary = true: always");
+}
+
+/// Issue 14, point 3: an upstream without `GET /health` is down under the
+/// default health path, up with another path or with passive health; under
+/// passive health the breaker is driven by requests alone.
+#[tokio::test]
+async fn issue_14_health_path_or_passive_health() {
+    let no_health = Extras { health: false, kv_config: false };
+    let a = start_upstream_full("a", Mode::Ok, &["n1"], Duration::ZERO, no_health).await;
+    let b = start_upstream_full("b", Mode::Ok, &["n2"], Duration::ZERO, no_health).await;
+    let c = start_upstream_full("c", Mode::Ok, &["n3"], Duration::ZERO, no_health).await;
+    let dead = dead_addr().await;
+    let ups = named(&[("a", a.addr), ("b", b.addr), ("c", c.addr), ("dead", dead)]);
+    let g = Gw::start(&ups, |cfg| {
+        cfg.gateway.max_attempts = 1;
+        cfg.gateway.breaker.failures = 2;
+        cfg.gateway.breaker.open_ms = 60_000;
+        cfg.upstreams[0].models = vec!["n1".into()];
+        cfg.upstreams[1].health_path = String::new();
+        cfg.upstreams[2].health_path = "/v1/models".into();
+        cfg.upstreams[3].health_path = String::new();
+        cfg.upstreams[3].models = vec!["n4".into()];
+    })
+    .await;
+    let key = g.key("acme", json!({})).await;
+    assert_eq!(g.chat(&key, chat_for("n1")).await.status(), 503, "no /health: down");
+    assert_eq!(g.chat(&key, chat_for("n2")).await.status(), 200, "passive: up");
+    assert_eq!(g.chat(&key, chat_for("n3")).await.status(), 200, "its own health path");
+    // Passive and dead: each request fails until the breaker opens; then no
+    // attempt is made.
+    assert_eq!(g.chat(&key, chat_for("n4")).await.status(), 502);
+    assert_eq!(g.chat(&key, chat_for("n4")).await.status(), 502);
+    assert_eq!(g.chat(&key, chat_for("n4")).await.status(), 503);
+    let m = g.metrics().await;
+    assert!(m.contains(r#"granary_gateway_upstream_breaker_state{upstream="dead"} 2"#), "{m}");
+    assert!(m.contains(r#"granary_gateway_upstream_attempts_total{upstream="dead",outcome="connect_error"} 2"#), "{m}");
+    assert_eq!(a.hits.load(Ordering::SeqCst), 0);
+}
+
+/// Issue 14, point 3: `model_map` renames a model for one upstream, and a
+/// model whose upstreams fail falls back to another model by
+/// `[gateway.model_fallbacks]` (only for keys that may use it).
+#[tokio::test]
+async fn issue_14_model_aliases_and_fallbacks() {
+    let big = start_upstream("big", Mode::Ok, &["org/big-v2"]).await;
+    let small = start_upstream("small", Mode::Ok, &["small"]).await;
+    let g = Gw::start(&named(&[("big", big.addr), ("small", small.addr)]), |c| {
+        c.upstreams[0].model_map.insert("big".into(), "org/big-v2".into());
+        c.gateway.model_fallbacks.insert("big".into(), vec!["small".into()]);
+    })
+    .await;
+    let key = g.key("acme", json!({})).await;
+    assert_eq!(model_ids(&g, &key).await, vec!["big", "small"], "clients see the client name");
+    let v: Value = g.chat(&key, chat_for("big")).await.json().await.unwrap();
+    assert_eq!(v["upstream"], "big", "{v}");
+    assert_eq!(big.seen.lock().bodies[0]["model"], "org/big-v2", "the upstream gets its own name");
+
+    // The big model's upstream fails: the fallback answers.
+    let broken = start_upstream("big", Mode::Fail500, &["org/big-v2"]).await;
+    let small = start_upstream("small", Mode::Ok, &["small"]).await;
+    let g = Gw::start(&named(&[("big", broken.addr), ("small", small.addr)]), |c| {
+        c.upstreams[0].model_map.insert("big".into(), "org/big-v2".into());
+        c.gateway.model_fallbacks.insert("big".into(), vec!["small".into()]);
+    })
+    .await;
+    let key = g.key("acme", json!({})).await;
+    let only_big = g.key("acme", json!({"models": ["big"]})).await;
+    let r = g.chat(&key, chat_for("big")).await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["upstream"], "small", "{v}");
+    assert_eq!(small.seen.lock().bodies[0]["model"], "small");
+    assert_eq!(g.chat(&only_big, chat_for("big")).await.status(), 502, "no fallback to a model the key may not use");
+    let audit = g.audit().await;
+    let served: Vec<(u16, Option<String>)> = audit.iter().map(|r| (r.status, r.model.clone())).collect();
+    assert!(served.contains(&(200, Some("small".into()))), "the fallback model is what is metered: {served:?}");
+
+    // No upstream serves the model at all: still its fallback, not 404.
+    let small = start_upstream("small", Mode::Ok, &["small"]).await;
+    let g = Gw::start(&named(&[("small", small.addr)]), |c| {
+        c.gateway.model_fallbacks.insert("gone".into(), vec!["small".into()]);
+    })
+    .await;
+    let key = g.key("acme", json!({})).await;
+    assert_eq!(g.chat(&key, chat_for("gone")).await.status(), 200);
+    assert_eq!(g.chat(&key, chat_for("other")).await.status(), 404);
+}
+
+/// What a dripping upstream did: chunks written, and whether its response
+/// stream was dropped (its connection closed, or the stream ran out).
+struct Drip {
+    addr: SocketAddr,
+    sent: Arc<AtomicUsize>,
+    closed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+struct SetOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// An upstream that streams `total` one-token chunks, one every `every`,
+/// then the usage chunk.
+async fn start_drip(total: usize, every: Duration) -> Drip {
+    let sent = Arc::new(AtomicUsize::new(0));
+    let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (s2, c2) = (sent.clone(), closed.clone());
+    let generate = move || {
+        let (sent, closed) = (s2.clone(), c2.clone());
+        async move {
+            let stream = async_stream::stream! {
+                let _guard = SetOnDrop(closed);
+                for i in 0..total {
+                    tokio::time::sleep(every).await;
+                    sent.fetch_add(1, Ordering::SeqCst);
+                    yield Ok::<_, std::io::Error>(format!("data: {}\n\n", json!({"choices": [{"index": 0, "delta": {"content": format!("t{i} ")}}]})));
+                }
+                yield Ok(format!("data: {}\n\n", json!({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": total, "total_tokens": total + 5}})));
+                yield Ok("data: [DONE]\n\n".to_string());
+            };
+            Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(stream)).unwrap()
+        }
+    };
+    let app = Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/v1/models", get(|| async { Json(json!({"object": "list", "data": [{"id": "m"}]})) }))
+        .route("/v1/chat/completions", post(generate));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    Drip { addr, sent, closed }
+}
+
+/// Polls the audit log until a record matches.
+async fn audited(
+    g: &Gw,
+    what: impl Fn(&granary_gateway::identity::AuditRecord) -> bool,
+) -> granary_gateway::identity::AuditRecord {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(r) = g.audit().await.into_iter().find(|r| what(r)) {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "no such audit record: {:?}", g.audit().await);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Issue 14, point 1: a client that hangs up after 12 chunks of a
+/// 2000-token stream closes the upstream request at once, and is audited
+/// with status 499 and the tokens produced so far (counted from chunks),
+/// which are charged to its token limit.
+#[tokio::test]
+async fn issue_14_a_client_hanging_up_mid_stream_is_metered_as_499_with_the_tokens_so_far() {
+    let drip = start_drip(2000, Duration::from_millis(5)).await;
+    let g = Gw::start(&named(&[("drip", drip.addr)]), |_| {}).await;
+    let key = g.key("acme", json!({})).await;
+    let resp = g.chat(&key, chat_body(true)).await;
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut text = String::new();
+    while text.matches("data: ").count() < 12 {
+        text.push_str(&String::from_utf8_lossy(&stream.next().await.unwrap().unwrap()));
+    }
+    let hung_up = Instant::now();
+    drop(stream);
+    let deadline = hung_up + Duration::from_secs(3);
+    while !drip.closed.load(Ordering::SeqCst) {
+        assert!(Instant::now() < deadline, "the upstream request is still open");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let sent = drip.sent.load(Ordering::SeqCst);
+    assert!(sent < 500, "the upstream stopped soon after the hang-up: {sent} chunks sent");
+    let rec = audited(&g, |r| r.stream).await;
+    assert_eq!(rec.status, 499, "{rec:?}");
+    assert_eq!(rec.error_code.as_deref(), Some("client_closed_request"));
+    assert!(
+        (12..=sent as u64).contains(&rec.completion_tokens),
+        "the tokens relayed so far, not 2000: {} (upstream sent {sent})",
+        rec.completion_tokens
+    );
+    assert!(rec.prompt_tokens > 0, "the prompt is charged too (estimated)");
+    let m = g.metrics().await;
+    assert!(m.contains(r#"inference_requests_total{tenant="acme",model="m",status="499"} 1"#), "{m}");
+
+    // A whole stream is still metered by its usage chunk.
+    let drip = start_drip(30, Duration::ZERO).await;
+    let g = Gw::start(&named(&[("drip", drip.addr)]), |_| {}).await;
+    let key = g.key("acme", json!({})).await;
+    let text = g.chat(&key, chat_body(true)).await.text().await.unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    let rec = audited(&g, |r| r.stream).await;
+    assert_eq!((rec.status, rec.prompt_tokens, rec.completion_tokens), (200, 5, 30), "{rec:?}");
+}
+
+/// A client that gives up waiting for a whole answer is audited as 499, and
+/// the upstream request is dropped with it.
+#[tokio::test]
+async fn a_client_giving_up_on_a_whole_answer_is_audited_as_499() {
+    let up = start_upstream_with("slow", Mode::Ok, &["m"], Duration::from_secs(30)).await;
+    let g = Gw::start(&named(&[("slow", up.addr)]), |_| {}).await;
+    let key = g.key("acme", json!({})).await;
+    let r = g
+        .http
+        .post(format!("{}/v1/chat/completions", g.base))
+        .bearer_auth(&key)
+        .json(&chat_body(false))
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(r.is_err(), "the client timed out");
+    let rec = audited(&g, |r| r.status == 499).await;
+    assert_eq!(rec.error_code.as_deref(), Some("client_closed_request"));
+    assert_eq!(rec.completion_tokens, 0);
+}
+
+/// Issue 14, point 5: the agent token opens heartbeats only, the metrics
+/// token `GET /metrics` only; the admin token keeps everything. With no
+/// admin token at all, the scoped tokens still open their routes.
+#[tokio::test]
+async fn issue_14_agent_and_metrics_tokens_open_only_their_routes() {
+    const AGENT: &str = "agent-token-0123456789";
+    const METRICS: &str = "metrics-token-0123456789";
+    std::env::set_var("GRANARY_TEST_SCOPED_AGENT", AGENT);
+    std::env::set_var("GRANARY_TEST_SCOPED_METRICS", METRICS);
+    let scoped = |c: &mut GatewayConfig| {
+        c.gateway.agent_token_env = "GRANARY_TEST_SCOPED_AGENT".into();
+        c.gateway.metrics_token_env = "GRANARY_TEST_SCOPED_METRICS".into();
+    };
+    let g = Gw::start(&[], scoped).await;
+    let beat = json!({"agent_id": "a", "url": "http://127.0.0.1:1", "engines": [], "models": []});
+    let call = |method: reqwest::Method, path: &str, token: &str| {
+        g.http.request(method, format!("{}{path}", g.base)).bearer_auth(token).json(&beat).send()
+    };
+    use reqwest::Method as M;
+    let routes = [
+        (M::POST, "/admin/v1/agents/heartbeat"),
+        (M::GET, "/metrics"),
+        (M::GET, "/admin/v1/agents"),
+        (M::GET, "/admin/v1/tenants"),
+        (M::POST, "/admin/v1/keys"),
+        (M::GET, "/admin/v1/audit"),
+    ];
+    // Which routes each token opens (the rest answer 401).
+    for (token, opens) in [(AGENT, &[0usize][..]), (METRICS, &[1]), (ADMIN, &[0, 1, 2, 3, 5])] {
+        for (i, (method, path)) in routes.iter().enumerate() {
+            let status = call(method.clone(), path, token).await.unwrap().status();
+            if opens.contains(&i) {
+                assert!(status.is_success(), "{token} on {method} {path}: {status}");
+            } else if token == ADMIN {
+                assert_eq!(status, 400, "admin reaches {method} {path} (the body is wrong for it)");
+            } else {
+                assert_eq!(status, 401, "{token} on {method} {path}");
+            }
+        }
+    }
+
+    // No admin token: heartbeats and metrics still work with their tokens.
+    let mut cfg = GatewayConfig::default();
+    cfg.gateway.database = "sqlite::memory:".into();
+    scoped(&mut cfg);
+    let identity = Identity::open("sqlite::memory:", IdentityOptions::default()).await.unwrap();
+    let gw = Gateway::new(&cfg, identity, Limiter::in_process()).unwrap();
+    let app = granary_gateway::server::router(gw, None);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, app).await });
+    let http = reqwest::Client::new();
+    let r = http.post(format!("{base}/admin/v1/agents/heartbeat")).bearer_auth(AGENT).json(&beat).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = http.get(format!("{base}/metrics")).bearer_auth(METRICS).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = http.get(format!("{base}/admin/v1/tenants")).bearer_auth(AGENT).send().await.unwrap();
+    assert_eq!(r.status(), 403, "the admin API stays disabled");
+    let r = http.get(format!("{base}/metrics")).bearer_auth(AGENT).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+}
+
+/// Issue 14, point 5: a rotated key gets a new secret at once, the old one
+/// works for the grace period (then answers 401 `expired_api_key`), and
+/// `PATCH` changes a key's models, limits and expiry in place.
+#[tokio::test]
+async fn issue_14_keys_rotate_with_a_grace_period_and_can_be_patched() {
+    let up = start_upstream("a", Mode::Ok, &["m", "n"]).await;
+    let g = Gw::start(&named(&[("a", up.addr)]), |c| c.gateway.key_rotation_grace_s = 1).await;
+    let old = g.key("acme", json!({"models": ["m"]})).await;
+    let (_, keys) = g.admin(reqwest::Method::GET, "/admin/v1/keys", None).await;
+    let id = keys["data"][0]["id"].as_i64().unwrap();
+    let (s, v) = g.admin(reqwest::Method::POST, &format!("/admin/v1/keys/{id}/rotate"), None).await;
+    assert_eq!(s, 200, "{v}");
+    let new = v["key"].as_str().unwrap().to_string();
+    assert_ne!(new, old);
+    assert!(v["previous_valid_until_ms"].as_i64().is_some(), "{v}");
+    assert_eq!(g.chat(&new, chat_for("m")).await.status(), 200, "the new secret works");
+    assert_eq!(g.chat(&old, chat_for("m")).await.status(), 200, "the old one, within the grace period");
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let r = g.chat(&old, chat_for("m")).await;
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "expired_api_key");
+    assert_eq!(g.chat(&new, chat_for("m")).await.status(), 200);
+    // Rotating with grace 0 ends the current secret at once.
+    let (_, v) =
+        g.admin(reqwest::Method::POST, &format!("/admin/v1/keys/{id}/rotate"), Some(json!({"grace_s": 0}))).await;
+    let newer = v["key"].as_str().unwrap().to_string();
+    assert_eq!(g.chat(&new, chat_for("m")).await.status(), 401);
+    let key = newer;
+
+    // PATCH: models, limits, expiry; absent fields stay.
+    assert_eq!(g.chat(&key, chat_for("n")).await.status(), 404, "not allowed yet");
+    let path = format!("/admin/v1/keys/{id}");
+    let (s, v) = g
+        .admin(reqwest::Method::PATCH, &path, Some(json!({"models": null, "limits": {"requests_per_minute": 1}})))
+        .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["models"], Value::Null, "{v}");
+    assert_eq!(g.chat(&key, chat_for("n")).await.status(), 200, "every model now");
+    assert_eq!(g.chat(&key, chat_for("n")).await.status(), 429, "the new limit holds");
+    let (s, v) = g.admin(reqwest::Method::PATCH, &path, Some(json!({"expires_in_s": 3600}))).await;
+    assert_eq!(s, 200, "{v}");
+    assert!(v["expires_ms"].as_i64().is_some() && v["limits"]["requests_per_minute"] == 1, "{v}");
+    let (s, v) = g.admin(reqwest::Method::PATCH, &path, Some(json!({"expires_at": null}))).await;
+    assert_eq!((s, &v["expires_ms"]), (StatusCode::OK, &Value::Null), "{v}");
+    let (s, v) = g.admin(reqwest::Method::PATCH, &path, Some(json!({"models": []}))).await;
+    assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("models")), "{v}");
+    let (s, _) = g.admin(reqwest::Method::PATCH, "/admin/v1/keys/999", Some(json!({"name": "x"}))).await;
+    assert_eq!(s, 404);
+    let (s, v) = g.admin(reqwest::Method::PATCH, &path, Some(json!({"bogus": 1}))).await;
+    assert_eq!((s, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("bogus")), "{v}");
+}
+
+/// Issue 14, point 1: responses and 429s carry OpenAI's
+/// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers.
+#[tokio::test]
+async fn issue_14_responses_carry_openai_rate_limit_headers() {
+    let up = start_upstream("a", Mode::Ok, &["m"]).await;
+    let g = Gw::start(&named(&[("a", up.addr)]), |_| {}).await;
+    let key = g.key("acme", json!({"limits": {"requests_per_minute": 2, "tokens_per_minute": 1000}})).await;
+    // Limits count in wall-clock minutes: keep the requests in one.
+    let into_minute = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() % 60_000;
+    if into_minute > 55_000 {
+        tokio::time::sleep(Duration::from_millis(60_100 - into_minute as u64)).await;
+    }
+    let header = |r: &reqwest::Response, name: &str| {
+        r.headers().get(name).map(|v| v.to_str().unwrap().to_string()).unwrap_or_else(|| panic!("no {name}"))
+    };
+    let is_duration = |s: &str| {
+        let n = s.trim_end_matches("ms").trim_end_matches('s');
+        s.ends_with('s') && n.split('m').all(|p| p.parse::<f64>().is_ok())
+    };
+    let r = g.chat(&key, chat_body(false)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-ratelimit-limit-requests"), "2");
+    assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "1");
+    assert_eq!(header(&r, "x-ratelimit-limit-tokens"), "1000");
+    assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), "1000");
+    assert!(is_duration(&header(&r, "x-ratelimit-reset-requests")), "{}", header(&r, "x-ratelimit-reset-requests"));
+    assert!(is_duration(&header(&r, "x-ratelimit-reset-tokens")));
+    // The answer's 9 tokens are charged once it is recorded.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = g.chat(&key, chat_body(false)).await;
+    assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "0");
+    assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), "991");
+    let r = g.chat(&key, chat_body(false)).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "0");
+    assert_eq!(header(&r, "x-ratelimit-limit-requests"), "2");
+    assert!(r.headers().contains_key("retry-after"));
+    // A key without limits gets none of these headers.
+    let free = g.key("acme", json!({})).await;
+    let r = g.chat(&free, chat_body(false)).await;
+    assert!(!r.headers().contains_key("x-ratelimit-limit-requests"));
+}
+
+/// Issue 14, point 4: two gateway replicas whose configurations list the
+/// same upstreams in another order send each session to the same upstream.
+#[tokio::test]
+async fn issue_14_two_replicas_pin_a_session_to_the_same_upstream() {
+    let x = start_upstream("x", Mode::Ok, &["m"]).await;
+    let y = start_upstream("y", Mode::Ok, &["m"]).await;
+    let session_pool = |c: &mut GatewayConfig| {
+        c.pools.push(granary_gateway::config::PoolConfig {
+            name: "p".into(),
+            upstreams: c.upstreams.iter().map(|u| u.name.clone()).collect(),
+            models: vec![],
+            routing: granary_gateway::routing::PolicyConfig::Session { header: "x-session-id".into() },
+            weight: 100,
+        });
+    };
+    let one = Gw::start(&named(&[("x", x.addr), ("y", y.addr)]), session_pool).await;
+    let two = Gw::start(&named(&[("y", y.addr), ("x", x.addr)]), session_pool).await;
+    let mut placed = HashMap::new();
+    for (g, replica) in [(&one, 1), (&two, 2)] {
+        let key = g.key("acme", json!({})).await;
+        for i in 0..16 {
+            let r = g
+                .http
+                .post(format!("{}/v1/chat/completions", g.base))
+                .bearer_auth(&key)
+                .header("x-session-id", format!("conversation-{i}"))
+                .json(&chat_body(false))
+                .send()
+                .await
+                .unwrap();
+            let v: Value = r.json().await.unwrap();
+            let up = v["upstream"].as_str().unwrap().to_string();
+            match placed.get(&i) {
+                None => {
+                    placed.insert(i, up);
+                }
+                Some(first) => assert_eq!(first, &up, "conversation-{i} on replica {replica}"),
+            }
+        }
+    }
+    let used: std::collections::HashSet<&String> = placed.values().collect();
+    assert_eq!(used.len(), 2, "sessions spread over both upstreams");
+}
+
+/// Issue 14, point 4: two models, one slot each, both full. A premium
+/// tenant queues two requests for model a, then a batch tenant one for
+/// model b. When b's slot frees, the b request gets it at once; it does
+/// not wait behind the premium requests of the other model.
+#[tokio::test]
+async fn issue_14_a_slot_goes_to_a_waiter_for_its_model() {
+    let a = start_upstream_with("a", Mode::Ok, &["ma"], Duration::from_millis(400)).await;
+    let b = start_upstream_with("b", Mode::Ok, &["mb"], Duration::from_millis(400)).await;
+    let g = Gw::start(&named(&[("a", a.addr), ("b", b.addr)]), |c| {
+        c.upstreams[0].max_active = 1;
+        c.upstreams[1].max_active = 1;
+    })
+    .await;
+    let (s, _) =
+        g.admin(reqwest::Method::POST, "/admin/v1/tenants", Some(json!({"name": "gold", "priority": "premium"}))).await;
+    assert_eq!(s, StatusCode::CREATED);
+    let (s, _) =
+        g.admin(reqwest::Method::POST, "/admin/v1/tenants", Some(json!({"name": "bulk", "priority": "batch"}))).await;
+    assert_eq!(s, StatusCode::CREATED);
+    let gold = g.key("gold", json!({})).await;
+    let bulk = g.key("bulk", json!({})).await;
+    let t0 = Instant::now();
+    let send = |key: &String, model: &str| {
+        let (http, url, k, body) =
+            (g.http.clone(), format!("{}/v1/chat/completions", g.base), key.clone(), chat_for(model));
+        tokio::spawn(async move {
+            let s = http.post(url).bearer_auth(k).json(&body).send().await.unwrap().status();
+            (s, t0.elapsed())
+        })
+    };
+    // Both slots taken, then the queue: a, a (premium), b (batch).
+    let holders = [send(&bulk, "ma"), send(&bulk, "mb")];
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let a1 = send(&gold, "ma");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let a2 = send(&gold, "ma");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let wb = send(&bulk, "mb");
+    for h in holders {
+        assert_eq!(h.await.unwrap().0, 200);
+    }
+    let (sb, tb) = wb.await.unwrap();
+    let (s1, t1) = a1.await.unwrap();
+    let (s2, t2) = a2.await.unwrap();
+    assert_eq!((s1, s2, sb), (StatusCode::OK, StatusCode::OK, StatusCode::OK));
+    assert!(tb < t2, "b's slot went to the b request ({tb:?}), not after the a requests ({t1:?}, {t2:?})");
+    assert!(tb < Duration::from_millis(1_100), "served as soon as b's slot freed: {tb:?}");
 }

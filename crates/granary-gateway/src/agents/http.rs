@@ -1,9 +1,9 @@
-//! The agents' admin routes (admin token):
+//! The agents' admin routes:
 //!
-//! | route | does |
-//! | --- | --- |
-//! | `POST /admin/v1/agents/heartbeat` | an agent reports its engines and loadable models ([`Heartbeat`]) → `{"ok": true, "ttl_ms"}` |
-//! | `GET /admin/v1/agents` | the agents heard from within `ttl_ms`, their engines as upstreams |
+//! | route | token | does |
+//! | --- | --- | --- |
+//! | `POST /admin/v1/agents/heartbeat` | agent or admin | an agent reports its engines and loadable models ([`Heartbeat`]) → `{"ok": true, "ttl_ms"}` |
+//! | `GET /admin/v1/agents` | admin | the agents heard from within `ttl_ms`, their engines as upstreams |
 
 use std::sync::Arc;
 
@@ -20,13 +20,31 @@ use crate::error::ApiError;
 use crate::identity::{parse_json_body, query_params, require_admin, AdminToken};
 use crate::proxy::Gateway;
 
-/// The routes, behind the admin token.
-pub fn admin_routes(gw: Arc<Gateway>, token: AdminToken) -> Router {
-    Router::new()
-        .route("/admin/v1/agents", get(list))
-        .route("/admin/v1/agents/heartbeat", post(heartbeat))
-        .route_layer(from_fn_with_state(token, require_admin))
-        .with_state(gw)
+/// The routes: heartbeats behind the agent token or the admin token, the
+/// listing behind the admin token. A route neither token opens is absent.
+pub fn admin_routes(gw: Arc<Gateway>, admin: Option<AdminToken>, agent: Option<AdminToken>) -> Router {
+    let mut r = Router::new();
+    if let Some(admin) = &admin {
+        r = r.merge(
+            Router::new()
+                .route("/admin/v1/agents", get(list))
+                .route_layer(from_fn_with_state(admin.clone(), require_admin))
+                .with_state(gw.clone()),
+        );
+    }
+    let beat = match (&admin, &agent) {
+        (Some(a), Some(b)) => Some(a.or(b)),
+        (a, b) => a.clone().or_else(|| b.clone()),
+    };
+    if let Some(token) = beat {
+        r = r.merge(
+            Router::new()
+                .route("/admin/v1/agents/heartbeat", post(heartbeat))
+                .route_layer(from_fn_with_state(token, require_admin))
+                .with_state(gw),
+        );
+    }
+    r
 }
 
 fn disabled() -> ApiError {

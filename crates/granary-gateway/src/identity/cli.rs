@@ -174,6 +174,38 @@ pub enum KeyCmd {
         /// The key's id (from `key list`).
         id: KeyId,
     },
+    /// Give a key a new secret (printed once); the old one keeps working
+    /// for the grace period.
+    Rotate {
+        /// The key's id (from `key list`).
+        id: KeyId,
+        /// Seconds the old secret keeps working (0: none).
+        #[arg(long, default_value_t = 86_400)]
+        grace_s: u64,
+    },
+    /// Change a key's models, limits or expiry (what is not given stays).
+    Update {
+        /// The key's id (from `key list`).
+        id: KeyId,
+        /// Models the key may use, comma-separated.
+        #[arg(long, value_delimiter = ',', conflicts_with = "all_models")]
+        models: Option<Vec<String>>,
+        /// Let the key use every model.
+        #[arg(long)]
+        all_models: bool,
+        /// Expiry, RFC 3339 or unix seconds.
+        #[arg(long, conflicts_with_all = ["expires_in", "never_expires"])]
+        expires_at: Option<String>,
+        /// Expiry, seconds from now.
+        #[arg(long, conflicts_with = "never_expires")]
+        expires_in: Option<u64>,
+        /// Remove the expiry.
+        #[arg(long)]
+        never_expires: bool,
+        /// Limits given here change; the others stay.
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
 }
 
 /// Runs an admin command, printing to stdout (and warnings to stderr).
@@ -341,6 +373,27 @@ async fn key_cmd(cmd: KeyCmd, identity: &Identity, out: &mut dyn Write, err: &mu
         KeyCmd::Revoke { id } => {
             identity.revoke_key(id).await?;
             writeln!(out, "key {id} revoked")?;
+        }
+        KeyCmd::Rotate { id, grace_s } => {
+            let rotated = identity.rotate_key(id, std::time::Duration::from_secs(grace_s)).await?;
+            let mut v = serde_json::to_value(&rotated.info).context("printing the key")?;
+            if let Some(obj) = v.as_object_mut() {
+                obj.insert("key".into(), rotated.secret.clone().into());
+            }
+            writeln!(err, "warning: the key below is shown only now; the old secret works for {grace_s} s")?;
+            writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+        }
+        KeyCmd::Update { id, models, all_models, expires_at, expires_in, never_expires, limits } => {
+            let expires_ms = if never_expires {
+                Some(None)
+            } else {
+                expiry(expires_at.as_deref(), expires_in).map_err(api)?.map(Some)
+            };
+            let limits = if limits.any() { Some(limits.apply(identity.get_key(id).await?.limits)) } else { None };
+            let models = if all_models { Some(None) } else { models.map(Some) };
+            let u = super::KeyUpdate { name: None, models, limits, expires_ms };
+            let info = identity.update_key(id, u).await?;
+            writeln!(out, "{}", serde_json::to_string_pretty(&info)?)?;
         }
     }
     Ok(())

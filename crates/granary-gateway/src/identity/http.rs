@@ -10,6 +10,8 @@
 //! | `DELETE /admin/v1/tenants/{name}` | disable it and revoke its keys |
 //! | `POST /admin/v1/keys` | create a key → 201, the secret shown once |
 //! | `GET /admin/v1/keys?tenant=` | list keys (no secrets, no hashes) |
+//! | `PATCH /admin/v1/keys/{id}` | change a key's name, models, limits or expiry ([`KeyUpdate`]) |
+//! | `POST /admin/v1/keys/{id}/rotate` | a new secret (shown once); the old one works for `grace_s` |
 //! | `DELETE /admin/v1/keys/{id}` | revoke a key |
 //! | `GET /admin/v1/usage?from=&to=&tenant=&format=json\|csv` | usage per tenant and model |
 //! | `GET /admin/v1/audit?tenant=&limit=&since=` | audit records, newest first |
@@ -19,33 +21,44 @@ use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get};
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use subtle::ConstantTimeEq;
 
-use super::{current_month_ms, now_ms, AuditQuery, Identity, NewKey, NewTenant, TenantUpdate, UsageQuery, UsageRow};
+use super::{
+    current_month_ms, now_ms, AuditQuery, Identity, KeyUpdate, NewKey, NewTenant, TenantUpdate, UsageQuery, UsageRow,
+};
 use crate::{ApiError, KeyId, Limits};
 
-/// The admin API's shared secret, kept only as a blake3 hash and compared in
-/// constant time.
+/// An operator's shared secret (the admin token, or a scoped one: agent,
+/// metrics), kept only as a blake3 hash and compared in constant time. A
+/// route open to several scopes takes their [`AdminToken::or`].
 #[derive(Clone)]
 pub struct AdminToken {
-    /// `None` for an empty secret, which admits nobody.
-    hash: Option<[u8; 32]>,
+    /// The accepted secrets' hashes; none for an empty secret, which admits
+    /// nobody.
+    hashes: Vec<[u8; 32]>,
 }
 
 impl AdminToken {
     /// A token from its secret. An empty secret admits nobody.
     pub fn new(secret: &str) -> Self {
-        AdminToken { hash: (!secret.is_empty()).then(|| *blake3::hash(secret.as_bytes()).as_bytes()) }
+        AdminToken {
+            hashes: (!secret.is_empty()).then(|| *blake3::hash(secret.as_bytes()).as_bytes()).into_iter().collect(),
+        }
     }
 
-    /// Whether `presented` is the secret (constant time).
+    /// A token that accepts either secret.
+    pub fn or(&self, other: &AdminToken) -> AdminToken {
+        AdminToken { hashes: self.hashes.iter().chain(&other.hashes).copied().collect() }
+    }
+
+    /// Whether `presented` is the secret (constant time per secret).
     pub fn verify(&self, presented: &str) -> bool {
-        let Some(hash) = &self.hash else { return false };
-        bool::from(blake3::hash(presented.as_bytes()).as_bytes().ct_eq(hash))
+        let h = blake3::hash(presented.as_bytes());
+        self.hashes.iter().fold(false, |ok, hash| ok | bool::from(h.as_bytes().ct_eq(hash)))
     }
 }
 
@@ -59,16 +72,37 @@ impl std::fmt::Debug for AdminToken {
 struct AdminState {
     identity: Identity,
     token: AdminToken,
+    options: AdminOptions,
+}
+
+/// Settings of the admin API.
+#[derive(Clone, Debug)]
+pub struct AdminOptions {
+    /// How long a key's previous secret keeps working after a rotation
+    /// that does not say (`grace_s`).
+    pub rotation_grace: std::time::Duration,
+}
+
+impl Default for AdminOptions {
+    fn default() -> Self {
+        AdminOptions { rotation_grace: std::time::Duration::from_secs(24 * 3600) }
+    }
+}
+
+/// The admin API, state applied, with default options.
+pub fn admin_router(identity: Identity, token: AdminToken) -> Router {
+    admin_router_with(identity, token, AdminOptions::default())
 }
 
 /// The admin API, state applied.
-pub fn admin_router(identity: Identity, token: AdminToken) -> Router {
-    let state = AdminState { identity, token };
+pub fn admin_router_with(identity: Identity, token: AdminToken, options: AdminOptions) -> Router {
+    let state = AdminState { identity, token, options };
     Router::new()
         .route("/admin/v1/tenants", get(list_tenants).post(create_tenant))
         .route("/admin/v1/tenants/{name}", get(get_tenant).patch(update_tenant).delete(disable_tenant))
         .route("/admin/v1/keys", get(list_keys).post(create_key))
-        .route("/admin/v1/keys/{id}", delete(revoke_key))
+        .route("/admin/v1/keys/{id}", axum::routing::delete(revoke_key).patch(update_key))
+        .route("/admin/v1/keys/{id}/rotate", post(rotate_key))
         .route("/admin/v1/usage", get(usage))
         .route("/admin/v1/audit", get(audit))
         .fallback(not_found)
@@ -297,10 +331,84 @@ async fn list_keys(State(s): State<AdminState>, RawQuery(q): RawQuery) -> Result
     Ok(list(s.identity.list_keys(param(&params, "tenant")).await?).into_response())
 }
 
+fn key_id(id: &str) -> Result<KeyId, ApiError> {
+    id.parse()
+        .map_err(|_| ApiError::invalid("id", "invalid_value", format!("Invalid key `id`: {id:?} is not a number.")))
+}
+
+/// Deserializes a present field as `Some(value)`, so that with
+/// `#[serde(default)]` an absent field is `None` and `null` is `Some(None)`.
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
+/// The body of `PATCH /admin/v1/keys/{id}`; absent fields stay as they are.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UpdateKeyBody {
+    #[serde(default)]
+    name: Option<String>,
+    /// A list, or `null` for every model.
+    #[serde(default, deserialize_with = "present")]
+    models: Option<Option<Vec<String>>>,
+    /// Replaces the key's limits as a whole.
+    #[serde(default)]
+    limits: Option<Limits>,
+    /// RFC 3339 or unix seconds, or `null` for never.
+    #[serde(default, deserialize_with = "present")]
+    expires_at: Option<Option<String>>,
+    #[serde(default)]
+    expires_in_s: Option<u64>,
+}
+
+async fn update_key(State(s): State<AdminState>, Path(id): Path<String>, body: Bytes) -> Result<Response, ApiError> {
+    let id = key_id(&id)?;
+    let b: UpdateKeyBody = parse_json_body(&body)?;
+    let expires_ms = match (b.expires_at, b.expires_in_s) {
+        (Some(None), None) => Some(None),
+        (Some(None), Some(_)) => {
+            return Err(ApiError::invalid(
+                "expires_in_s",
+                "invalid_value",
+                "Give `expires_at` or `expires_in_s`, not both.",
+            ))
+        }
+        (at, secs) => expiry(at.flatten().as_deref(), secs)?.map(Some),
+    };
+    let u = KeyUpdate { name: b.name, models: b.models, limits: b.limits, expires_ms };
+    Ok(Json(s.identity.update_key(id, u).await?).into_response())
+}
+
+/// The body of `POST /admin/v1/keys/{id}/rotate`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RotateKeyBody {
+    /// How long the current secret keeps working (default: the gateway's
+    /// `key_rotation_grace_s`); 0 ends it at once.
+    #[serde(default)]
+    grace_s: Option<u64>,
+}
+
+async fn rotate_key(State(s): State<AdminState>, Path(id): Path<String>, body: Bytes) -> Result<Response, ApiError> {
+    let id = key_id(&id)?;
+    let b: RotateKeyBody = parse_json_body(&body)?;
+    let grace = match b.grace_s {
+        Some(secs) if secs > 366 * 86_400 => {
+            return Err(ApiError::invalid("grace_s", "invalid_value", "Invalid `grace_s`: at most a year (31622400)."))
+        }
+        Some(secs) => std::time::Duration::from_secs(secs),
+        None => s.options.rotation_grace,
+    };
+    let rotated = s.identity.rotate_key(id, grace).await?;
+    let mut v = serde_json::to_value(&rotated.info).map_err(|e| ApiError::internal(&e))?;
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert("key".into(), rotated.secret.into());
+    }
+    Ok(Json(v).into_response())
+}
+
 async fn revoke_key(State(s): State<AdminState>, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let id: KeyId = id
-        .parse()
-        .map_err(|_| ApiError::invalid("id", "invalid_value", format!("Invalid key `id`: {id:?} is not a number.")))?;
+    let id = key_id(&id)?;
     s.identity.revoke_key(id).await?;
     Ok(Json(s.identity.get_key(id).await?).into_response())
 }

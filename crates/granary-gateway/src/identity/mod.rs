@@ -40,7 +40,7 @@ use crate::error::ErrorType;
 use crate::{ApiError, KeyId, Limits, Principal, Priority, TenantId};
 
 pub use cli::{run_admin, AdminCmd, KeyCmd, LimitArgs, TenantCmd};
-pub use http::{admin_router, usage_csv, AdminToken};
+pub use http::{admin_router, admin_router_with, usage_csv, AdminOptions, AdminToken};
 pub(crate) use http::{parse_json_body, query_params, require_admin};
 
 static MIGRATOR_SQLITE: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
@@ -147,6 +147,20 @@ pub struct NewKey {
     pub limits: Option<Limits>,
 }
 
+/// Changes to a key; absent fields stay as they are. Also the body of
+/// `PATCH /admin/v1/keys/{id}` (there with `expires_at`/`expires_in_s`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KeyUpdate {
+    /// A new label.
+    pub name: Option<String>,
+    /// `Some(None)`: every model; `Some(Some(list))`: only these.
+    pub models: Option<Option<Vec<String>>>,
+    /// Replaces the key's own limits as a whole.
+    pub limits: Option<Limits>,
+    /// `Some(None)`: never expires; `Some(Some(ms))`: expires then.
+    pub expires_ms: Option<Option<i64>>,
+}
+
 /// What is known of a key, without its secret or hash.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KeyInfo {
@@ -172,6 +186,9 @@ pub struct KeyInfo {
     pub created_ms: i64,
     /// Roughly when it was last used (written at most once a minute).
     pub last_used_ms: Option<i64>,
+    /// After a rotation: until when the previous secret still works.
+    #[serde(default)]
+    pub previous_valid_until_ms: Option<i64>,
 }
 
 /// A key just created: the only time its secret is known.
@@ -440,6 +457,9 @@ struct KeyRow {
     key_id: KeyId,
     prefix: String,
     key_hash: String,
+    /// The secret before the last rotation, valid until `old_expires_ms`.
+    old_key_hash: Option<String>,
+    old_expires_ms: Option<i64>,
     models: Option<Vec<String>>,
     expires_ms: Option<i64>,
     key_limits: Limits,
@@ -567,13 +587,20 @@ impl Identity {
                 row
             }
         };
+        let now = now_ms();
         if !keys::hashes_equal(&row.key_hash, &hash) {
-            return Err(AuthError::Unknown);
+            // The secret before a rotation works for its grace period.
+            let old = row.old_key_hash.as_deref().is_some_and(|h| keys::hashes_equal(h, &hash));
+            if !old {
+                return Err(AuthError::Unknown);
+            }
+            if row.old_expires_ms.is_none_or(|e| e <= now) {
+                return Err(AuthError::Expired { prefix: keys::prefix_of(token).to_string() });
+            }
         }
         if row.revoked_ms.is_some() {
             return Err(AuthError::Revoked { prefix: row.prefix });
         }
-        let now = now_ms();
         if row.expires_ms.is_some_and(|e| e <= now) {
             return Err(AuthError::Expired { prefix: row.prefix });
         }
@@ -659,9 +686,11 @@ impl Identity {
     async fn load_key(&self, hash: &str) -> Result<Option<KeyRow>, sqlx::Error> {
         let row = sqlx::query(
             "SELECT k.id, k.prefix, k.key_hash, k.models, k.expires_ms, k.limits, k.revoked_ms, \
-             t.id, t.name, t.namespace, t.priority, t.limits, t.log_prompts, t.disabled \
-             FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = $1",
+             t.id, t.name, t.namespace, t.priority, t.limits, t.log_prompts, t.disabled, \
+             k.old_key_hash, k.old_expires_ms \
+             FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.key_hash = $1 OR k.old_key_hash = $2",
         )
+        .bind(hash)
         .bind(hash)
         .fetch_optional(&self.inner.pool)
         .await?;
@@ -681,6 +710,8 @@ impl Identity {
             tenant_limits: json_col(&r, 11)?,
             log_prompts: bool_col(&r, 12)?,
             disabled: bool_col(&r, 13)?,
+            old_key_hash: r.try_get(14)?,
+            old_expires_ms: r.try_get(15)?,
         }))
     }
 
@@ -952,6 +983,7 @@ impl Identity {
             revoked_ms: None,
             created_ms,
             last_used_ms: None,
+            previous_valid_until_ms: None,
         };
         Ok(CreatedKey { info, secret })
     }
@@ -981,6 +1013,96 @@ impl Identity {
         }
     }
 
+    /// Gives a key a new secret; the current one keeps working for `grace`
+    /// (zero: not at all), a secret from an earlier rotation stops now.
+    /// Limits, models, expiry and usage stay with the key.
+    pub async fn rotate_key(&self, id: KeyId, grace: Duration) -> Result<CreatedKey, AdminError> {
+        let info = self.get_key(id).await?;
+        if info.revoked_ms.is_some() {
+            return Err(AdminError::invalid("id", "the key is revoked"));
+        }
+        let (secret, prefix) = keys::generate();
+        let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
+        let until = now_ms().saturating_add(grace_ms);
+        let done = sqlx::query(
+            "UPDATE api_keys SET old_key_hash = key_hash, old_expires_ms = $1, key_hash = $2, prefix = $3 \
+             WHERE id = $4 AND revoked_ms IS NULL",
+        )
+        .bind(until)
+        .bind(keys::hash(&secret))
+        .bind(prefix)
+        .bind(id)
+        .execute(&self.inner.pool)
+        .await?;
+        self.invalidate(|row| row.key_id == id);
+        if done.rows_affected() == 0 {
+            return Err(AdminError::invalid("id", "the key is revoked"));
+        }
+        Ok(CreatedKey { info: self.get_key(id).await?, secret })
+    }
+
+    /// Changes a key's label, models, limits or expiry; at once for this
+    /// [`Identity`], within the cache time for other processes.
+    pub async fn update_key(&self, id: KeyId, u: KeyUpdate) -> Result<KeyInfo, AdminError> {
+        if let Some(Some(models)) = &u.models {
+            if models.is_empty() {
+                return Err(AdminError::invalid("models", "must name at least one model (null for all models)"));
+            }
+            if let Some(i) = models.iter().position(|m| m.trim().is_empty() || m.len() > 256) {
+                return Err(AdminError::invalid(&format!("models[{i}]"), "must be a model name of 1 to 256 bytes"));
+            }
+        }
+        if u.name.as_ref().is_some_and(|n| n.len() > 256) {
+            return Err(AdminError::invalid("name", "must be at most 256 bytes"));
+        }
+        if let Some(Some(e)) = u.expires_ms {
+            if e <= now_ms() {
+                return Err(AdminError::invalid("expires_at", "must be in the future"));
+            }
+        }
+        let mut sets: Vec<String> = Vec::new();
+        let mut n = 0;
+        let mut next = || {
+            n += 1;
+            format!("${n}")
+        };
+        if u.name.is_some() {
+            sets.push(format!("name = {}", next()));
+        }
+        if u.models.is_some() {
+            sets.push(format!("models = {}", next()));
+        }
+        if u.limits.is_some() {
+            sets.push(format!("limits = {}", next()));
+        }
+        if u.expires_ms.is_some() {
+            sets.push(format!("expires_ms = {}", next()));
+        }
+        if sets.is_empty() {
+            return self.get_key(id).await;
+        }
+        let sql = format!("UPDATE api_keys SET {} WHERE id = {}", sets.join(", "), next());
+        let mut query = sqlx::query(&sql);
+        if let Some(name) = &u.name {
+            query = query.bind(name.clone());
+        }
+        if let Some(models) = &u.models {
+            query = query.bind(models.as_ref().map(to_json));
+        }
+        if let Some(l) = &u.limits {
+            query = query.bind(to_json(l));
+        }
+        if let Some(e) = u.expires_ms {
+            query = query.bind(e);
+        }
+        let done = query.bind(id).execute(&self.inner.pool).await?;
+        self.invalidate(|row| row.key_id == id);
+        if done.rows_affected() == 0 {
+            return Err(AdminError::NotFound(format!("No API key with id {id}.")));
+        }
+        self.get_key(id).await
+    }
+
     /// Revokes a key; at once for this [`Identity`], within the cache time
     /// for other processes. Revoking a revoked key changes nothing.
     pub async fn revoke_key(&self, id: KeyId) -> Result<(), AdminError> {
@@ -1002,7 +1124,7 @@ const TENANT_SELECT: &str =
     "SELECT id, name, namespace, priority, limits, log_prompts, disabled, created_ms FROM tenants";
 
 const KEY_SELECT: &str = "SELECT k.id, k.prefix, k.name, k.tenant_id, t.name, k.models, k.expires_ms, k.limits, \
-     k.revoked_ms, k.created_ms, k.last_used_ms FROM api_keys k JOIN tenants t ON t.id = k.tenant_id";
+     k.revoked_ms, k.created_ms, k.last_used_ms, k.old_expires_ms FROM api_keys k JOIN tenants t ON t.id = k.tenant_id";
 
 fn tenant_from_row(r: &AnyRow) -> Result<Tenant, sqlx::Error> {
     Ok(Tenant {
@@ -1030,6 +1152,7 @@ fn key_from_row(r: &AnyRow) -> Result<KeyInfo, sqlx::Error> {
         revoked_ms: r.try_get(8)?,
         created_ms: r.try_get(9)?,
         last_used_ms: r.try_get(10)?,
+        previous_valid_until_ms: r.try_get(11)?,
     })
 }
 

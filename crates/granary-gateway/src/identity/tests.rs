@@ -620,6 +620,21 @@ async fn the_cli_manages_tenants_and_keys() {
     assert!(!out.contains(&secret[12..]));
 
     let key_id = created["id"].to_string();
+    // Update and rotate, before revoking.
+    let (out, _) =
+        cli(&id, &["key", "update", &key_id, "--all-models", "--requests-per-minute", "7", "--expires-in", "60"])
+            .await
+            .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((v["models"].is_null(), &v["limits"]["requests_per_minute"]), (true, &serde_json::json!(7)), "{v}");
+    assert!(v["expires_ms"].is_i64(), "{v}");
+    let (out, _) = cli(&id, &["key", "update", &key_id, "--never-expires"]).await.unwrap();
+    assert!(serde_json::from_str::<serde_json::Value>(&out).unwrap()["expires_ms"].is_null());
+    let (out, err) = cli(&id, &["key", "rotate", &key_id, "--grace-s", "0"]).await.unwrap();
+    assert!(err.contains("shown only now"), "{err}");
+    let rotated: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let new_secret = rotated["key"].as_str().unwrap();
+    assert!(id.authenticate(new_secret).await.is_ok());
     cli(&id, &["key", "revoke", &key_id]).await.unwrap();
     assert!(id.authenticate(secret).await.is_err());
 

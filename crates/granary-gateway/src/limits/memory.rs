@@ -77,8 +77,15 @@ impl MemoryStore {
     }
 
     /// Checks every window; if all admit, counts the request. Returns the
-    /// failed windows as `(index into checks, used)`.
-    pub(super) fn admit(&self, tenant: TenantId, checks: &[Check], estimate: u64, now_ms: i64) -> Vec<(usize, u64)> {
+    /// failed windows as `(index into checks, used)`, and every window's
+    /// count after the call.
+    pub(super) fn admit(
+        &self,
+        tenant: TenantId,
+        checks: &[Check],
+        estimate: u64,
+        now_ms: i64,
+    ) -> (Vec<(usize, u64)>, Vec<u64>) {
         let mut shard = self.shard(tenant).lock();
         shard.prune(now_ms);
         let failed: Vec<(usize, u64)> = checks
@@ -94,7 +101,8 @@ impl MemoryStore {
                 shard.add(c, 1);
             }
         }
-        failed
+        let used = checks.iter().map(|c| shard.used(c)).collect();
+        (failed, used)
     }
 
     /// Adds `tokens` to every given (token) window.

@@ -78,6 +78,87 @@ pub struct Rejection {
     pub used: u64,
     /// Time until the blocking window resets.
     pub retry_after: Duration,
+    /// What the per-minute limits leave (for the `x-ratelimit-*` headers).
+    pub quota: Quota,
+}
+
+/// The headroom of one limit, as OpenAI's `x-ratelimit-*` headers carry it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Headroom {
+    /// The limit.
+    pub limit: u64,
+    /// What is left of it in the current window.
+    pub remaining: u64,
+    /// Until the window resets.
+    pub reset: Duration,
+}
+
+/// What the per-minute limits leave after an admission: of the key's and
+/// the tenant's, the one with the least left. `None` where no such limit
+/// applies, or the counters could not be read (Redis failing open).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Quota {
+    /// `requests_per_minute`, counting the request just admitted.
+    pub requests: Option<Headroom>,
+    /// `tokens_per_minute`, the tokens charged so far.
+    pub tokens: Option<Headroom>,
+}
+
+impl Quota {
+    /// Adds `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` as
+    /// OpenAI sends them (reset as a duration: `1s`, `6m0s`, `250ms`).
+    pub fn apply(&self, headers: &mut axum::http::HeaderMap) {
+        for (what, h) in [("requests", self.requests), ("tokens", self.tokens)] {
+            let Some(h) = h else { continue };
+            for (name, value) in [
+                ("limit", h.limit.to_string()),
+                ("remaining", h.remaining.to_string()),
+                ("reset", duration_text(h.reset)),
+            ] {
+                let name = axum::http::HeaderName::try_from(format!("x-ratelimit-{name}-{what}"));
+                if let (Ok(n), Ok(v)) = (name, axum::http::HeaderValue::from_str(&value)) {
+                    headers.insert(n, v);
+                }
+            }
+        }
+    }
+}
+
+/// A duration the way OpenAI's reset headers (Go's `Duration.String`) write
+/// it: `250ms`, `1s`, `17.5s`, `6m0s`.
+pub fn duration_text(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (m, s, frac) = (ms / 60_000, (ms / 1000) % 60, ms % 1000);
+    let secs = if frac == 0 { format!("{s}s") } else { format!("{s}.{}s", format!("{frac:03}").trim_end_matches('0')) };
+    if m > 0 {
+        format!("{m}m{secs}")
+    } else {
+        secs
+    }
+}
+
+/// The quota left in the per-minute windows of `checks`, `used` being each
+/// window's count after the admission (empty: unknown).
+fn quota(checks: &[Check], used: &[u64], now_ms: i64) -> Quota {
+    if used.len() != checks.len() {
+        return Quota::default();
+    }
+    let pick = |kind: LimitKind| {
+        checks
+            .iter()
+            .zip(used)
+            .filter(|(c, _)| c.kind == kind)
+            .map(|(c, &u)| Headroom {
+                limit: c.max,
+                remaining: c.max.saturating_sub(u),
+                reset: Duration::from_millis(u64::try_from(c.end_ms.saturating_sub(now_ms)).unwrap_or(0)),
+            })
+            .min_by_key(|h| h.remaining)
+    };
+    Quota { requests: pick(LimitKind::RequestsPerMinute), tokens: pick(LimitKind::TokensPerMinute) }
 }
 
 impl Rejection {
@@ -216,6 +297,7 @@ impl Check {
             max: self.max,
             used,
             retry_after: Duration::from_millis(left),
+            quota: Quota::default(),
         }
     }
 
@@ -316,26 +398,27 @@ impl Limiter {
     /// `estimated_tokens` is what the request may cost (prompt tokens plus
     /// `max_tokens`; 0 when unknown). An admitted request counts against
     /// the request limits; a rejected one does not.
-    pub async fn admit(&self, who: &Principal, estimated_tokens: u64) -> Result<(), Rejection> {
+    pub async fn admit(&self, who: &Principal, estimated_tokens: u64) -> Result<Quota, Rejection> {
         self.admit_at(who, estimated_tokens, now_ms()).await
     }
 
     /// [`admit`](Self::admit) at an explicit time (unix milliseconds).
-    pub async fn admit_at(&self, who: &Principal, estimated_tokens: u64, now_ms: i64) -> Result<(), Rejection> {
+    pub async fn admit_at(&self, who: &Principal, estimated_tokens: u64, now_ms: i64) -> Result<Quota, Rejection> {
         if who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited() {
-            return Ok(());
+            return Ok(Quota::default());
         }
         let checks = checks(who, now_ms, &ALL_KINDS);
         if checks.is_empty() {
-            return Ok(());
+            return Ok(Quota::default());
         }
-        let failed = match &*self.backend {
+        let (failed, used) = match &*self.backend {
             Backend::Memory(m) => m.admit(who.tenant_id, &checks, estimated_tokens, now_ms),
             Backend::Redis(r) => r.admit(&checks, estimated_tokens, now_ms).await,
         };
+        let quota = quota(&checks, &used, now_ms);
         match blocking(&checks, &failed, now_ms) {
-            Some(rejection) => Err(rejection),
-            None => Ok(()),
+            Some(rejection) => Err(Rejection { quota, ..rejection }),
+            None => Ok(quota),
         }
     }
 

@@ -48,15 +48,18 @@ impl Default for RedisOptions {
 ///
 /// `KEYS[i]` is a window; `ARGV[1]` the request's token estimate; then per
 /// window three arguments: `r` (request counter) or `t` (token counter), the
-/// limit, and the key's time to live in seconds. Returns the failed windows
-/// as a flat list `i1, used1, i2, used2, ...` (1-based), empty when admitted.
+/// limit, and the key's time to live in seconds. Returns every window's
+/// count after the call (`#KEYS` values), then the failed windows as
+/// `i1, used1, i2, used2, ...` (1-based), none when admitted.
 const ADMIT_SCRIPT: &str = r#"
 local estimate = tonumber(ARGV[1])
 local failed = {}
+local counts = {}
 for i = 1, #KEYS do
   local kind = ARGV[3 * i - 1]
   local max = tonumber(ARGV[3 * i])
   local used = tonumber(redis.call('GET', KEYS[i]) or '0') or 0
+  counts[i] = used
   if used >= max or (kind == 't' and estimate > max) then
     failed[#failed + 1] = i
     failed[#failed + 1] = used
@@ -65,12 +68,15 @@ end
 if #failed == 0 then
   for i = 1, #KEYS do
     if ARGV[3 * i - 1] == 'r' then
-      redis.call('INCR', KEYS[i])
+      counts[i] = redis.call('INCR', KEYS[i])
       redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
     end
   end
 end
-return failed
+for j = 1, #failed do
+  counts[#counts + 1] = failed[j]
+end
+return counts
 "#;
 
 /// Seconds a key outlives its window (absorbs small clock differences
@@ -165,10 +171,11 @@ impl RedisStore {
         conn
     }
 
-    /// The failed windows as `(index into checks, used)`; empty when
-    /// admitted, and also when Redis failed (fail open).
-    pub(super) async fn admit(&self, checks: &[Check], estimate: u64, now_ms: i64) -> Vec<(usize, u64)> {
-        let Some(mut conn) = self.connection("admission") else { return Vec::new() };
+    /// The failed windows as `(index into checks, used)`, and every
+    /// window's count after the call; both empty when Redis failed (fail
+    /// open).
+    pub(super) async fn admit(&self, checks: &[Check], estimate: u64, now_ms: i64) -> (Vec<(usize, u64)>, Vec<u64>) {
+        let Some(mut conn) = self.connection("admission") else { return (Vec::new(), Vec::new()) };
         let mut call = self.script.prepare_invoke();
         call.arg(estimate);
         for c in checks {
@@ -179,19 +186,26 @@ impl RedisStore {
             Ok(Ok(flat)) => flat,
             Ok(Err(e)) => {
                 self.shared.failed("admission", &e);
-                return Vec::new();
+                return (Vec::new(), Vec::new());
             }
             Err(_) => {
                 self.shared.failed("admission", &format_args!("no answer within {} ms", self.timeout.as_millis()));
-                return Vec::new();
+                return (Vec::new(), Vec::new());
             }
         };
-        flat.chunks_exact(2)
+        if flat.len() < checks.len() {
+            self.shared.failed("admission", &"a short answer from the admission script");
+            return (Vec::new(), Vec::new());
+        }
+        let (counts, pairs) = flat.split_at(checks.len());
+        let failed = pairs
+            .chunks_exact(2)
             .filter_map(|pair| {
                 let i = usize::try_from(pair[0]).ok()?.checked_sub(1)?;
                 (i < checks.len()).then(|| (i, u64::try_from(pair[1]).unwrap_or(0)))
             })
-            .collect()
+            .collect();
+        (failed, counts.iter().map(|&n| u64::try_from(n).unwrap_or(0)).collect())
     }
 
     /// Adds `tokens` to every given token window.

@@ -300,3 +300,14 @@ fn redis_options_default_and_deserialize() {
     assert_eq!((o.prefix.as_str(), o.timeout_ms), ("granary:limits:", 20));
     assert!(toml::from_str::<RedisOptions>("timeout = 20").is_err());
 }
+
+#[test]
+fn reset_durations_are_written_as_openai_writes_them() {
+    let t = |ms: u64| super::duration_text(Duration::from_millis(ms));
+    assert_eq!(t(250), "250ms");
+    assert_eq!(t(1_000), "1s");
+    assert_eq!(t(17_500), "17.5s");
+    assert_eq!(t(17_280), "17.28s");
+    assert_eq!(t(360_000), "6m0s");
+    assert_eq!(t(61_050), "1m1.05s");
+}

@@ -13,15 +13,12 @@
 //! upstream is full; [`PoolSelector`] orders weighted pools.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use granary_core::hash::BlockHash;
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
-use tokio::sync::Notify;
 
 use crate::types::Priority;
 
@@ -43,6 +40,11 @@ pub struct Candidate {
     /// Whether its KV events feed the index (else it is tracked approximately).
     pub publishes_events: bool,
 }
+
+/// An upstream's identity for session affinity, from its `index`: a hash of
+/// its name, the same on every gateway replica (unlike `index`, which is
+/// this process's). `None`: the index itself.
+pub type AffinityOf = Arc<dyn Fn(usize) -> Option<u64> + Send + Sync>;
 
 impl Candidate {
     fn full(&self) -> bool {
@@ -129,10 +131,16 @@ impl PolicyConfig {
 
 /// The policy a configuration names, sharing the gateway's [`KvIndex`].
 pub fn build_policy(cfg: &PolicyConfig, index: Arc<KvIndex>) -> Arc<dyn Policy> {
+    build_policy_with(cfg, index, None)
+}
+
+/// [`build_policy`], with the upstreams' affinity identities for `session`
+/// (the gateway passes their names' hashes, so replicas agree).
+pub fn build_policy_with(cfg: &PolicyConfig, index: Arc<KvIndex>, affinity: Option<AffinityOf>) -> Arc<dyn Policy> {
     match cfg {
         PolicyConfig::RoundRobin => Arc::new(RoundRobin::default()),
         PolicyConfig::LeastLoad => Arc::new(LeastLoad::default()),
-        PolicyConfig::Session { .. } => Arc::new(Session::default()),
+        PolicyConfig::Session { .. } => Arc::new(Session { affinity, ..Session::default() }),
         PolicyConfig::KvAware { load_penalty, approx_capacity_blocks } => Arc::new(KvAware::new(
             index,
             *load_penalty,
@@ -197,13 +205,39 @@ impl Policy for LeastLoad {
 #[derive(Default)]
 pub struct Session {
     next: AtomicUsize,
+    /// Stable identities of the upstreams (else their indexes).
+    affinity: Option<AffinityOf>,
 }
 
-fn rendezvous(session: &str, upstream: usize) -> u64 {
-    let mut h = std::hash::DefaultHasher::new();
-    session.hash(&mut h);
-    upstream.hash(&mut h);
-    h.finish()
+impl Session {
+    /// A session policy hashing the identities `affinity` gives.
+    pub fn with_affinity(affinity: AffinityOf) -> Self {
+        Session { affinity: Some(affinity), ..Session::default() }
+    }
+
+    fn identity(&self, c: &Candidate) -> u64 {
+        self.affinity.as_ref().and_then(|f| f(c.index)).unwrap_or(c.index as u64)
+    }
+}
+
+/// The weight of (session, upstream): blake3, so that every replica (and
+/// every build) ranks a session's upstreams alike.
+fn rendezvous(session: &str, affinity: u64) -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(&affinity.to_le_bytes());
+    h.update(session.as_bytes());
+    let out = h.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&out.as_bytes()[..8]);
+    u64::from_le_bytes(first)
+}
+
+/// An upstream's affinity identity ([`AffinityOf`]) from its name.
+pub fn affinity_of(name: &str) -> u64 {
+    let out = blake3::hash(name.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&out.as_bytes()[..8]);
+    u64::from_le_bytes(first)
 }
 
 impl Policy for Session {
@@ -214,7 +248,7 @@ impl Policy for Session {
         match req.session {
             Some(s) if !s.is_empty() => {
                 let mut list: Vec<&Candidate> = candidates.iter().collect();
-                list.sort_by_key(|c| std::cmp::Reverse(rendezvous(s, c.index)));
+                list.sort_by_cached_key(|c| std::cmp::Reverse(rendezvous(s, self.identity(c))));
                 room_first(list)
             }
             _ => by_load(candidates, &self.next).into_iter().map(|c| c.index).collect(),
@@ -450,10 +484,6 @@ impl PoolSelector {
 }
 
 /// Waits for a notification or a timeout; used by [`Admission`].
-async fn wait(notify: &Notify, timeout: Duration) -> bool {
-    tokio::time::timeout(timeout, notify.notified()).await.is_ok()
-}
-
 impl Priority {
     fn rank(self) -> usize {
         self as usize

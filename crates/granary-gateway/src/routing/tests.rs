@@ -1,4 +1,3 @@
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -154,39 +153,124 @@ fn pools_get_their_weighted_share_and_fail_over_by_weight() {
 
 #[tokio::test]
 async fn premium_waiters_get_released_capacity_first() {
-    let adm = Arc::new(Admission::new());
-    let slots = Arc::new(AtomicUsize::new(0));
+    let adm = Arc::new(Admission::<usize>::new());
     let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for (i, prio) in [Priority::Batch, Priority::Batch, Priority::Standard, Priority::Premium].into_iter().enumerate() {
-        let (adm, slots, order) = (adm.clone(), slots.clone(), order.clone());
+        let (adm, order) = (adm.clone(), order.clone());
         tasks.push(tokio::spawn(async move {
-            let take =
-                || slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).ok().map(|_| ());
-            let got = adm.acquire(prio, Duration::from_secs(10), take).await;
+            let got = adm.acquire(prio, &[0], Duration::from_secs(10), || None).await;
             order.lock().push(i);
             got
         }));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(adm.waiting(Priority::Batch), 2);
-    for _ in 0..4 {
-        slots.fetch_add(1, Ordering::AcqRel);
-        adm.released();
+    for n in 0..4 {
+        adm.offer(0, || Some(n));
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let mut got = Vec::new();
     for t in tasks {
-        assert!(t.await.unwrap().is_some());
+        got.push(t.await.unwrap().expect("a slot"));
     }
     assert_eq!(*order.lock(), vec![3, 2, 0, 1], "premium, standard, then batch in arrival order");
+    assert_eq!(got, vec![2, 3, 1, 0], "each slot handed to exactly one waiter");
 }
 
 #[tokio::test]
 async fn a_waiter_gives_up_at_its_timeout() {
-    let adm = Admission::new();
+    let adm = Admission::<()>::new();
     let t0 = std::time::Instant::now();
-    let got: Option<()> = adm.acquire(Priority::Premium, Duration::from_millis(100), || None).await;
+    let got: Option<()> = adm.acquire(Priority::Premium, &[0], Duration::from_millis(100), || None).await;
     assert!(got.is_none());
     assert!(t0.elapsed() >= Duration::from_millis(100));
     assert_eq!(adm.waiting(Priority::Premium), 0);
+}
+
+/// Issue 14, point 4: capacity freed on one model's upstream goes to a
+/// waiter for that upstream, even when waiters of higher priority wait for
+/// another model's; theirs is not spent on a waiter that cannot use it.
+#[tokio::test]
+async fn issue_14_capacity_goes_to_a_waiter_for_its_upstream_and_no_wake_up_is_lost() {
+    let adm = Arc::new(Admission::<&'static str>::new());
+    let spawn = |prio: Priority, wants: usize| {
+        let adm = adm.clone();
+        tokio::spawn(async move { adm.acquire(prio, &[wants], Duration::from_secs(5), || None).await })
+    };
+    // Model a is served by upstream 0, model b by upstream 1.
+    let a1 = spawn(Priority::Premium, 0);
+    let a2 = spawn(Priority::Premium, 0);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let b = spawn(Priority::Batch, 1);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    adm.offer(1, || Some("slot on 1"));
+    let got = tokio::time::timeout(Duration::from_secs(1), b).await.expect("the b waiter was handed the slot");
+    assert_eq!(got.unwrap(), Some("slot on 1"));
+    assert_eq!(adm.waiting(Priority::Premium), 2, "nobody waiting for upstream 0 was disturbed");
+    adm.offer(0, || Some("slot on 0"));
+    adm.offer(0, || Some("another on 0"));
+    assert_eq!(a1.await.unwrap(), Some("slot on 0"));
+    assert_eq!(a2.await.unwrap(), Some("another on 0"));
+    // Nobody waits: the slot is not taken at all.
+    let mut made = false;
+    adm.offer(0, || {
+        made = true;
+        Some("unused")
+    });
+    assert!(!made);
+}
+
+/// A waiter that is cancelled as a slot is handed to it passes the slot on.
+#[tokio::test]
+async fn a_slot_handed_to_a_cancelled_waiter_goes_to_the_next() {
+    let adm = Arc::new(Admission::<u32>::new());
+    let first = {
+        let adm = adm.clone();
+        tokio::spawn(async move { adm.acquire(Priority::Premium, &[7], Duration::from_secs(5), || None).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let second = {
+        let adm = adm.clone();
+        tokio::spawn(async move { adm.acquire(Priority::Batch, &[7], Duration::from_secs(5), || None).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    first.abort();
+    let _ = first.await;
+    adm.offer(7, || Some(1));
+    assert_eq!(tokio::time::timeout(Duration::from_secs(1), second).await.unwrap().unwrap(), Some(1));
+}
+
+/// Issue 14, point 4: two gateway replicas number their upstreams
+/// differently (the order of the configuration, agents joining in another
+/// order); a session must land on the same named upstream on both.
+#[test]
+fn issue_14_sessions_stick_to_the_same_upstream_name_on_every_replica() {
+    let names = ["engine-a", "engine-b", "engine-c", "engine-d"];
+    // Each replica: its own ids (from 100 × its first upstream), and a
+    // policy that knows each id's name.
+    let replica = |order: &[usize]| -> (Vec<Candidate>, Session) {
+        let ids: Vec<(usize, &str)> = order.iter().enumerate().map(|(i, &n)| (i + 100 * order[0], names[n])).collect();
+        let cands = ids
+            .iter()
+            .map(|&(index, _)| Candidate { index, active: 0, max_active: 0, publishes_events: false })
+            .collect();
+        let lookup: Vec<(usize, u64)> = ids.iter().map(|&(i, n)| (i, super::affinity_of(n))).collect();
+        let policy = Session::with_affinity(Arc::new(move |id| lookup.iter().find(|(i, _)| *i == id).map(|x| x.1)));
+        (cands, policy)
+    };
+    let one = replica(&[0, 1, 2, 3]);
+    let two = replica(&[3, 1, 0, 2]);
+    let name_of = |(c, p): &(Vec<Candidate>, Session), order: &[usize], s: &str| {
+        let first = p.rank(&RouteRequest { namespace: "t", session: Some(s), blocks: &[] }, c)[0];
+        names[order[c.iter().position(|x| x.index == first).unwrap()]]
+    };
+    let mut spread = HashSet::new();
+    for i in 0..100 {
+        let s = format!("conversation-{i}");
+        let a = name_of(&one, &[0, 1, 2, 3], &s);
+        assert_eq!(a, name_of(&two, &[3, 1, 0, 2], &s), "{s}");
+        spread.insert(a);
+    }
+    assert_eq!(spread.len(), 4);
 }
