@@ -547,3 +547,72 @@ fn connection_cap_and_idle_timeout() {
     let mut d = srv.connect();
     expect(&mut d, &resp(&[b"PING"]), b"+PONG\r\n");
 }
+
+#[test]
+fn python_transactions_keys_getex_and_clients() {
+    let srv = Server::start(Auth::default());
+    python("compat.py", srv.port);
+}
+
+#[test]
+fn multi_exec_raw_replies() {
+    let srv = Server::start(Auth::from_plain(Some("root"), &[("t1", "s1")]));
+    let mut s = srv.connect();
+    // Before AUTH, MULTI is refused like any data command.
+    expect(&mut s, &resp(&[b"MULTI"]), b"-NOAUTH Authentication required.\r\n");
+    expect(&mut s, &resp(&[b"AUTH", b"t1", b"s1"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"MULTI"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"SET", b"k", b"v"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"GET", b"k"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"MULTI"]), b"-ERR MULTI calls can not be nested\r\n");
+    expect(&mut s, &resp(&[b"EXEC"]), b"*2\r\n+OK\r\n$1\r\nv\r\n");
+    // A queueing error (arity, admin-only) dooms the transaction.
+    expect(&mut s, &resp(&[b"MULTI"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"SET", b"k2", b"v"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"GET"]), b"-ERR wrong number of arguments for 'get' command\r\n");
+    expect(&mut s, &resp(&[b"FLUSHALL"]), b"-NOPERM this user has no permissions to run the 'flushall' command\r\n");
+    expect(&mut s, &resp(&[b"EXEC"]), b"-EXECABORT Transaction discarded because of previous errors.\r\n");
+    expect(&mut s, &resp(&[b"EXISTS", b"k2"]), b":0\r\n");
+    // Runtime errors answer in their slot.
+    expect(&mut s, &resp(&[b"MULTI"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"EXPIRE", b"k", b"x"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"DEL", b"k"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"EXEC"]), b"*2\r\n-ERR value is not an integer or out of range\r\n:1\r\n");
+    // WATCH inside MULTI aborts; outside it is refused clearly.
+    expect(&mut s, &resp(&[b"MULTI"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"WATCH", b"k"]), b"-ERR Command not allowed inside a transaction\r\n");
+    expect(&mut s, &resp(&[b"DISCARD"]), b"+OK\r\n");
+    let r = read_until(&mut s, &resp(&[b"WATCH", b"k"]), b"\r\n");
+    assert!(r.starts_with(b"-ERR WATCH is not supported"), "{}", String::from_utf8_lossy(&r));
+    expect(&mut s, &resp(&[b"UNWATCH"]), b"+OK\r\n");
+    // Pipelined transaction in one write.
+    let mut batch = resp(&[b"MULTI"]);
+    batch.extend(resp(&[b"SET", b"p", b"1"]));
+    batch.extend(resp(&[b"GETEX", b"p", b"EX", b"100"]));
+    batch.extend(resp(&[b"TTL", b"p"]));
+    batch.extend(resp(&[b"EXEC"]));
+    expect(&mut s, &batch, b"+OK\r\n+QUEUED\r\n+QUEUED\r\n+QUEUED\r\n*3\r\n+OK\r\n$1\r\n1\r\n:100\r\n");
+}
+
+#[test]
+fn keys_is_namespace_scoped_and_bounded() {
+    let srv = Server::start(Auth::from_plain(Some("root"), &[("t1", "s1"), ("t2", "s2")]));
+    let store = srv.ctx.store.clone();
+    srv.rt.as_ref().unwrap().block_on(async {
+        for i in 0..5 {
+            store.put("t1", format!("a{i}").into(), "v".into(), Default::default()).await.unwrap();
+        }
+        store.put("t2", "a9".into(), "v".into(), Default::default()).await.unwrap();
+        for i in 0..=granary_warehouse::resp::commands::KEYS_LIMIT {
+            store.put("big", format!("k{i}").into(), "v".into(), Default::default()).await.unwrap();
+        }
+    });
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"AUTH", b"t2", b"s2"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"KEYS", b"a*"]), b"*1\r\n$2\r\na9\r\n");
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"AUTH", b"root"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"NAMESPACE", b"big"]), b"+OK\r\n");
+    let r = read_until(&mut s, &resp(&[b"KEYS", b"k1"]), b"\r\n");
+    assert!(r.starts_with(b"-ERR KEYS refused"), "{}", String::from_utf8_lossy(&r));
+}
