@@ -168,7 +168,10 @@ impl Store {
         }
         let at_rest = crate::tier::at_rest::AtRest::from_config(cfg.compression, cfg.encryption.as_ref())?;
         let disk: Option<Arc<dyn Tier>> = match &cfg.disk {
-            Some(d) => Some(Arc::new(crate::tier::disk::open_disk(d, at_rest.clone()).await?)),
+            Some(d) => {
+                let quotas = cfg.disk_quotas();
+                Some(Arc::new(crate::tier::disk::open_disk_with_quotas(d, at_rest.clone(), quotas).await?))
+            }
             None => None,
         };
         let remote: Option<Arc<dyn Tier>> = match &cfg.remote {
@@ -181,7 +184,7 @@ impl Store {
     /// A store over tiers built elsewhere (tests, custom tiers). Must run
     /// inside a Tokio runtime when a lower tier is given.
     pub fn with_tiers(cfg: StoreConfig, disk: Option<Arc<dyn Tier>>, remote: Option<Arc<dyn Tier>>) -> Store {
-        let memory = Arc::new(MemoryTier::new(cfg.memory.as_u64(), cfg.memory_policy));
+        let memory = Arc::new(MemoryTier::new(cfg.memory.as_u64(), cfg.memory_policy).with_quotas(cfg.memory_quotas()));
         let (events, _) = broadcast::channel(8192);
         // Tiers announce their own changes, under the locks that order them,
         // so a subscriber sees one key's events in one tier in the order they
@@ -714,6 +717,34 @@ impl Store {
             return None;
         }
         Some(l.shared.c.dropped.load(Relaxed) + l.shared.c.errors.load(Relaxed))
+    }
+
+    /// What namespace `ns` holds in each tier, and its quotas: the figures
+    /// a tenant may see (INFO, `/stats`), nothing about other namespaces.
+    pub fn namespace_usage(&self, ns: &str) -> Vec<crate::types::NamespaceUsage> {
+        let cfg = self.inner.cfg.namespaces.get(ns);
+        let mut out = Vec::new();
+        let (bytes, entries) = self.inner.memory.namespace_usage(ns);
+        if self.inner.cfg.memory_tier {
+            out.push(crate::types::NamespaceUsage {
+                tier: TierKind::Memory,
+                bytes: Some(bytes),
+                entries: Some(entries),
+                quota: cfg.and_then(|c| c.memory_quota).map(|q| q.as_u64()),
+            });
+        }
+        for l in self.lower() {
+            let kind = l.tier.kind();
+            let usage = l.tier.namespace_usage(ns);
+            let quota = if kind == TierKind::Disk { cfg.and_then(|c| c.disk_quota).map(|q| q.as_u64()) } else { None };
+            out.push(crate::types::NamespaceUsage {
+                tier: kind,
+                bytes: usage.map(|u| u.0),
+                entries: usage.map(|u| u.1),
+                quota,
+            });
+        }
+        out
     }
 
     pub fn stats(&self) -> StoreStats {

@@ -616,3 +616,32 @@ fn keys_is_namespace_scoped_and_bounded() {
     let r = read_until(&mut s, &resp(&[b"KEYS", b"k1"]), b"\r\n");
     assert!(r.starts_with(b"-ERR KEYS refused"), "{}", String::from_utf8_lossy(&r));
 }
+
+#[test]
+fn tenant_info_shows_only_its_namespace() {
+    let srv = Server::start(Auth::from_plain(Some("root"), &[("t1", "s1"), ("t2", "s2")]));
+    let store = srv.ctx.store.clone();
+    srv.rt.as_ref().unwrap().block_on(async {
+        for i in 0..50 {
+            store.put("t2", format!("k{i}").into(), vec![0u8; 1000].into(), Default::default()).await.unwrap();
+        }
+        store.put("t1", "mine".into(), "v".into(), Default::default()).await.unwrap();
+    });
+    let (_other, _again) = (srv.connect(), srv.connect());
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"AUTH", b"t1", b"s1"]), b"+OK\r\n");
+    let text = String::from_utf8(read_until(&mut s, &resp(&[b"INFO"]), b"avg_ttl=0\r\n\r\n")).unwrap();
+    for global in ["process_id", "total_connections_received", "keyspace_hits", "evicted_keys", "offload_", "os:"] {
+        assert!(!text.contains(global), "tenant INFO shows {global}:\n{text}");
+    }
+    assert!(text.contains("connected_clients:1\r\n"), "{text}");
+    assert!(text.contains("db0:keys=1,"), "{text}");
+    let used: u64 = text.split("used_memory:").nth(1).unwrap().split("\r\n").next().unwrap().parse().unwrap();
+    assert!(used > 0 && used < 1000, "t1's memory, not the store's: {used}");
+    assert!(text.contains("tier_memory:bytes="), "{text}");
+    // The admin sees the server.
+    let mut a = srv.connect();
+    expect(&mut a, &resp(&[b"AUTH", b"root"]), b"+OK\r\n");
+    let text = String::from_utf8(read_until(&mut a, &resp(&[b"INFO", b"server"]), b"\r\n\r\n")).unwrap();
+    assert!(text.contains("process_id:"), "{text}");
+}

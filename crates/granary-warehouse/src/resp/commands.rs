@@ -1068,10 +1068,66 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
+    /// INFO as a tenant sees it: its own namespace's figures only (no
+    /// process id, no server-wide counters, no other tenant's bytes).
+    async fn tenant_info_text(&self, want: &(dyn Fn(&str) -> bool + Sync)) -> Result<String, CmdError> {
+        let cfg = self.ctx.store.config();
+        let usage = self.ctx.store.namespace_usage(&self.ns);
+        let mut t = String::new();
+        if want("server") {
+            let _ = write!(
+                t,
+                "# Server\r\nredis_version:{REDIS_VERSION}\r\ngranary_version:{}\r\nredis_mode:standalone\r\n\
+                 tcp_port:{}\r\n\r\n",
+                env!("CARGO_PKG_VERSION"),
+                self.info.port,
+            );
+        }
+        if want("clients") {
+            let mine = self.info.clients.lock().values().filter(|c| c.namespace == self.ns).count();
+            let _ = write!(t, "# Clients\r\nconnected_clients:{mine}\r\n\r\n");
+        }
+        let mem = usage.iter().find(|u| u.tier == crate::TierKind::Memory);
+        if want("memory") {
+            let _ = write!(
+                t,
+                "# Memory\r\nused_memory:{}\r\nmaxmemory:{}\r\nmaxmemory_policy:{}\r\n\r\n",
+                mem.and_then(|m| m.bytes).unwrap_or(0),
+                mem.and_then(|m| m.quota).unwrap_or(cfg.memory.as_u64()),
+                cfg.memory_policy,
+            );
+        }
+        if want("tiers") || want("granary") {
+            let _ = write!(t, "# Tiers\r\nnamespace:{}\r\n", self.ns);
+            let num = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |v| v.to_string());
+            for u in &usage {
+                let _ = write!(
+                    t,
+                    "tier_{}:bytes={},entries={},quota={}\r\n",
+                    u.tier.as_str(),
+                    num(u.bytes),
+                    num(u.entries),
+                    num(u.quota),
+                );
+            }
+            t.push_str("\r\n");
+        }
+        if want("keyspace") {
+            let keys = self.ctx.store.count(&self.ns).await?;
+            let _ = write!(t, "# Keyspace\r\ndb0:keys={keys},expires=0,avg_ttl=0\r\n");
+        }
+        Ok(t)
+    }
+
     async fn info_text(&self, a: &[Bytes]) -> Result<String, CmdError> {
         let wanted: Vec<String> = a.iter().map(|s| lower(s)).collect();
         let all = wanted.is_empty() || wanted.iter().any(|w| w == "all" || w == "everything" || w == "default");
         let want = |s: &str| all || wanted.iter().any(|w| w == s);
+        // An open server has one trust level; with tokens, only the admin
+        // sees the server's own figures.
+        if !self.ctx.auth.is_open() && !self.principal.as_ref().is_some_and(Principal::is_admin) {
+            return self.tenant_info_text(&want).await;
+        }
         let stats = self.ctx.store.stats();
         let p = self.ctx.resp.snapshot();
         let cfg = self.ctx.store.config();
