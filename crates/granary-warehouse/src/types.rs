@@ -160,6 +160,10 @@ pub struct TierStats {
     pub expirations: u64,
     /// Entries found corrupt or torn (by checksum) and dropped.
     pub corrupt_dropped: u64,
+    /// Reads of the shared remote tier that failed verification (checksum,
+    /// wrong key, another entry's record, a format this node cannot read):
+    /// skipped and counted, never deleted, as another node may read them.
+    pub verify_failed: u64,
     /// Entries recovered from persistent storage at start.
     pub recovered: u64,
     /// Incomplete writes found and removed at start.

@@ -1186,7 +1186,7 @@ impl<'a> Session<'a> {
                 let _ = write!(
                     t,
                     "tier_{}:bytes={},entries={},capacity={},hits={},misses={},evictions={},expirations={},\
-                     corrupt_dropped={},errors={},policy={}\r\n",
+                     corrupt_dropped={},verify_failed={},errors={},policy={}\r\n",
                     s.tier.map_or("unknown", |k| k.as_str()),
                     s.bytes,
                     s.entries,
@@ -1196,6 +1196,7 @@ impl<'a> Session<'a> {
                     s.evictions,
                     s.expirations,
                     s.corrupt_dropped,
+                    s.verify_failed,
                     s.errors,
                     s.policy.as_deref().unwrap_or("-"),
                 );

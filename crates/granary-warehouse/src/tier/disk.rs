@@ -954,6 +954,7 @@ impl Tier for DiskTier {
             recovered: c.recovered.load(Relaxed),
             torn_removed: c.torn_removed.load(Relaxed),
             errors: c.errors.load(Relaxed),
+            verify_failed: 0,
         }
     }
 }
