@@ -10,9 +10,11 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
 
 use crate::auth::{Principal, DEFAULT_NAMESPACE};
 use crate::error::WarehouseError;
@@ -30,6 +32,9 @@ const OWN_COPY_BELOW: usize = 16 * 1024;
 const DEFAULT_SCAN_COUNT: usize = 10;
 /// Longest wait of `WAITAOF` (its timeout 0 means "no limit" in Redis).
 const MAX_DURABILITY_WAIT: Duration = Duration::from_secs(60);
+/// Store calls one MGET/MSET/EXISTS/DEL keeps in flight: cold keys reach
+/// the disk and remote tiers concurrently instead of one round trip each.
+pub const TIER_CALLS_IN_FLIGHT: usize = 16;
 /// Most commands one MULTI may queue.
 pub const MAX_QUEUED: usize = 10_000;
 /// Most argument bytes one MULTI may queue.
@@ -470,11 +475,17 @@ impl<'a> Session<'a> {
             }
             "MGET" => {
                 arity(!a.is_empty())?;
-                // Look everything up first so an error leaves no half-written array.
-                let mut hits = Vec::with_capacity(a.len());
-                for k in a {
-                    hits.push(self.ctx.store.get(&self.ns, k).await?);
-                }
+                // Look everything up first so an error leaves no half-written
+                // array; cold keys go to the lower tiers concurrently.
+                let (store, ns) = (self.ctx.store.clone(), Arc::<str>::from(self.ns.as_str()));
+                let hits: Vec<_> = futures::stream::iter(a.to_vec())
+                    .map(move |k| {
+                        let (store, ns) = (store.clone(), ns.clone());
+                        async move { store.get(&ns, &k).await }
+                    })
+                    .buffered(TIER_CALLS_IN_FLIGHT)
+                    .try_collect()
+                    .await?;
                 out.array(hits.len());
                 for h in hits {
                     match h {
@@ -485,27 +496,56 @@ impl<'a> Session<'a> {
             }
             "MSET" => {
                 arity(!a.is_empty() && a.len().is_multiple_of(2))?;
-                for kv in a.chunks_exact(2) {
-                    let key = Bytes::copy_from_slice(&kv[0]);
-                    self.ctx.store.put(&self.ns, key, own(kv[1].clone()), PutOptions::default()).await?;
+                // The last value of a key given twice wins, as in Redis; the
+                // distinct keys are then written concurrently.
+                let mut last = std::collections::HashMap::with_capacity(a.len() / 2);
+                for (i, kv) in a.chunks_exact(2).enumerate() {
+                    last.insert(&kv[0], i);
                 }
+                let pairs: Vec<(Bytes, Bytes)> = a
+                    .chunks_exact(2)
+                    .enumerate()
+                    .filter(|(i, kv)| last[&kv[0]] == *i)
+                    .map(|(_, kv)| (Bytes::copy_from_slice(&kv[0]), own(kv[1].clone())))
+                    .collect();
+                let (store, ns) = (self.ctx.store.clone(), Arc::<str>::from(self.ns.as_str()));
+                futures::stream::iter(pairs)
+                    .map(move |(k, v)| {
+                        let (store, ns) = (store.clone(), ns.clone());
+                        async move { store.put(&ns, k, v, PutOptions::default()).await }
+                    })
+                    .buffer_unordered(TIER_CALLS_IN_FLIGHT)
+                    .try_collect::<Vec<_>>()
+                    .await?;
                 out.ok();
             }
             "EXISTS" => {
                 arity(!a.is_empty())?;
-                let mut n = 0;
-                for k in a {
-                    n += i64::from(self.ctx.store.exists(&self.ns, k).await?);
-                }
-                out.int(n);
+                let (store, ns) = (self.ctx.store.clone(), Arc::<str>::from(self.ns.as_str()));
+                let found: Vec<bool> = futures::stream::iter(a.to_vec())
+                    .map(move |k| {
+                        let (store, ns) = (store.clone(), ns.clone());
+                        async move { store.exists(&ns, &k).await }
+                    })
+                    .buffer_unordered(TIER_CALLS_IN_FLIGHT)
+                    .try_collect()
+                    .await?;
+                out.int(found.into_iter().filter(|&f| f).count() as i64);
             }
             "DEL" | "UNLINK" => {
                 arity(!a.is_empty())?;
-                let mut n = 0;
-                for k in a {
-                    n += i64::from(self.ctx.store.delete(&self.ns, k).await?);
-                }
-                out.int(n);
+                // A key given twice is deleted once: its deletes are ordered
+                // by the key's lane, so the second finds nothing.
+                let (store, ns) = (self.ctx.store.clone(), Arc::<str>::from(self.ns.as_str()));
+                let gone: Vec<bool> = futures::stream::iter(a.to_vec())
+                    .map(move |k| {
+                        let (store, ns) = (store.clone(), ns.clone());
+                        async move { store.delete(&ns, &k).await }
+                    })
+                    .buffer_unordered(TIER_CALLS_IN_FLIGHT)
+                    .try_collect()
+                    .await?;
+                out.int(gone.into_iter().filter(|&g| g).count() as i64);
             }
             "GETDEL" => {
                 arity(a.len() == 1)?;
