@@ -420,3 +420,59 @@ async fn store_open_builds_configured_tiers() {
     let err = Store::open(bad).await.err().expect("missing key file must fail").to_string();
     assert!(err.contains("missing.key"), "{err}");
 }
+
+/// The remote TTL sweep pages through the prefix (at most `limit` objects a
+/// pass), deletes verified expired objects only, and leaves live objects and
+/// objects it cannot verify in place.
+async fn remote_sweep_removes_only_verified_expired(
+    r: &dyn Tier,
+    other_node: &dyn Tier,
+    objects_now: impl Fn() -> usize,
+) {
+    let soon = granary_warehouse::types::now_ms() + 300;
+    let short = EntryMeta { expires_at_ms: Some(soon), depth: 0 };
+    for i in 0..60 {
+        r.put(if i % 2 == 0 { "n1" } else { "n2" }, Bytes::from(format!("exp{i}")), Bytes::from_static(b"v"), short)
+            .await
+            .unwrap();
+    }
+    for i in 0..30 {
+        r.put("n1", Bytes::from(format!("live{i}")), Bytes::from_static(b"v"), m()).await.unwrap();
+    }
+    // Written by a node with another key: this node cannot verify it.
+    other_node.put("n1", Bytes::from_static(b"foreign"), Bytes::from_static(b"v"), short).await.unwrap();
+    assert_eq!(objects_now(), 91);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut removed = Vec::new();
+    for _ in 0..12 {
+        let n = r.purge_expired(16).await.unwrap();
+        assert!(n <= 16, "a pass examined more than its page");
+        removed.push(n);
+    }
+    assert_eq!(removed.iter().sum::<u64>(), 60, "passes: {removed:?}");
+    assert!(removed.iter().filter(|&&n| n > 0).count() >= 4, "one pass did it all: {removed:?}");
+    assert_eq!(objects_now(), 31, "live and unverifiable objects stay");
+    for i in 0..30 {
+        assert!(r.contains("n1", format!("live{i}").as_bytes()).await.unwrap());
+    }
+    assert!(other_node.get("n1", b"foreign").await.unwrap().is_none(), "expired on its own node too");
+    assert_eq!(r.stats().expirations, 60);
+}
+
+#[tokio::test]
+async fn remote_ttl_sweep_over_a_file_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = remote_at(dir.path(), AtRest::default()).await;
+    let other = remote_at(dir.path(), AtRest::with_key(None, Some(common::TEST_KEY))).await;
+    remote_sweep_removes_only_verified_expired(&r, &other, || common::files_under(dir.path()).len()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_ttl_sweep_over_an_s3_bucket() {
+    let Some(server) = common::start_s3() else { return };
+    let r = open_remote(&server.config("sweep"), AtRest::default()).await.unwrap();
+    let other = open_remote(&server.config("sweep"), AtRest::with_key(None, Some(common::TEST_KEY))).await.unwrap();
+    let bucket = server.bucket_dir();
+    let count = move || common::files_under(&bucket).iter().filter(|p| !p.to_string_lossy().contains(".s3s")).count();
+    remote_sweep_removes_only_verified_expired(&r, &other, count).await;
+}

@@ -28,6 +28,15 @@
 //! object: the tier is shared, and a node with the wrong key or an older
 //! build must not destroy what other nodes can read. Expired objects are
 //! deleted (expiry is read from a verified head).
+//!
+//! TTL sweep: [`Tier::purge_expired`] walks the whole prefix a page at a
+//! time (`list_with_offset` from where the previous pass stopped, wrapping
+//! around), reads each object's head and deletes the verified, expired ones
+//! whose record names the object's own path. The store calls it every
+//! few seconds with a small page, which bounds the request rate one node
+//! adds to the bucket. An object another node rewrites between the head read
+//! and the delete is lost (object stores offer no conditional delete); that
+//! costs a cache miss, never a wrong value.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -48,6 +57,8 @@ use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, Tier
 
 /// Heads read in parallel by `scan`.
 const SCAN_PARALLEL: usize = 16;
+/// Heads read in parallel by the TTL sweep.
+const SWEEP_PARALLEL: usize = 8;
 
 #[derive(Default)]
 struct Counters {
@@ -65,6 +76,12 @@ pub struct RemoteTier {
     at_rest: AtRest,
     c: Counters,
     events: TierEvents,
+    /// Whether listings come in name order (object stores do; `file://`
+    /// lists in directory order).
+    sorted_listing: bool,
+    /// The last object the TTL sweep examined; `None`: start of the prefix.
+    /// The lock also keeps sweeps from overlapping.
+    sweep_after: tokio::sync::Mutex<Option<Path>>,
 }
 
 fn remote_err(op: &str, path: &Path, e: object_store::Error) -> WarehouseError {
@@ -95,7 +112,15 @@ pub async fn open_remote(cfg: &RemoteConfig, at_rest: AtRest) -> Result<RemoteTi
     opts.extend(cfg.options.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.clone())));
     let (store, prefix) = object_store::parse_url_opts(&url, opts)
         .map_err(|e| WarehouseError::Config(format!("remote url {:?}: {e}", cfg.url)))?;
-    Ok(RemoteTier { store: Arc::from(store), prefix, at_rest, c: Counters::default(), events: TierEvents::default() })
+    Ok(RemoteTier {
+        store: Arc::from(store),
+        prefix,
+        at_rest,
+        c: Counters::default(),
+        events: TierEvents::default(),
+        sweep_after: tokio::sync::Mutex::new(None),
+        sorted_listing: url.scheme() != "file",
+    })
 }
 
 impl RemoteTier {
@@ -357,6 +382,53 @@ impl Tier for RemoteTier {
         }
         out.sort();
         Ok(out)
+    }
+
+    /// One page of the TTL sweep: examines at most `limit` objects from
+    /// where the previous page stopped; deletes the expired ones.
+    async fn purge_expired(&self, limit: usize) -> Result<u64> {
+        // A pass still running (slow bucket): this one is skipped, not queued.
+        let Ok(mut after) = self.sweep_after.try_lock() else { return Ok(0) };
+        let listing = match after.as_ref() {
+            Some(a) => self.store.list_with_offset(Some(&self.prefix), a),
+            None => self.store.list(Some(&self.prefix)),
+        };
+        let listing = listing.map_ok(|m| m.location);
+        let page: Vec<Path> = if self.sorted_listing {
+            listing.take(limit.max(1)).try_collect().await
+        } else {
+            // A filesystem lists in directory order: the page is the
+            // smallest names after the cursor, from the whole listing.
+            listing.try_collect::<Vec<_>>().await.map(|mut all| {
+                all.sort_unstable();
+                all.truncate(limit.max(1));
+                all
+            })
+        }
+        .map_err(|e| self.fail("list", &self.prefix, e))?;
+        // A short page reached the end: the next pass starts over.
+        *after = if page.len() < limit.max(1) { None } else { page.last().cloned() };
+        let now = now_ms();
+        let removed = futures::stream::iter(page)
+            .map(|path| async move {
+                // Only a verified head that names this very object is trusted
+                // to say it expired; anything else is left alone.
+                let Ok(Some(Ok(h))) = self.read_head(&path).await else { return false };
+                if !h.meta.is_expired(now) || self.object_path(&h.namespace, &h.key) != path {
+                    return false;
+                }
+                if self.delete(&path).await.is_err() {
+                    return false;
+                }
+                self.events.removed(&h.namespace, &h.key);
+                true
+            })
+            .buffer_unordered(SWEEP_PARALLEL)
+            .filter(|&gone| std::future::ready(gone))
+            .count()
+            .await as u64;
+        self.c.expirations.fetch_add(removed, Relaxed);
+        Ok(removed)
     }
 
     fn stats(&self) -> TierStats {
