@@ -165,12 +165,17 @@ fn quota_cfg(
 
 /// A tenant writing far past its memory quota evicts only its own keys:
 /// every key of the other tenant stays, and the tenant stays within its
-/// quota. Run on a single-shard and on a sharded (256 MiB) memory tier.
+/// quota. Run on a single-shard memory tier under every policy and on a
+/// sharded (256 MiB) one.
 #[tokio::test]
 async fn a_tenant_filling_its_memory_quota_evicts_only_its_own_keys() {
-    for (budget, value) in [(4u64 << 20, 10 << 10), (256 << 20, 512 << 10)] {
+    use granary_warehouse::PolicyKind::*;
+    let cases = [Lru, Lfu, Fifo, S3fifo, Cost].map(|p| (4u64 << 20, 10 << 10, p));
+    for (budget, value, policy) in cases.into_iter().chain([(256 << 20, 512 << 10, Lru)]) {
         let quota = budget / 4;
-        let s = Store::with_tiers(quota_cfg(budget, "a", Some(quota), None), None, None);
+        let mut cfg = quota_cfg(budget, "a", Some(quota), None);
+        cfg.memory_policy = policy;
+        let s = Store::with_tiers(cfg, None, None);
         // One shared buffer: the tier counts its length, nothing is copied.
         let v = Bytes::from(vec![7u8; value]);
         let b_keys = (budget / 2) as usize / value;
@@ -182,10 +187,16 @@ async fn a_tenant_filling_its_memory_quota_evicts_only_its_own_keys() {
             s.put("a", format!("a{i}").into(), v.clone(), PutOptions::default()).await.unwrap();
         }
         for i in 0..b_keys {
-            assert!(s.exists("b", format!("b{i}").as_bytes()).await.unwrap(), "budget {budget}: b{i} was evicted");
+            assert!(
+                s.exists("b", format!("b{i}").as_bytes()).await.unwrap(),
+                "budget {budget} {policy:?}: b{i} was evicted"
+            );
         }
         let (used, entries) = s.memory().namespace_usage("a");
-        assert!(used <= quota && entries > 0, "budget {budget}: a holds {used} bytes over its quota {quota}");
+        assert!(
+            used <= quota && entries > 0,
+            "budget {budget} {policy:?}: a holds {used} bytes over its quota {quota}"
+        );
         assert!(s.exists("a", format!("a{}", a_keys - 1).as_bytes()).await.unwrap(), "the newest write was dropped");
         // A value larger than the quota is refused outright (no lower tier: OOM).
         let big = Bytes::from(vec![1u8; quota as usize + 1]);
