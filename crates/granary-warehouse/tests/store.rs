@@ -231,3 +231,31 @@ async fn a_tenant_filling_its_disk_quota_evicts_only_its_own_files() {
     assert!(used <= 1 << 20, "a holds {used} bytes on disk");
     assert!(t.contains("a", b"a999").await.unwrap());
 }
+
+/// The quotas given in the store config reach the tiers `Store::open` builds.
+#[tokio::test]
+async fn configured_quotas_bind_the_tiers_store_open_builds() {
+    use granary_warehouse::config::DiskConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = quota_cfg(2 << 20, "a", Some(256 << 10), Some(512 << 10));
+    cfg.disk = Some(DiskConfig {
+        dir: dir.path().into(),
+        capacity: granary_core::ByteSize(2 << 20),
+        policy: Default::default(),
+    });
+    let s = Store::open(cfg).await.unwrap();
+    let v = Bytes::from(vec![9u8; 8 << 10]);
+    for i in 0..100 {
+        s.put("b", format!("b{i}").into(), v.clone(), PutOptions::default()).await.unwrap();
+    }
+    for i in 0..600 {
+        s.put("a", format!("a{i}").into(), v.clone(), PutOptions::default()).await.unwrap();
+    }
+    s.flush(Duration::from_secs(10)).await.unwrap();
+    let usage = s.namespace_usage("a");
+    let (mem, disk) = (&usage[0], &usage[1]);
+    assert_eq!((mem.quota, disk.quota), (Some(256 << 10), Some(512 << 10)));
+    assert!(mem.bytes.unwrap() <= 256 << 10 && disk.bytes.unwrap() <= 512 << 10, "{usage:?}");
+    let b = s.namespace_usage("b");
+    assert_eq!((b[0].entries, b[1].entries), (Some(100), Some(100)), "b lost entries: {b:?}");
+}
