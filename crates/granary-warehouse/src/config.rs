@@ -76,6 +76,11 @@ pub struct EncryptionConfig {
 pub struct NamespaceConfig {
     /// Default time to live of entries in this namespace, in seconds.
     pub ttl_secs: Option<u64>,
+    /// Most bytes this namespace may hold in the memory tier; its writes
+    /// evict its own entries first. `None`: no quota.
+    pub memory_quota: Option<ByteSize>,
+    /// Most bytes this namespace may hold on the disk tier, likewise.
+    pub disk_quota: Option<ByteSize>,
 }
 
 /// Limits of the network front ends against idle or abusive clients.
@@ -152,6 +157,16 @@ impl StoreConfig {
     /// A memory-only store with the given budget.
     pub fn memory_only(budget: u64) -> Self {
         StoreConfig { memory: ByteSize(budget), ..Default::default() }
+    }
+
+    /// Memory quotas by namespace (bytes), for those that have one.
+    pub fn memory_quotas(&self) -> HashMap<String, u64> {
+        self.namespaces.iter().filter_map(|(ns, c)| Some((ns.clone(), c.memory_quota?.as_u64()))).collect()
+    }
+
+    /// Disk quotas by namespace (bytes), for those that have one.
+    pub fn disk_quotas(&self) -> HashMap<String, u64> {
+        self.namespaces.iter().filter_map(|(ns, c)| Some((ns.clone(), c.disk_quota?.as_u64()))).collect()
     }
 
     pub fn namespace_ttl(&self, ns: &str) -> Option<Duration> {

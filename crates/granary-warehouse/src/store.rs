@@ -168,7 +168,10 @@ impl Store {
         }
         let at_rest = crate::tier::at_rest::AtRest::from_config(cfg.compression, cfg.encryption.as_ref())?;
         let disk: Option<Arc<dyn Tier>> = match &cfg.disk {
-            Some(d) => Some(Arc::new(crate::tier::disk::open_disk(d, at_rest.clone()).await?)),
+            Some(d) => {
+                let quotas = cfg.disk_quotas();
+                Some(Arc::new(crate::tier::disk::open_disk_with_quotas(d, at_rest.clone(), quotas).await?))
+            }
             None => None,
         };
         let remote: Option<Arc<dyn Tier>> = match &cfg.remote {
@@ -181,7 +184,7 @@ impl Store {
     /// A store over tiers built elsewhere (tests, custom tiers). Must run
     /// inside a Tokio runtime when a lower tier is given.
     pub fn with_tiers(cfg: StoreConfig, disk: Option<Arc<dyn Tier>>, remote: Option<Arc<dyn Tier>>) -> Store {
-        let memory = Arc::new(MemoryTier::new(cfg.memory.as_u64(), cfg.memory_policy));
+        let memory = Arc::new(MemoryTier::new(cfg.memory.as_u64(), cfg.memory_policy).with_quotas(cfg.memory_quotas()));
         let (events, _) = broadcast::channel(8192);
         // Tiers announce their own changes, under the locks that order them,
         // so a subscriber sees one key's events in one tier in the order they
@@ -716,6 +719,34 @@ impl Store {
         Some(l.shared.c.dropped.load(Relaxed) + l.shared.c.errors.load(Relaxed))
     }
 
+    /// What namespace `ns` holds in each tier, and its quotas: the figures
+    /// a tenant may see (INFO, `/stats`), nothing about other namespaces.
+    pub fn namespace_usage(&self, ns: &str) -> Vec<crate::types::NamespaceUsage> {
+        let cfg = self.inner.cfg.namespaces.get(ns);
+        let mut out = Vec::new();
+        let (bytes, entries) = self.inner.memory.namespace_usage(ns);
+        if self.inner.cfg.memory_tier {
+            out.push(crate::types::NamespaceUsage {
+                tier: TierKind::Memory,
+                bytes: Some(bytes),
+                entries: Some(entries),
+                quota: cfg.and_then(|c| c.memory_quota).map(|q| q.as_u64()),
+            });
+        }
+        for l in self.lower() {
+            let kind = l.tier.kind();
+            let usage = l.tier.namespace_usage(ns);
+            let quota = if kind == TierKind::Disk { cfg.and_then(|c| c.disk_quota).map(|q| q.as_u64()) } else { None };
+            out.push(crate::types::NamespaceUsage {
+                tier: kind,
+                bytes: usage.map(|u| u.0),
+                entries: usage.map(|u| u.1),
+                quota,
+            });
+        }
+        out
+    }
+
     pub fn stats(&self) -> StoreStats {
         let mut tiers = vec![self.inner.memory.stats()];
         tiers.extend(self.lower().map(|l| l.tier.stats()));
@@ -844,14 +875,34 @@ async fn offload_worker(
 }
 
 /// Drops expired entries in the background so they stop taking budget.
+/// Ticks of the sweeper between two pages of the remote tier's TTL sweep.
+const REMOTE_SWEEP_TICKS: u64 = 10;
+/// Objects one page of the remote TTL sweep examines: with a tick of 500 ms,
+/// at most about 50 listed objects and head reads a second per node.
+pub const REMOTE_SWEEP_PAGE: usize = 256;
+
 async fn sweeper(inner: Weak<Inner>) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut n = 0u64;
     loop {
         tick.tick().await;
+        n += 1;
         let Some(inner) = inner.upgrade() else { return };
         let _ = inner.memory.purge_expired(10_000).await;
         if let Some(d) = &inner.disk {
             let _ = d.tier.purge_expired(10_000).await;
+        }
+        if n.is_multiple_of(REMOTE_SWEEP_TICKS) {
+            if let Some(r) = &inner.remote {
+                // Apart from the tick loop, so a slow bucket never delays the
+                // memory and disk sweeps; a pass still running skips the next.
+                let r = r.tier.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = r.purge_expired(REMOTE_SWEEP_PAGE).await {
+                        tracing::debug!(error = %e, "remote TTL sweep failed");
+                    }
+                });
+            }
         }
     }
 }

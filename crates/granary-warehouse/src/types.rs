@@ -133,6 +133,18 @@ fn ser_key<S: serde::Serializer>(k: &Bytes, s: S) -> Result<S::Ok, S::Error> {
     }
 }
 
+/// What one namespace holds in one tier (what a tenant may see).
+#[derive(Debug, Clone, Serialize)]
+pub struct NamespaceUsage {
+    pub tier: TierKind,
+    /// What the namespace holds there; `None` where the tier cannot tell
+    /// without listing (remote).
+    pub bytes: Option<u64>,
+    pub entries: Option<u64>,
+    /// The namespace's byte quota in that tier, if it has one.
+    pub quota: Option<u64>,
+}
+
 /// Counters and gauges of one tier.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct TierStats {
@@ -148,6 +160,10 @@ pub struct TierStats {
     pub expirations: u64,
     /// Entries found corrupt or torn (by checksum) and dropped.
     pub corrupt_dropped: u64,
+    /// Reads of the shared remote tier that failed verification (checksum,
+    /// wrong key, another entry's record, a format this node cannot read):
+    /// skipped and counted, never deleted, as another node may read them.
+    pub verify_failed: u64,
     /// Entries recovered from persistent storage at start.
     pub recovered: u64,
     /// Incomplete writes found and removed at start.

@@ -341,8 +341,11 @@ async fn admin_endpoints_need_the_admin_token() {
     for path in ["/metrics", "/stats", "/cache/list?namespace=a", &format!("/cache/get?namespace=a&key={key}")] {
         let (status, err) = error_of(s.get(path, None).await).await;
         assert_eq!((status, err["type"].as_str()), (StatusCode::UNAUTHORIZED, Some("authentication_error")), "{path}");
-        let (status, err) = error_of(s.get(path, Some(TOKEN_A)).await).await;
-        assert_eq!((status, err["type"].as_str()), (StatusCode::FORBIDDEN, Some("permission_error")), "{path}");
+        // A tenant's /stats is about its own namespace only (tenant_views_show_only_their_namespace).
+        if path != "/stats" {
+            let (status, err) = error_of(s.get(path, Some(TOKEN_A)).await).await;
+            assert_eq!((status, err["type"].as_str()), (StatusCode::FORBIDDEN, Some("permission_error")), "{path}");
+        }
         assert_eq!(s.get(path, Some(ADMIN)).await.status(), StatusCode::OK, "{path}");
     }
 
@@ -603,4 +606,27 @@ async fn metrics_token_reads_metrics_and_nothing_else() {
     assert_eq!(s.get(&format!("/v1/blocks/a/{}", h[0]), Some("scrape")).await.status(), StatusCode::FORBIDDEN);
     assert_eq!(s.get("/v1/events", Some("scrape")).await.status(), StatusCode::FORBIDDEN);
     s.shutdown().await;
+}
+
+#[tokio::test]
+async fn tenant_views_show_only_their_namespace() {
+    let s = Server::with_tokens().await;
+    for (i, key) in hashes(3).iter().enumerate() {
+        assert_eq!(s.put("b", key, block(8), "", Some(TOKEN_B)).await.status(), StatusCode::CREATED, "{i}");
+    }
+    let key = &hashes(1)[0];
+    assert_eq!(s.put("a", key, block(4), "", Some(TOKEN_A)).await.status(), StatusCode::CREATED);
+    let r = s.get("/stats", Some(TOKEN_A)).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["namespace"], "a");
+    assert_eq!(v["keys"], 1);
+    assert_eq!(v["tiers"][0]["entries"], 1, "{v}");
+    // Nothing server-wide: no store totals, protocol counters or uptime.
+    let text = v.to_string();
+    for global in ["store", "protocols", "uptime_seconds", "hits", "evictions"] {
+        assert!(!text.contains(global), "tenant /stats shows {global}: {text}");
+    }
+    let admin: Value = s.get("/stats", Some(ADMIN)).await.json().await.unwrap();
+    assert_eq!(admin["store"]["tiers"][0]["entries"], 4);
 }

@@ -547,3 +547,238 @@ fn connection_cap_and_idle_timeout() {
     let mut d = srv.connect();
     expect(&mut d, &resp(&[b"PING"]), b"+PONG\r\n");
 }
+
+#[test]
+fn python_transactions_keys_getex_and_clients() {
+    let srv = Server::start(Auth::default());
+    python("compat.py", srv.port);
+}
+
+#[test]
+fn multi_exec_raw_replies() {
+    let srv = Server::start(Auth::from_plain(Some("root"), &[("t1", "s1")]));
+    let mut s = srv.connect();
+    // Before AUTH, MULTI is refused like any data command.
+    expect(&mut s, &resp(&[b"MULTI"]), b"-NOAUTH Authentication required.\r\n");
+    expect(&mut s, &resp(&[b"AUTH", b"t1", b"s1"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"MULTI"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"SET", b"k", b"v"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"GET", b"k"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"MULTI"]), b"-ERR MULTI calls can not be nested\r\n");
+    expect(&mut s, &resp(&[b"EXEC"]), b"*2\r\n+OK\r\n$1\r\nv\r\n");
+    // A queueing error (arity, admin-only) dooms the transaction.
+    expect(&mut s, &resp(&[b"MULTI"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"SET", b"k2", b"v"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"GET"]), b"-ERR wrong number of arguments for 'get' command\r\n");
+    expect(&mut s, &resp(&[b"FLUSHALL"]), b"-NOPERM this user has no permissions to run the 'flushall' command\r\n");
+    expect(&mut s, &resp(&[b"EXEC"]), b"-EXECABORT Transaction discarded because of previous errors.\r\n");
+    expect(&mut s, &resp(&[b"EXISTS", b"k2"]), b":0\r\n");
+    // Runtime errors answer in their slot.
+    expect(&mut s, &resp(&[b"MULTI"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"EXPIRE", b"k", b"x"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"DEL", b"k"]), b"+QUEUED\r\n");
+    expect(&mut s, &resp(&[b"EXEC"]), b"*2\r\n-ERR value is not an integer or out of range\r\n:1\r\n");
+    // WATCH inside MULTI aborts; outside it is refused clearly.
+    expect(&mut s, &resp(&[b"MULTI"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"WATCH", b"k"]), b"-ERR Command not allowed inside a transaction\r\n");
+    expect(&mut s, &resp(&[b"DISCARD"]), b"+OK\r\n");
+    let r = read_until(&mut s, &resp(&[b"WATCH", b"k"]), b"\r\n");
+    assert!(r.starts_with(b"-ERR WATCH is not supported"), "{}", String::from_utf8_lossy(&r));
+    expect(&mut s, &resp(&[b"UNWATCH"]), b"+OK\r\n");
+    // Pipelined transaction in one write.
+    let mut batch = resp(&[b"MULTI"]);
+    batch.extend(resp(&[b"SET", b"p", b"1"]));
+    batch.extend(resp(&[b"GETEX", b"p", b"EX", b"100"]));
+    batch.extend(resp(&[b"TTL", b"p"]));
+    batch.extend(resp(&[b"EXEC"]));
+    expect(&mut s, &batch, b"+OK\r\n+QUEUED\r\n+QUEUED\r\n+QUEUED\r\n*3\r\n+OK\r\n$1\r\n1\r\n:100\r\n");
+    // Multi-key commands run their keys concurrently; a key given twice
+    // still ends as Redis leaves it.
+    for _ in 0..20 {
+        expect(&mut s, &resp(&[b"MSET", b"d", b"1", b"e", b"x", b"d", b"2", b"d", b"3"]), b"+OK\r\n");
+        expect(&mut s, &resp(&[b"GET", b"d"]), b"$1\r\n3\r\n");
+        expect(&mut s, &resp(&[b"EXISTS", b"d", b"d", b"nope", b"e"]), b":3\r\n");
+        expect(&mut s, &resp(&[b"DEL", b"d", b"d", b"e"]), b":2\r\n");
+    }
+}
+
+#[test]
+fn keys_is_namespace_scoped_and_bounded() {
+    let srv = Server::start(Auth::from_plain(Some("root"), &[("t1", "s1"), ("t2", "s2")]));
+    let store = srv.ctx.store.clone();
+    srv.rt.as_ref().unwrap().block_on(async {
+        for i in 0..5 {
+            store.put("t1", format!("a{i}").into(), "v".into(), Default::default()).await.unwrap();
+        }
+        store.put("t2", "a9".into(), "v".into(), Default::default()).await.unwrap();
+        for i in 0..=granary_warehouse::resp::commands::KEYS_LIMIT {
+            store.put("big", format!("k{i}").into(), "v".into(), Default::default()).await.unwrap();
+        }
+    });
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"AUTH", b"t2", b"s2"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"KEYS", b"a*"]), b"*1\r\n$2\r\na9\r\n");
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"AUTH", b"root"]), b"+OK\r\n");
+    expect(&mut s, &resp(&[b"NAMESPACE", b"big"]), b"+OK\r\n");
+    let r = read_until(&mut s, &resp(&[b"KEYS", b"k1"]), b"\r\n");
+    assert!(r.starts_with(b"-ERR KEYS refused"), "{}", String::from_utf8_lossy(&r));
+}
+
+#[test]
+fn tenant_info_shows_only_its_namespace() {
+    let srv = Server::start(Auth::from_plain(Some("root"), &[("t1", "s1"), ("t2", "s2")]));
+    let store = srv.ctx.store.clone();
+    srv.rt.as_ref().unwrap().block_on(async {
+        for i in 0..50 {
+            store.put("t2", format!("k{i}").into(), vec![0u8; 1000].into(), Default::default()).await.unwrap();
+        }
+        store.put("t1", "mine".into(), "v".into(), Default::default()).await.unwrap();
+    });
+    let (_other, _again) = (srv.connect(), srv.connect());
+    let mut s = srv.connect();
+    expect(&mut s, &resp(&[b"AUTH", b"t1", b"s1"]), b"+OK\r\n");
+    let text = String::from_utf8(read_until(&mut s, &resp(&[b"INFO"]), b"avg_ttl=0\r\n\r\n")).unwrap();
+    for global in ["process_id", "total_connections_received", "keyspace_hits", "evicted_keys", "offload_", "os:"] {
+        assert!(!text.contains(global), "tenant INFO shows {global}:\n{text}");
+    }
+    assert!(text.contains("connected_clients:1\r\n"), "{text}");
+    assert!(text.contains("db0:keys=1,"), "{text}");
+    let used: u64 = text.split("used_memory:").nth(1).unwrap().split("\r\n").next().unwrap().parse().unwrap();
+    assert!(used > 0 && used < 1000, "t1's memory, not the store's: {used}");
+    assert!(text.contains("tier_memory:bytes="), "{text}");
+    // The admin sees the server.
+    let mut a = srv.connect();
+    expect(&mut a, &resp(&[b"AUTH", b"root"]), b"+OK\r\n");
+    let text = String::from_utf8(read_until(&mut a, &resp(&[b"INFO", b"server"]), b"\r\n\r\n")).unwrap();
+    assert!(text.contains("process_id:"), "{text}");
+}
+
+/// A remote tier that takes 30 ms per read and records how many of its
+/// calls ran at once.
+struct SlowRemote {
+    inner: granary_warehouse::tier::memory::MemoryTier,
+    now: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+}
+
+impl SlowRemote {
+    async fn slow(&self) {
+        let n = self.now.fetch_add(1, Relaxed) + 1;
+        self.most.fetch_max(n, Relaxed);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        self.now.fetch_sub(1, Relaxed);
+    }
+}
+
+#[async_trait::async_trait]
+impl granary_warehouse::Tier for SlowRemote {
+    fn kind(&self) -> granary_warehouse::TierKind {
+        granary_warehouse::TierKind::Remote
+    }
+    async fn get(&self, ns: &str, key: &[u8]) -> granary_warehouse::error::Result<Option<granary_warehouse::Stored>> {
+        self.slow().await;
+        self.inner.get(ns, key).await
+    }
+    async fn contains(&self, ns: &str, key: &[u8]) -> granary_warehouse::error::Result<bool> {
+        self.slow().await;
+        self.inner.contains(ns, key).await
+    }
+    fn contains_local(&self, _ns: &str, _key: &[u8]) -> Option<bool> {
+        None
+    }
+    async fn put(
+        &self,
+        ns: &str,
+        key: bytes::Bytes,
+        value: bytes::Bytes,
+        meta: granary_warehouse::EntryMeta,
+    ) -> granary_warehouse::error::Result<Vec<granary_warehouse::types::Evicted>> {
+        self.inner.put(ns, key, value, meta).await
+    }
+    async fn remove(&self, ns: &str, key: &[u8]) -> granary_warehouse::error::Result<bool> {
+        self.slow().await;
+        self.inner.remove(ns, key).await
+    }
+    async fn remove_namespace(&self, ns: &str) -> granary_warehouse::error::Result<u64> {
+        self.inner.remove_namespace(ns).await
+    }
+    async fn set_expiry(&self, ns: &str, key: &[u8], at: Option<u64>) -> granary_warehouse::error::Result<bool> {
+        self.inner.set_expiry(ns, key, at).await
+    }
+    async fn meta(
+        &self,
+        ns: &str,
+        key: &[u8],
+    ) -> granary_warehouse::error::Result<Option<granary_warehouse::EntryMeta>> {
+        self.slow().await;
+        self.inner.meta(ns, key).await
+    }
+    async fn scan(
+        &self,
+        ns: &str,
+        cursor: u64,
+        count: usize,
+    ) -> granary_warehouse::error::Result<granary_warehouse::ScanPage> {
+        self.inner.scan(ns, cursor, count).await
+    }
+    async fn namespaces(&self) -> granary_warehouse::error::Result<Vec<String>> {
+        self.inner.namespaces().await
+    }
+    fn stats(&self) -> granary_warehouse::TierStats {
+        granary_warehouse::TierStats { tier: Some(self.kind()), ..self.inner.stats() }
+    }
+}
+
+/// 64 cold keys on a 30 ms remote tier: MGET, EXISTS and DEL reach it
+/// concurrently (at most 16 at once), not in 64 serial round trips.
+#[test]
+fn multi_key_commands_reach_a_slow_tier_concurrently() {
+    use granary_warehouse::Tier;
+    let remote = Arc::new(SlowRemote {
+        inner: granary_warehouse::tier::memory::MemoryTier::new(0, granary_warehouse::PolicyKind::Lru),
+        now: Default::default(),
+        most: Default::default(),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let r2 = remote.clone();
+    let port = rt.block_on(async move {
+        let keys: Vec<Vec<u8>> = (0..64).map(|i| format!("cold{i}").into_bytes()).collect();
+        for k in &keys {
+            r2.inner.put("default", k.clone().into(), "v".into(), Default::default()).await.unwrap();
+        }
+        let store = Store::with_tiers(StoreConfig::memory_only(1 << 20), None, Some(r2));
+        let ctx = Arc::new(ServerCtx::new(store, Auth::default()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(granary_warehouse::resp::serve(listener, ctx, async {
+            let _ = stopped.await;
+        }));
+        port
+    });
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let keys: Vec<Vec<u8>> = (0..64).map(|i| format!("cold{i}").into_bytes()).collect();
+    let with = |cmd: &[u8]| {
+        let mut args: Vec<&[u8]> = vec![cmd];
+        args.extend(keys.iter().map(|k| &k[..]));
+        resp(&args)
+    };
+    let t = std::time::Instant::now();
+    let r = read_until(&mut s, &with(b"EXISTS"), b"\r\n");
+    assert_eq!(r, b":64\r\n");
+    let exists = t.elapsed();
+    let t = std::time::Instant::now();
+    let r = read_until(&mut s, &with(b"MGET"), b"$1\r\nv\r\n".repeat(64).as_slice());
+    assert!(r.starts_with(b"*64\r\n$1\r\nv\r\n"), "{}", String::from_utf8_lossy(&r));
+    let mget = t.elapsed();
+    let most = remote.most.load(Relaxed);
+    assert!((8..=16).contains(&most), "{most} remote calls at once");
+    // 64 serial 30 ms round trips would take 1.9 s each.
+    assert!(exists < Duration::from_millis(900) && mget < Duration::from_millis(900), "{exists:?} {mget:?}");
+    let r = read_until(&mut s, &with(b"DEL"), b"\r\n");
+    assert_eq!(r, b":64\r\n");
+    let _ = stop.send(());
+    rt.shutdown_timeout(Duration::from_secs(2));
+}

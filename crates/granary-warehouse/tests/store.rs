@@ -49,7 +49,8 @@ async fn conditions_and_ttl() {
 #[tokio::test]
 async fn namespace_default_ttl_applies() {
     let mut cfg = granary_warehouse::StoreConfig::memory_only(1 << 20);
-    cfg.namespaces.insert("short".into(), granary_warehouse::config::NamespaceConfig { ttl_secs: Some(5) });
+    cfg.namespaces
+        .insert("short".into(), granary_warehouse::config::NamespaceConfig { ttl_secs: Some(5), ..Default::default() });
     let s = Store::with_tiers(cfg, None, None);
     s.put("short", b("k"), b("v"), PutOptions::default()).await.unwrap();
     s.put("long", b("k"), b("v"), PutOptions::default()).await.unwrap();
@@ -141,4 +142,120 @@ async fn bad_input_is_rejected_with_the_field_named() {
     let s = Store::with_tiers(cfg, None, None);
     let e = s.put("n", b("k"), Bytes::from(vec![0; 11]), PutOptions::default()).await.unwrap_err();
     assert!(e.to_string().contains("exceeds the limit of 10 bytes"), "{e}");
+}
+
+fn quota_cfg(
+    memory: u64,
+    tenant: &str,
+    mem_quota: Option<u64>,
+    disk_quota: Option<u64>,
+) -> granary_warehouse::StoreConfig {
+    use granary_core::ByteSize;
+    let mut cfg = granary_warehouse::StoreConfig::memory_only(memory);
+    cfg.namespaces.insert(
+        tenant.into(),
+        granary_warehouse::config::NamespaceConfig {
+            memory_quota: mem_quota.map(ByteSize),
+            disk_quota: disk_quota.map(ByteSize),
+            ..Default::default()
+        },
+    );
+    cfg
+}
+
+/// A tenant writing far past its memory quota evicts only its own keys:
+/// every key of the other tenant stays, and the tenant stays within its
+/// quota. Run on a single-shard memory tier under every policy and on a
+/// sharded (256 MiB) one.
+#[tokio::test]
+async fn a_tenant_filling_its_memory_quota_evicts_only_its_own_keys() {
+    use granary_warehouse::PolicyKind::*;
+    let cases = [Lru, Lfu, Fifo, S3fifo, Cost].map(|p| (4u64 << 20, 10 << 10, p));
+    for (budget, value, policy) in cases.into_iter().chain([(256 << 20, 512 << 10, Lru)]) {
+        let quota = budget / 4;
+        let mut cfg = quota_cfg(budget, "a", Some(quota), None);
+        cfg.memory_policy = policy;
+        let s = Store::with_tiers(cfg, None, None);
+        // One shared buffer: the tier counts its length, nothing is copied.
+        let v = Bytes::from(vec![7u8; value]);
+        let b_keys = (budget / 2) as usize / value;
+        for i in 0..b_keys {
+            s.put("b", format!("b{i}").into(), v.clone(), PutOptions::default()).await.unwrap();
+        }
+        let a_keys = 6 * budget as usize / value;
+        for i in 0..a_keys {
+            s.put("a", format!("a{i}").into(), v.clone(), PutOptions::default()).await.unwrap();
+        }
+        for i in 0..b_keys {
+            assert!(
+                s.exists("b", format!("b{i}").as_bytes()).await.unwrap(),
+                "budget {budget} {policy:?}: b{i} was evicted"
+            );
+        }
+        let (used, entries) = s.memory().namespace_usage("a");
+        assert!(
+            used <= quota && entries > 0,
+            "budget {budget} {policy:?}: a holds {used} bytes over its quota {quota}"
+        );
+        assert!(s.exists("a", format!("a{}", a_keys - 1).as_bytes()).await.unwrap(), "the newest write was dropped");
+        // A value larger than the quota is refused outright (no lower tier: OOM).
+        let big = Bytes::from(vec![1u8; quota as usize + 1]);
+        assert!(s.put("a", b("big"), big, PutOptions::default()).await.is_err());
+        assert_eq!(s.count("b").await.unwrap(), b_keys as u64);
+    }
+}
+
+/// The disk tier's quota, through the tier itself.
+#[tokio::test]
+async fn a_tenant_filling_its_disk_quota_evicts_only_its_own_files() {
+    use granary_warehouse::config::DiskConfig;
+    use granary_warehouse::tier::at_rest::AtRest;
+    use granary_warehouse::{EntryMeta, Tier};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg =
+        DiskConfig { dir: dir.path().into(), capacity: granary_core::ByteSize(4 << 20), policy: Default::default() };
+    let quotas = [("a".to_string(), 1u64 << 20)].into_iter().collect();
+    let t =
+        granary_warehouse::tier::disk::open_disk_with_quotas(&cfg, AtRest::with_key(None, None), quotas).await.unwrap();
+    let v = Bytes::from(vec![3u8; 10 << 10]);
+    for i in 0..200 {
+        t.put("b", format!("b{i}").into(), v.clone(), EntryMeta::default()).await.unwrap();
+    }
+    for i in 0..1000 {
+        t.put("a", format!("a{i}").into(), v.clone(), EntryMeta::default()).await.unwrap();
+    }
+    for i in 0..200 {
+        assert!(t.contains("b", format!("b{i}").as_bytes()).await.unwrap(), "b{i} was evicted from disk");
+    }
+    let (used, _) = t.namespace_usage("a").unwrap();
+    assert!(used <= 1 << 20, "a holds {used} bytes on disk");
+    assert!(t.contains("a", b"a999").await.unwrap());
+}
+
+/// The quotas given in the store config reach the tiers `Store::open` builds.
+#[tokio::test]
+async fn configured_quotas_bind_the_tiers_store_open_builds() {
+    use granary_warehouse::config::DiskConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = quota_cfg(2 << 20, "a", Some(256 << 10), Some(512 << 10));
+    cfg.disk = Some(DiskConfig {
+        dir: dir.path().into(),
+        capacity: granary_core::ByteSize(2 << 20),
+        policy: Default::default(),
+    });
+    let s = Store::open(cfg).await.unwrap();
+    let v = Bytes::from(vec![9u8; 8 << 10]);
+    for i in 0..100 {
+        s.put("b", format!("b{i}").into(), v.clone(), PutOptions::default()).await.unwrap();
+    }
+    for i in 0..600 {
+        s.put("a", format!("a{i}").into(), v.clone(), PutOptions::default()).await.unwrap();
+    }
+    s.flush(Duration::from_secs(10)).await.unwrap();
+    let usage = s.namespace_usage("a");
+    let (mem, disk) = (&usage[0], &usage[1]);
+    assert_eq!((mem.quota, disk.quota), (Some(256 << 10), Some(512 << 10)));
+    assert!(mem.bytes.unwrap() <= 256 << 10 && disk.bytes.unwrap() <= 512 << 10, "{usage:?}");
+    let b = s.namespace_usage("b");
+    assert_eq!((b[0].entries, b[1].entries), (Some(100), Some(100)), "b lost entries: {b:?}");
 }

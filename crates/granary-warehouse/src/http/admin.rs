@@ -1,5 +1,6 @@
 //! Operator endpoints: `/health` and `/ready` for probes (no auth), and
-//! `/metrics`, `/stats`, `/cache/list`, `/cache/get` behind the admin token.
+//! `/metrics`, `/stats`, `/cache/list`, `/cache/get` behind the admin token
+//! (`/stats` also answers a namespace token, about its namespace alone).
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -11,7 +12,8 @@ use axum::Json;
 use serde_json::json;
 
 use super::error::ApiError;
-use super::{admin_access, display_key, mark_normal, metrics_access, AppState, Params};
+use super::{admin_access, authenticate, display_key, mark_normal, metrics_access, AppState, Params};
+use crate::auth::Principal;
 use crate::types::Ttl;
 
 /// Largest page `/cache/list` returns.
@@ -47,7 +49,19 @@ pub(super) async fn metrics(State(st): State<AppState>, headers: HeaderMap) -> R
     })
 }
 
+/// `/stats`: the admin sees the whole store; a namespace token sees only
+/// its own namespace (what it holds per tier, its quotas, its key count).
 pub(super) async fn stats(State(st): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    if !st.ctx.auth.is_open() {
+        if let Principal::Namespace(ns) = authenticate(&st, &headers)? {
+            return Ok(Json(json!({
+                "namespace": ns,
+                "tiers": st.ctx.store.namespace_usage(&ns),
+                "keys": st.ctx.store.count(&ns).await?,
+            }))
+            .into_response());
+        }
+    }
     admin_access(&st, &headers)?;
     Ok(Json(json!({
         "store": st.ctx.store.stats(),

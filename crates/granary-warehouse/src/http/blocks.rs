@@ -193,6 +193,16 @@ impl EventFilter {
     fn accepts(&self, ev: &Event) -> bool {
         self.access.may_access(&ev.namespace) && self.namespace.as_deref().is_none_or(|n| n == ev.namespace)
     }
+
+    /// The `lagged` notice. The count of missed events covers every
+    /// namespace, so only a subscriber that may see them all (admin, open
+    /// server) gets it; a tenant learns that it lagged, not how busy others are.
+    fn lagged(&self, missed: u64) -> serde_json::Value {
+        match self.access {
+            Access::As(Principal::Namespace(_)) => json!({ "missed": null }),
+            _ => json!({ "missed": missed }),
+        }
+    }
 }
 
 fn sse_json(name: &'static str, data: &impl serde::Serialize) -> SseEvent {
@@ -239,12 +249,26 @@ pub(super) async fn events(
                 }
                 Ok(_) => continue,
                 // Missed events may have been from other namespaces: the
-                // count is an upper bound, and says nothing about their content.
-                Err(RecvError::Lagged(n)) => sse_json("lagged", &json!({ "missed": n })),
+                // count is an upper bound, shown to the admin only.
+                Err(RecvError::Lagged(n)) => sse_json("lagged", &filter.lagged(n)),
                 Err(RecvError::Closed) => return None,
             };
             return Some((Ok(ev), (rx, filter, shutdown)));
         }
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenant_is_not_told_how_many_events_it_missed() {
+        let tenant = EventFilter { access: Access::As(Principal::Namespace("a".into())), namespace: Some("a".into()) };
+        assert_eq!(tenant.lagged(9000), json!({ "missed": null }));
+        let admin = EventFilter { access: Access::As(Principal::Admin), namespace: Some("a".into()) };
+        assert_eq!(admin.lagged(9000), json!({ "missed": 9000 }));
+        assert_eq!(EventFilter { access: Access::Open, namespace: None }.lagged(3), json!({ "missed": 3 }));
+    }
 }

@@ -10,14 +10,17 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
 
 use crate::auth::{Principal, DEFAULT_NAMESPACE};
 use crate::error::WarehouseError;
 use crate::resp::glob::glob_match;
 use crate::resp::reply::Out;
+use crate::resp::table::{self, CommandSpec};
 use crate::server::ServerCtx;
 use crate::store::MAX_NAMESPACE;
 use crate::types::{Condition, PutOptions, Ttl};
@@ -29,6 +32,15 @@ const OWN_COPY_BELOW: usize = 16 * 1024;
 const DEFAULT_SCAN_COUNT: usize = 10;
 /// Longest wait of `WAITAOF` (its timeout 0 means "no limit" in Redis).
 const MAX_DURABILITY_WAIT: Duration = Duration::from_secs(60);
+/// Store calls one MGET/MSET/EXISTS/DEL keeps in flight: cold keys reach
+/// the disk and remote tiers concurrently instead of one round trip each.
+pub const TIER_CALLS_IN_FLIGHT: usize = 16;
+/// Most commands one MULTI may queue.
+pub const MAX_QUEUED: usize = 10_000;
+/// Most argument bytes one MULTI may queue.
+pub const MAX_QUEUED_BYTES: usize = 1 << 30;
+/// KEYS walks at most this many keys of the namespace; past it, it refuses.
+pub const KEYS_LIMIT: usize = 100_000;
 /// Version Redis clients see (feature checks key off it).
 pub const REDIS_VERSION: &str = "7.2.0";
 
@@ -78,6 +90,20 @@ pub enum CmdError {
     BadNamespace(&'static str),
     #[error("ERR Client names cannot contain spaces, newlines or special characters.")]
     BadClientName,
+    #[error("ERR MULTI calls can not be nested")]
+    NestedMulti,
+    #[error("ERR {0} without MULTI")]
+    WithoutMulti(&'static str),
+    #[error("ERR Command not allowed inside a transaction")]
+    NotInMulti,
+    #[error("EXECABORT Transaction discarded because of previous errors.")]
+    ExecAbort,
+    #[error("ERR transaction too large: at most {MAX_QUEUED} commands and {MAX_QUEUED_BYTES} bytes may be queued")]
+    TxTooLarge,
+    #[error("ERR WATCH is not supported by this server (transactions run their commands in order, without isolation)")]
+    WatchUnsupported,
+    #[error("ERR KEYS refused: namespace holds more than {KEYS_LIMIT} keys; use SCAN with a cursor to walk it")]
+    KeysTooMany,
     #[error("{}", store_error_text(.0))]
     Store(#[from] WarehouseError),
 }
@@ -112,6 +138,14 @@ pub struct ServerInfo {
     pub started: Instant,
     pub port: u16,
     pub next_client_id: AtomicU64,
+    /// Open connections by client id, for CLIENT LIST.
+    pub clients: parking_lot::Mutex<std::collections::BTreeMap<u64, ClientRecord>>,
+}
+
+impl ServerInfo {
+    pub fn new(port: u16) -> ServerInfo {
+        ServerInfo { started: Instant::now(), port, next_client_id: AtomicU64::new(1), clients: Default::default() }
+    }
 }
 
 /// State of one connection.
@@ -124,6 +158,21 @@ pub struct Session<'a> {
     name: Option<Bytes>,
     /// [`crate::Store::durability_losses`] at the last WAITAOF (or connect).
     losses_mark: Option<u64>,
+    /// Commands queued since MULTI; `None` outside a transaction.
+    queued: Option<Vec<Vec<Bytes>>>,
+    queued_bytes: usize,
+    /// A command failed to queue: EXEC answers EXECABORT.
+    tx_dirty: bool,
+}
+
+/// What CLIENT LIST shows of one connection.
+#[derive(Debug, Clone)]
+pub struct ClientRecord {
+    pub addr: String,
+    pub name: String,
+    pub namespace: String,
+    pub connected: Instant,
+    pub resp: u8,
 }
 
 fn lower(name: &[u8]) -> String {
@@ -165,15 +214,38 @@ fn ttl_secs(d: Duration) -> i64 {
 
 impl<'a> Session<'a> {
     pub fn new(ctx: &'a ServerCtx, info: &'a ServerInfo) -> Session<'a> {
+        Self::with_peer(ctx, info, String::new())
+    }
+
+    /// A session for a connection from `addr` (shown by CLIENT LIST).
+    pub fn with_peer(ctx: &'a ServerCtx, info: &'a ServerInfo, addr: String) -> Session<'a> {
         let principal = ctx.auth.anonymous();
+        let id = info.next_client_id.fetch_add(1, Relaxed);
+        let ns = DEFAULT_NAMESPACE.to_string();
+        info.clients.lock().insert(
+            id,
+            ClientRecord { addr, name: String::new(), namespace: ns.clone(), connected: Instant::now(), resp: 2 },
+        );
         Session {
             ctx,
             info,
-            id: info.next_client_id.fetch_add(1, Relaxed),
+            id,
             principal,
-            ns: DEFAULT_NAMESPACE.to_string(),
+            ns,
             name: None,
             losses_mark: ctx.store.durability_losses(),
+            queued: None,
+            queued_bytes: 0,
+            tx_dirty: false,
+        }
+    }
+
+    /// Brings this connection's CLIENT LIST entry up to date.
+    fn publish(&self, resp: u8) {
+        if let Some(r) = self.info.clients.lock().get_mut(&self.id) {
+            r.name = self.name.as_deref().map(|n| String::from_utf8_lossy(n).into_owned()).unwrap_or_default();
+            r.namespace.clone_from(&self.ns);
+            r.resp = resp;
         }
     }
 
@@ -184,7 +256,9 @@ impl<'a> Session<'a> {
 
     /// Runs one command and writes its reply; counts it.
     pub async fn execute(&mut self, args: Vec<Bytes>, out: &mut Out) -> Flow {
-        match self.dispatch(&args, out).await {
+        let result =
+            if self.queued.is_some() { self.in_multi(args, out).await } else { self.dispatch(&args, out).await };
+        match result {
             Ok(flow) => {
                 self.ctx.resp.requests_ok.fetch_add(1, Relaxed);
                 flow
@@ -197,30 +271,142 @@ impl<'a> Session<'a> {
         }
     }
 
-    async fn dispatch(&mut self, args: &[Bytes], out: &mut Out) -> CmdResult {
-        let Some(first) = args.first() else { return Ok(Flow::Continue) };
-        if first.len() > 32 {
-            return Err(unknown(args));
+    /// Checks a command against the table: known, allowed for this
+    /// client, right number of arguments. The same check decides whether a
+    /// command may be queued inside MULTI.
+    fn check(&self, args: &[Bytes]) -> Result<&'static CommandSpec, CmdError> {
+        let first = &args[0];
+        let spec = if first.len() > 32 { None } else { table::lookup(first) };
+        if !spec.is_some_and(|s| s.has(table::NO_AUTH)) && self.principal.is_none() {
+            // Client libraries announce themselves right after connecting,
+            // before authenticating; that touches no data, so it is allowed.
+            let announce = spec.is_some_and(|s| s.name == "client") && args.get(1).is_some_and(|s| is(s, "SETINFO"));
+            if !announce {
+                return Err(CmdError::NoAuth);
+            }
         }
-        let name = String::from_utf8_lossy(first).to_ascii_uppercase();
-        match name.as_str() {
-            "AUTH" => return self.auth(args, out),
-            "HELLO" => return self.hello(args, out),
-            "QUIT" => {
+        let spec = spec.ok_or_else(|| unknown(args))?;
+        if !spec.arity_ok(args.len()) {
+            return Err(CmdError::Arity(spec.name.to_string()));
+        }
+        if spec.has(table::ADMIN) && !self.principal.as_ref().is_some_and(Principal::is_admin) {
+            return Err(CmdError::NoPerm(spec.name));
+        }
+        Ok(spec)
+    }
+
+    /// A command received between MULTI and EXEC/DISCARD: transaction
+    /// control runs at once; anything else is checked and queued (a failed
+    /// check answers its error and dooms the transaction, as in Redis).
+    async fn in_multi(&mut self, args: Vec<Bytes>, out: &mut Out) -> CmdResult {
+        let spec = match self.check(&args) {
+            Ok(spec) => spec,
+            Err(e) => {
+                self.tx_dirty = true;
+                return Err(e);
+            }
+        };
+        match spec.name {
+            "multi" => return Err(CmdError::NestedMulti),
+            "discard" => {
+                self.end_multi();
+                out.ok();
+                return Ok(Flow::Continue);
+            }
+            "exec" => return self.exec(out).await,
+            "quit" | "reset" => {
+                self.end_multi();
+                return self.dispatch(&args, out).await;
+            }
+            _ => {}
+        }
+        if spec.has(table::NO_MULTI) {
+            self.tx_dirty = true;
+            return Err(CmdError::NotInMulti);
+        }
+        let bytes: usize = args.iter().map(Bytes::len).sum();
+        let queue = self.queued.as_mut().expect("inside MULTI");
+        if queue.len() >= MAX_QUEUED || self.queued_bytes + bytes > MAX_QUEUED_BYTES {
+            self.tx_dirty = true;
+            return Err(CmdError::TxTooLarge);
+        }
+        self.queued_bytes += bytes;
+        // Small arguments are copied so the queue does not pin read buffers.
+        queue.push(args.into_iter().map(own).collect());
+        out.simple("QUEUED");
+        Ok(Flow::Continue)
+    }
+
+    fn end_multi(&mut self) -> Vec<Vec<Bytes>> {
+        self.queued_bytes = 0;
+        self.tx_dirty = false;
+        self.queued.take().unwrap_or_default()
+    }
+
+    /// Runs the queued commands in order and answers one array of their
+    /// replies; a command that fails at run time answers its error in its
+    /// slot and the rest still run (Redis's semantics). Other connections'
+    /// commands may interleave: there is no isolation, hence no WATCH.
+    async fn exec(&mut self, out: &mut Out) -> CmdResult {
+        let dirty = self.tx_dirty;
+        let queued = self.end_multi();
+        if dirty {
+            return Err(CmdError::ExecAbort);
+        }
+        out.array(queued.len());
+        for args in queued {
+            match self.dispatch(&args, out).await {
+                Ok(_) => self.ctx.resp.requests_ok.fetch_add(1, Relaxed),
+                Err(e) => {
+                    out.error(&e.to_string());
+                    self.ctx.resp.requests_error.fetch_add(1, Relaxed)
+                }
+            };
+        }
+        Ok(Flow::Continue)
+    }
+
+    async fn dispatch(&mut self, args: &[Bytes], out: &mut Out) -> CmdResult {
+        if args.is_empty() {
+            return Ok(Flow::Continue);
+        }
+        let spec = self.check(args)?;
+        let name = spec.name.to_ascii_uppercase();
+        match spec.name {
+            "auth" => return self.auth(args, out),
+            "hello" => return self.hello(args, out),
+            "quit" => {
                 out.ok();
                 return Ok(Flow::Close);
             }
             _ => {}
         }
+        let first = &args[0];
         let a = &args[1..];
-        // Client libraries announce themselves right after connecting,
-        // before authenticating; that touches no data, so it is allowed.
-        let announce = name == "CLIENT" && a.first().is_some_and(|s| is(s, "SETINFO"));
-        if self.principal.is_none() && !announce {
-            return Err(CmdError::NoAuth);
-        }
         let arity = |ok: bool| if ok { Ok(()) } else { Err(CmdError::Arity(lower(first))) };
         match name.as_str() {
+            "MULTI" => {
+                self.queued = Some(Vec::new());
+                self.queued_bytes = 0;
+                self.tx_dirty = false;
+                out.ok();
+            }
+            "EXEC" => return Err(CmdError::WithoutMulti("EXEC")),
+            "DISCARD" => return Err(CmdError::WithoutMulti("DISCARD")),
+            "WATCH" => return Err(CmdError::WatchUnsupported),
+            // Nothing is ever watched; redis-py sends it when resetting a pipeline.
+            "UNWATCH" => out.ok(),
+            "GETEX" => self.getex(a, out).await?,
+            "EXPIREAT" | "PEXPIREAT" => {
+                let ms = name == "PEXPIREAT";
+                let at = parse_i64(&a[1])?;
+                let cmd = if ms { "pexpireat" } else { "expireat" };
+                let at_ms = if ms { Some(at) } else { at.checked_mul(1000) }.ok_or(CmdError::InvalidExpire(cmd))?;
+                let now = crate::types::now_ms() as i64;
+                let set = self.expire(&a[0], at_ms.saturating_sub(now), true, &a[2..], cmd).await?;
+                out.int(i64::from(set));
+            }
+            "KEYS" => self.keys(&a[0], out).await?,
             "PING" => {
                 arity(a.len() <= 1)?;
                 match a.first() {
@@ -251,6 +437,7 @@ impl<'a> Session<'a> {
                         return Err(CmdError::NamespaceDenied(ns));
                     }
                     self.ns = ns;
+                    self.publish(out.proto);
                     out.ok();
                 } else {
                     out.bulk(self.ns.as_bytes());
@@ -288,11 +475,17 @@ impl<'a> Session<'a> {
             }
             "MGET" => {
                 arity(!a.is_empty())?;
-                // Look everything up first so an error leaves no half-written array.
-                let mut hits = Vec::with_capacity(a.len());
-                for k in a {
-                    hits.push(self.ctx.store.get(&self.ns, k).await?);
-                }
+                // Look everything up first so an error leaves no half-written
+                // array; cold keys go to the lower tiers concurrently.
+                let (store, ns) = (self.ctx.store.clone(), Arc::<str>::from(self.ns.as_str()));
+                let hits: Vec<_> = futures::stream::iter(a.to_vec())
+                    .map(move |k| {
+                        let (store, ns) = (store.clone(), ns.clone());
+                        async move { store.get(&ns, &k).await }
+                    })
+                    .buffered(TIER_CALLS_IN_FLIGHT)
+                    .try_collect()
+                    .await?;
                 out.array(hits.len());
                 for h in hits {
                     match h {
@@ -303,27 +496,56 @@ impl<'a> Session<'a> {
             }
             "MSET" => {
                 arity(!a.is_empty() && a.len().is_multiple_of(2))?;
-                for kv in a.chunks_exact(2) {
-                    let key = Bytes::copy_from_slice(&kv[0]);
-                    self.ctx.store.put(&self.ns, key, own(kv[1].clone()), PutOptions::default()).await?;
+                // The last value of a key given twice wins, as in Redis; the
+                // distinct keys are then written concurrently.
+                let mut last = std::collections::HashMap::with_capacity(a.len() / 2);
+                for (i, kv) in a.chunks_exact(2).enumerate() {
+                    last.insert(&kv[0], i);
                 }
+                let pairs: Vec<(Bytes, Bytes)> = a
+                    .chunks_exact(2)
+                    .enumerate()
+                    .filter(|(i, kv)| last[&kv[0]] == *i)
+                    .map(|(_, kv)| (Bytes::copy_from_slice(&kv[0]), own(kv[1].clone())))
+                    .collect();
+                let (store, ns) = (self.ctx.store.clone(), Arc::<str>::from(self.ns.as_str()));
+                futures::stream::iter(pairs)
+                    .map(move |(k, v)| {
+                        let (store, ns) = (store.clone(), ns.clone());
+                        async move { store.put(&ns, k, v, PutOptions::default()).await }
+                    })
+                    .buffer_unordered(TIER_CALLS_IN_FLIGHT)
+                    .try_collect::<Vec<_>>()
+                    .await?;
                 out.ok();
             }
             "EXISTS" => {
                 arity(!a.is_empty())?;
-                let mut n = 0;
-                for k in a {
-                    n += i64::from(self.ctx.store.exists(&self.ns, k).await?);
-                }
-                out.int(n);
+                let (store, ns) = (self.ctx.store.clone(), Arc::<str>::from(self.ns.as_str()));
+                let found: Vec<bool> = futures::stream::iter(a.to_vec())
+                    .map(move |k| {
+                        let (store, ns) = (store.clone(), ns.clone());
+                        async move { store.exists(&ns, &k).await }
+                    })
+                    .buffer_unordered(TIER_CALLS_IN_FLIGHT)
+                    .try_collect()
+                    .await?;
+                out.int(found.into_iter().filter(|&f| f).count() as i64);
             }
             "DEL" | "UNLINK" => {
                 arity(!a.is_empty())?;
-                let mut n = 0;
-                for k in a {
-                    n += i64::from(self.ctx.store.delete(&self.ns, k).await?);
-                }
-                out.int(n);
+                // A key given twice is deleted once: its deletes are ordered
+                // by the key's lane, so the second finds nothing.
+                let (store, ns) = (self.ctx.store.clone(), Arc::<str>::from(self.ns.as_str()));
+                let gone: Vec<bool> = futures::stream::iter(a.to_vec())
+                    .map(move |k| {
+                        let (store, ns) = (store.clone(), ns.clone());
+                        async move { store.delete(&ns, &k).await }
+                    })
+                    .buffer_unordered(TIER_CALLS_IN_FLIGHT)
+                    .try_collect()
+                    .await?;
+                out.int(gone.into_iter().filter(|&g| g).count() as i64);
             }
             "GETDEL" => {
                 arity(a.len() == 1)?;
@@ -407,7 +629,7 @@ impl<'a> Session<'a> {
                 out.ok();
             }
             "COMMAND" => match a.first() {
-                Some(s) if is(s, "COUNT") => out.int(0),
+                Some(s) if is(s, "COUNT") => out.int(table::COMMANDS.len() as i64),
                 Some(s) if is(s, "DOCS") => out.map(0),
                 _ => out.array(0),
             },
@@ -486,6 +708,7 @@ impl<'a> Session<'a> {
             3 => self.authenticate(Some(&args[1]), &args[2])?,
             _ => return Err(CmdError::Arity("auth".into())),
         }
+        self.publish(out.proto);
         out.ok();
         Ok(Flow::Continue)
     }
@@ -528,6 +751,7 @@ impl<'a> Session<'a> {
             self.name = (!n.is_empty()).then(|| n.clone());
         }
         out.proto = proto;
+        self.publish(proto);
         out.map(7);
         out.bulk(b"server");
         out.bulk(b"redis");
@@ -558,6 +782,7 @@ impl<'a> Session<'a> {
                 arity(a.len() == 2)?;
                 check_client_name(&a[1])?;
                 self.name = (!a[1].is_empty()).then(|| a[1].clone());
+                self.publish(out.proto);
                 out.ok();
             }
             "GETNAME" => {
@@ -577,11 +802,136 @@ impl<'a> Session<'a> {
                 let line = format!("id={} name={} db=0 namespace={} resp={}\n", self.id, name, self.ns, out.proto);
                 out.bulk(line.as_bytes());
             }
+            "LIST" => {
+                // Redis's `CLIENT LIST [TYPE normal] [ID id ...]`; other filters are refused.
+                let mut ids: Option<Vec<u64>> = None;
+                let mut i = 1;
+                while i < a.len() {
+                    if is(&a[i], "TYPE") && i + 1 < a.len() {
+                        if !is(&a[i + 1], "normal") {
+                            ids = Some(Vec::new());
+                        }
+                        i += 2;
+                    } else if is(&a[i], "ID") && i + 1 < a.len() {
+                        let list = ids.get_or_insert_with(Vec::new);
+                        for v in &a[i + 1..] {
+                            list.push(parse_i64(v)? as u64);
+                        }
+                        i = a.len();
+                    } else {
+                        return Err(CmdError::Syntax);
+                    }
+                }
+                let text = self.client_list(ids.as_deref());
+                out.bulk(text.as_bytes());
+            }
             "NO-EVICT" | "NO-TOUCH" | "REPLY" => {
                 arity(a.len() == 2)?;
                 out.ok();
             }
             _ => return Err(CmdError::UnknownSubcommand { cmd: "CLIENT", sub: String::from_utf8_lossy(&a[0]).into() }),
+        }
+        Ok(())
+    }
+
+    /// CLIENT LIST's lines: a tenant sees the connections working in its
+    /// own namespace, the admin sees all.
+    fn client_list(&self, ids: Option<&[u64]>) -> String {
+        let admin = self.principal.as_ref().is_some_and(Principal::is_admin);
+        let clients = self.info.clients.lock();
+        let mut t = String::new();
+        for (id, c) in clients.iter() {
+            if ids.is_some_and(|ids| !ids.contains(id)) || (!admin && c.namespace != self.ns) {
+                continue;
+            }
+            let _ = writeln!(
+                t,
+                "id={id} addr={} laddr=127.0.0.1:{} name={} age={} db=0 namespace={} resp={} flags=N",
+                c.addr,
+                self.info.port,
+                c.name,
+                c.connected.elapsed().as_secs(),
+                c.namespace,
+                c.resp,
+            );
+        }
+        t
+    }
+
+    /// GETEX key [EX s | PX ms | EXAT t | PXAT t | PERSIST]: the value, and
+    /// the new expiry set on it if there is one.
+    async fn getex(&mut self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
+        enum Change {
+            Keep,
+            Persist,
+            In(i64),
+        }
+        let change = match &a[1..] {
+            [] => Change::Keep,
+            [w] if is(w, "PERSIST") => Change::Persist,
+            [w, n] => {
+                let n = parse_i64(n)?;
+                if n <= 0 {
+                    return Err(CmdError::InvalidExpire("getex"));
+                }
+                let now = crate::types::now_ms() as i64;
+                let ms = if is(w, "EX") {
+                    n.checked_mul(1000)
+                } else if is(w, "PX") {
+                    Some(n)
+                } else if is(w, "EXAT") {
+                    n.checked_mul(1000).map(|at| at.saturating_sub(now))
+                } else if is(w, "PXAT") {
+                    Some(n.saturating_sub(now))
+                } else {
+                    return Err(CmdError::Syntax);
+                };
+                Change::In(ms.ok_or(CmdError::InvalidExpire("getex"))?)
+            }
+            _ => return Err(CmdError::Syntax),
+        };
+        let Some(hit) = self.ctx.store.get(&self.ns, &a[0]).await? else {
+            out.null();
+            return Ok(());
+        };
+        match change {
+            Change::Keep => {}
+            Change::Persist => {
+                self.ctx.store.expire(&self.ns, &a[0], None).await?;
+            }
+            // A time already past deletes the key, as in Redis; the value is still answered.
+            Change::In(ms) if ms <= 0 => {
+                self.ctx.store.delete(&self.ns, &a[0]).await?;
+            }
+            Change::In(ms) => {
+                self.ctx.store.expire(&self.ns, &a[0], Some(Duration::from_millis(ms as u64))).await?;
+            }
+        }
+        out.bulk_bytes(hit.value);
+        Ok(())
+    }
+
+    /// KEYS pattern, over this namespace only. It walks the namespace with
+    /// the SCAN cursor and refuses once more than [`KEYS_LIMIT`] keys have
+    /// been walked, so it can never stall the server on a huge keyspace.
+    async fn keys(&self, pattern: &[u8], out: &mut Out) -> Result<(), CmdError> {
+        let all = pattern == b"*";
+        let (mut cursor, mut walked, mut found) = (0u64, 0usize, Vec::new());
+        loop {
+            let page = self.ctx.store.scan(&self.ns, cursor, 1000).await?;
+            walked += page.keys.len();
+            if walked > KEYS_LIMIT {
+                return Err(CmdError::KeysTooMany);
+            }
+            found.extend(page.keys.into_iter().filter(|k| all || glob_match(pattern, k, false)));
+            if page.next == 0 {
+                break;
+            }
+            cursor = page.next;
+        }
+        out.array(found.len());
+        for k in &found {
+            out.bulk(k);
         }
         Ok(())
     }
@@ -758,10 +1108,66 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
+    /// INFO as a tenant sees it: its own namespace's figures only (no
+    /// process id, no server-wide counters, no other tenant's bytes).
+    async fn tenant_info_text(&self, want: &(dyn Fn(&str) -> bool + Sync)) -> Result<String, CmdError> {
+        let cfg = self.ctx.store.config();
+        let usage = self.ctx.store.namespace_usage(&self.ns);
+        let mut t = String::new();
+        if want("server") {
+            let _ = write!(
+                t,
+                "# Server\r\nredis_version:{REDIS_VERSION}\r\ngranary_version:{}\r\nredis_mode:standalone\r\n\
+                 tcp_port:{}\r\n\r\n",
+                env!("CARGO_PKG_VERSION"),
+                self.info.port,
+            );
+        }
+        if want("clients") {
+            let mine = self.info.clients.lock().values().filter(|c| c.namespace == self.ns).count();
+            let _ = write!(t, "# Clients\r\nconnected_clients:{mine}\r\n\r\n");
+        }
+        let mem = usage.iter().find(|u| u.tier == crate::TierKind::Memory);
+        if want("memory") {
+            let _ = write!(
+                t,
+                "# Memory\r\nused_memory:{}\r\nmaxmemory:{}\r\nmaxmemory_policy:{}\r\n\r\n",
+                mem.and_then(|m| m.bytes).unwrap_or(0),
+                mem.and_then(|m| m.quota).unwrap_or(cfg.memory.as_u64()),
+                cfg.memory_policy,
+            );
+        }
+        if want("tiers") || want("granary") {
+            let _ = write!(t, "# Tiers\r\nnamespace:{}\r\n", self.ns);
+            let num = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |v| v.to_string());
+            for u in &usage {
+                let _ = write!(
+                    t,
+                    "tier_{}:bytes={},entries={},quota={}\r\n",
+                    u.tier.as_str(),
+                    num(u.bytes),
+                    num(u.entries),
+                    num(u.quota),
+                );
+            }
+            t.push_str("\r\n");
+        }
+        if want("keyspace") {
+            let keys = self.ctx.store.count(&self.ns).await?;
+            let _ = write!(t, "# Keyspace\r\ndb0:keys={keys},expires=0,avg_ttl=0\r\n");
+        }
+        Ok(t)
+    }
+
     async fn info_text(&self, a: &[Bytes]) -> Result<String, CmdError> {
         let wanted: Vec<String> = a.iter().map(|s| lower(s)).collect();
         let all = wanted.is_empty() || wanted.iter().any(|w| w == "all" || w == "everything" || w == "default");
         let want = |s: &str| all || wanted.iter().any(|w| w == s);
+        // An open server has one trust level; with tokens, only the admin
+        // sees the server's own figures.
+        if !self.ctx.auth.is_open() && !self.principal.as_ref().is_some_and(Principal::is_admin) {
+            return self.tenant_info_text(&want).await;
+        }
         let stats = self.ctx.store.stats();
         let p = self.ctx.resp.snapshot();
         let cfg = self.ctx.store.config();
@@ -820,7 +1226,7 @@ impl<'a> Session<'a> {
                 let _ = write!(
                     t,
                     "tier_{}:bytes={},entries={},capacity={},hits={},misses={},evictions={},expirations={},\
-                     corrupt_dropped={},errors={},policy={}\r\n",
+                     corrupt_dropped={},verify_failed={},errors={},policy={}\r\n",
                     s.tier.map_or("unknown", |k| k.as_str()),
                     s.bytes,
                     s.entries,
@@ -830,6 +1236,7 @@ impl<'a> Session<'a> {
                     s.evictions,
                     s.expirations,
                     s.corrupt_dropped,
+                    s.verify_failed,
                     s.errors,
                     s.policy.as_deref().unwrap_or("-"),
                 );
@@ -856,6 +1263,12 @@ impl<'a> Session<'a> {
             let _ = write!(t, "# Keyspace\r\ndb0:keys={keys},expires=0,avg_ttl=0\r\n");
         }
         Ok(t)
+    }
+}
+
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        self.info.clients.lock().remove(&self.id);
     }
 }
 

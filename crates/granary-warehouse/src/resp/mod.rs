@@ -22,11 +22,12 @@ pub mod commands;
 pub mod glob;
 pub mod parser;
 pub mod reply;
+pub mod table;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use tokio::io::AsyncReadExt;
@@ -60,11 +61,7 @@ pub async fn serve(
     ctx: Arc<ServerCtx>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let info = Arc::new(ServerInfo {
-        started: Instant::now(),
-        port: listener.local_addr()?.port(),
-        next_client_id: AtomicU64::new(1),
-    });
+    let info = Arc::new(ServerInfo::new(listener.local_addr()?.port()));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut conns = JoinSet::new();
     tokio::pin!(shutdown);
@@ -131,7 +128,8 @@ async fn connection(
     // The idle clock restarts on a whole command, not on any byte, so a
     // client trickling a frame in cannot hold the connection forever.
     let mut last_command = tokio::time::Instant::now();
-    let mut session = Session::new(&ctx, &info);
+    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let mut session = Session::with_peer(&ctx, &info, peer);
     let mut input = BytesMut::with_capacity(READ_CHUNK);
     let mut out = Out::new();
     // Bytes the input must hold before parsing can make progress.

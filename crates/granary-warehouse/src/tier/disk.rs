@@ -83,6 +83,8 @@ struct Slot {
 
 #[derive(Default)]
 struct Space {
+    /// Bytes of this namespace's files (what a quota counts).
+    bytes: u64,
     map: HashMap<Bytes, Slot>,
     /// Scan order: (scan hash, key).
     order: BTreeSet<(u64, Bytes)>,
@@ -123,6 +125,7 @@ impl Index {
         let space = self.spaces.entry(ns_arc).or_default();
         space.order.insert((scan_hash(&key), key.clone()));
         space.map.insert(key, Slot { id, size, meta, hits: 0, pins: 0 });
+        space.bytes += size;
         self.bytes += size;
         id
     }
@@ -132,6 +135,7 @@ impl Index {
         let space = self.spaces.get_mut(ns)?;
         let (k, slot) = space.map.remove_entry(key)?;
         space.order.remove(&(scan_hash(&k), k));
+        space.bytes -= slot.size;
         if space.map.is_empty() {
             self.spaces.remove(ns);
         }
@@ -149,10 +153,21 @@ impl Index {
         Some(slot)
     }
 
-    fn evict_one(&mut self) -> Option<(Arc<str>, Bytes, Slot)> {
+    fn space_bytes(&self, ns: &str) -> u64 {
+        self.spaces.get(ns).map_or(0, |s| s.bytes)
+    }
+
+    /// Evicts one unpinned entry, of namespace `only` if given.
+    fn evict_one(&mut self, only: Option<&str>) -> Option<(Arc<str>, Bytes, Slot)> {
         let Index { policy, by_id, spaces, .. } = self;
+        if only.is_some_and(|ns| !spaces.contains_key(ns)) {
+            return None;
+        }
         let victim = policy.evict(&mut |id| {
-            let Some((ns, key)) = by_id.get(&id) else { return true };
+            let Some((ns, key)) = by_id.get(&id) else { return only.is_none() };
+            if only.is_some_and(|o| **ns != *o) {
+                return false;
+            }
             spaces.get(&**ns).and_then(|n| n.map.get(key)).is_none_or(|slot| slot.pins == 0)
         })?;
         let (ns, key) = self.by_id.get(&victim).cloned()?;
@@ -188,6 +203,8 @@ struct Shared {
     dir: PathBuf,
     at_rest: AtRest,
     capacity: u64,
+    /// Byte quotas of namespaces (see [`open_disk_with_quotas`]).
+    quotas: HashMap<String, u64>,
     policy: PolicyKind,
     index: Mutex<Index>,
     dirty: Mutex<Dirty>,
@@ -247,11 +264,24 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 /// Opens (creating if missing) the disk tier at `cfg.dir` and rebuilds its
 /// index from the files there.
 pub async fn open_disk(cfg: &DiskConfig, at_rest: AtRest) -> Result<DiskTier> {
+    open_disk_with_quotas(cfg, at_rest, HashMap::new()).await
+}
+
+/// [`open_disk`] with byte quotas per namespace (0 = none): a namespace
+/// with a quota makes room for its writes by evicting its own files first,
+/// for its quota and for the tier's capacity alike. Quotas bind writes;
+/// recovery at start enforces only the capacity.
+pub async fn open_disk_with_quotas(
+    cfg: &DiskConfig,
+    at_rest: AtRest,
+    quotas: HashMap<String, u64>,
+) -> Result<DiskTier> {
     let capacity = cfg.capacity.as_u64();
     let s = Arc::new(Shared {
         dir: cfg.dir.clone(),
         at_rest,
         capacity,
+        quotas: quotas.into_iter().filter(|(_, l)| *l != 0).collect(),
         policy: cfg.policy,
         index: Mutex::new(Index {
             bytes: 0,
@@ -358,7 +388,7 @@ impl Shared {
             ix.insert(&f.ns, f.key, f.size, f.meta);
         }
         while self.capacity != 0 && ix.bytes > self.capacity {
-            let Some((ns, key, _)) = ix.evict_one() else { break };
+            let Some((ns, key, _)) = ix.evict_one(None) else { break };
             let path = self.path_of(&ns, &key);
             remove_quiet(&path).map_err(io_err)?;
             self.mark_dir(&path);
@@ -454,7 +484,8 @@ impl Shared {
         let sealed = self.at_rest.seal(ns, &key, meta, &value)?;
         let size = sealed.len() as u64;
         let path = self.path_of(ns, &key);
-        if self.capacity != 0 && size > self.capacity {
+        let quota = self.quotas.get(ns).copied();
+        if (self.capacity != 0 && size > self.capacity) || quota.is_some_and(|q| size > q) {
             // Too big for this tier: drop any older copy, hand the value straight back.
             let mut ix = self.index.lock();
             if ix.remove(ns, &key).is_some() {
@@ -475,8 +506,20 @@ impl Shared {
         // The older copy's file is replaced by the rename below.
         let had_old = ix.remove(ns, &key).is_some();
         let mut fits = true;
-        while self.capacity != 0 && ix.bytes + size > self.capacity {
-            match ix.evict_one() {
+        let own = quota.map(|_| ns);
+        loop {
+            let over_quota = quota.is_some_and(|q| ix.space_bytes(ns) + size > q);
+            let over_total = self.capacity != 0 && ix.bytes + size > self.capacity;
+            if !over_quota && !over_total {
+                break;
+            }
+            // Over its quota a namespace gives up its own files only; over
+            // the capacity too, before anyone else's.
+            let victim = match ix.evict_one(own) {
+                None if !over_quota => ix.evict_one(None),
+                v => v,
+            };
+            match victim {
                 Some((vns, vkey, slot)) => {
                     let aside = self.set_aside(&vns, &vkey);
                     self.events.removed(&vns, &vkey);
@@ -886,6 +929,11 @@ impl Tier for DiskTier {
         blocking(move || s.flush()).await
     }
 
+    fn namespace_usage(&self, ns: &str) -> Option<(u64, u64)> {
+        let ix = self.s.index.lock();
+        Some(ix.spaces.get(ns).map_or((0, 0), |s| (s.bytes, s.map.len() as u64)))
+    }
+
     fn stats(&self) -> TierStats {
         let (bytes, entries) = {
             let ix = self.s.index.lock();
@@ -906,6 +954,7 @@ impl Tier for DiskTier {
             recovered: c.recovered.load(Relaxed),
             torn_removed: c.torn_removed.load(Relaxed),
             errors: c.errors.load(Relaxed),
+            verify_failed: 0,
         }
     }
 }

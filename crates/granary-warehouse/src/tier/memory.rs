@@ -9,6 +9,12 @@
 //! may hold: a value larger than one share empties its shard and then takes
 //! room from the other shards, so any value up to the whole budget fits and
 //! the total stays within the budget.
+//!
+//! A namespace may have a byte quota of its own. Its writes then evict its
+//! own entries first, for the quota and for the tier's budget alike, so a
+//! tenant filling its quota pushes out only its own data (others' entries
+//! are taken only when it has nothing left to give, which cannot happen
+//! while the quotas add up to no more than the budget).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -43,6 +49,8 @@ struct Slot {
 
 #[derive(Default)]
 struct Namespace {
+    /// Bytes of this namespace's entries in this shard (as the budget counts them).
+    bytes: u64,
     map: HashMap<Bytes, Slot>,
     /// Scan order: (scan hash, key).
     order: BTreeSet<(u64, Bytes)>,
@@ -71,9 +79,17 @@ struct Counters {
     entries: AtomicU64,
 }
 
+/// A namespace's byte quota and what it holds, across all shards.
+struct Quota {
+    limit: u64,
+    used: AtomicU64,
+}
+
 pub struct MemoryTier {
     shards: Box<[Mutex<Shard>]>,
     capacity: u64,
+    /// Namespaces with a byte quota (fixed when the tier is built).
+    quotas: HashMap<Box<str>, Quota>,
     policy: PolicyKind,
     c: Counters,
     events: TierEvents,
@@ -109,7 +125,44 @@ impl MemoryTier {
                 })
             })
             .collect();
-        MemoryTier { shards, capacity, policy, c: Counters::default(), events: TierEvents::default() }
+        MemoryTier {
+            shards,
+            capacity,
+            quotas: HashMap::default(),
+            policy,
+            c: Counters::default(),
+            events: TierEvents::default(),
+        }
+    }
+
+    /// Gives namespaces byte quotas (namespace, bytes; 0 = none).
+    pub fn with_quotas(mut self, quotas: impl IntoIterator<Item = (String, u64)>) -> Self {
+        self.quotas = quotas
+            .into_iter()
+            .filter(|(_, l)| *l != 0)
+            .map(|(ns, limit)| (ns.into_boxed_str(), Quota { limit, used: AtomicU64::new(0) }))
+            .collect();
+        self
+    }
+
+    fn quota(&self, ns: &str) -> Option<&Quota> {
+        if self.quotas.is_empty() {
+            None
+        } else {
+            self.quotas.get(ns)
+        }
+    }
+
+    /// Bytes and entries `ns` holds in this tier.
+    pub fn namespace_usage(&self, ns: &str) -> (u64, u64) {
+        let (mut bytes, mut entries) = (0, 0);
+        for s in self.shards.iter() {
+            if let Some(n) = s.lock().spaces.get(ns) {
+                bytes += n.bytes;
+                entries += n.map.len() as u64;
+            }
+        }
+        (bytes, entries)
     }
 
     fn shard(&self, ns: &str, key: &[u8]) -> &Mutex<Shard> {
@@ -204,7 +257,8 @@ impl MemoryTier {
         let size = entry_size(&key, &value);
         let home = self.shard_index(ns, &key);
         let mut s = self.shards[home].lock();
-        if self.capacity != 0 && size > self.capacity {
+        let quota = self.quota(ns);
+        if (self.capacity != 0 && size > self.capacity) || quota.is_some_and(|q| size > q.limit) {
             // Too big for this tier: replace nothing, hand it straight back.
             if self.remove_locked(&mut s, ns, &key) {
                 self.events.removed(ns, &key);
@@ -213,27 +267,50 @@ impl MemoryTier {
         }
         self.remove_locked(&mut s, ns, &key);
         let mut evicted = Vec::new();
+        // A namespace with a quota makes room from its own entries; when the
+        // shard has none left, the passes below take it from other shards.
+        let own = quota.map(|_| ns);
         while s.budget != 0 && s.bytes + size > s.budget {
-            let Some(v) = self.evict_one(&mut s, None) else { break };
+            let Some(v) = self.evict_one(&mut s, None, own) else { break };
             evicted.push(v);
         }
         let id = self.insert_locked(&mut s, ns, key.clone(), value, meta, seq, size);
         drop(s);
-        if self.capacity == 0 || self.c.bytes.load(Relaxed) <= self.capacity {
+        let over_total = || self.capacity != 0 && self.c.bytes.load(Relaxed) > self.capacity;
+        let over_quota = || quota.is_some_and(|q| q.used.load(Relaxed) > q.limit);
+        if !over_total() && !over_quota() {
             return evicted;
         }
         // Over the whole budget (a value larger than its shard's share, or
-        // a shard full of pinned entries): take room from the other shards,
-        // then from this one, never evicting the new entry itself.
+        // a shard full of pinned entries) or over the namespace's quota:
+        // take room from the other shards, then from this one, never
+        // evicting the new entry itself; a namespace with a quota gives up
+        // its own entries first.
         let n = self.shards.len();
-        for i in (1..=n).map(|d| (home + d) % n) {
-            let mut s = self.shards[i].lock();
-            let skip = (i == home).then_some(id);
-            while self.c.bytes.load(Relaxed) > self.capacity {
-                let Some(v) = self.evict_one(&mut s, skip) else { break };
-                evicted.push(v);
+        let order = || (1..=n).map(|d| (home + d) % n);
+        if own.is_some() {
+            for i in order() {
+                let mut s = self.shards[i].lock();
+                let skip = (i == home).then_some(id);
+                while over_total() || over_quota() {
+                    let Some(v) = self.evict_one(&mut s, skip, own) else { break };
+                    evicted.push(v);
+                }
             }
-            if self.c.bytes.load(Relaxed) <= self.capacity {
+        }
+        if !over_quota() {
+            for i in order() {
+                if !over_total() {
+                    return evicted;
+                }
+                let mut s = self.shards[i].lock();
+                let skip = (i == home).then_some(id);
+                while over_total() {
+                    let Some(v) = self.evict_one(&mut s, skip, None) else { break };
+                    evicted.push(v);
+                }
+            }
+            if !over_total() {
                 return evicted;
             }
         }
@@ -275,8 +352,12 @@ impl MemoryTier {
         s.by_id.insert(id, (ns_arc.clone(), key.clone()));
         let space = s.spaces.entry(ns_arc).or_default();
         space.order.insert((scan_hash(&key), key.clone()));
+        space.bytes += size;
         self.events.stored(ns, &key);
         space.map.insert(key, Slot { id, seq, value, meta, hits: 0, pins: 0 });
+        if let Some(q) = self.quota(ns) {
+            q.used.fetch_add(size, Relaxed);
+        }
         s.bytes += size;
         self.c.bytes.fetch_add(size, Relaxed);
         self.c.entries.fetch_add(1, Relaxed);
@@ -316,14 +397,21 @@ impl MemoryTier {
         true
     }
 
-    /// Evicts one unpinned entry of the shard other than `skip`.
-    fn evict_one(&self, s: &mut Shard, skip: Option<EntryId>) -> Option<Evicted> {
+    /// Evicts one unpinned entry of the shard other than `skip`, of
+    /// namespace `only` if given.
+    fn evict_one(&self, s: &mut Shard, skip: Option<EntryId>, only: Option<&str>) -> Option<Evicted> {
         let Shard { policy, by_id, spaces, .. } = s;
+        if only.is_some_and(|ns| !spaces.contains_key(ns)) {
+            return None;
+        }
         let victim = policy.evict(&mut |id| {
             if Some(id) == skip {
                 return false;
             }
-            let Some((ns, key)) = by_id.get(&id) else { return true };
+            let Some((ns, key)) = by_id.get(&id) else { return only.is_none() };
+            if only.is_some_and(|o| **ns != *o) {
+                return false;
+            }
             spaces.get(&**ns).and_then(|n| n.map.get(key)).is_none_or(|slot| slot.pins == 0)
         })?;
         let (ns, key) = s.by_id.get(&victim).cloned()?;
@@ -349,14 +437,18 @@ impl MemoryTier {
         let space = s.spaces.get_mut(ns)?;
         let (k, slot) = space.map.remove_entry(key)?;
         space.order.remove(&(scan_hash(&k), k.clone()));
+        let size = entry_size(&k, &slot.value);
+        space.bytes -= size;
         if space.map.is_empty() {
             s.spaces.remove(ns);
+        }
+        if let Some(q) = self.quota(ns) {
+            q.used.fetch_sub(size, Relaxed);
         }
         s.by_id.remove(&slot.id);
         if let Some(t) = slot.meta.expires_at_ms {
             s.expiry.remove(&(t, slot.id));
         }
-        let size = entry_size(&k, &slot.value);
         s.bytes -= size;
         self.c.bytes.fetch_sub(size, Relaxed);
         self.c.entries.fetch_sub(1, Relaxed);
@@ -484,6 +576,10 @@ impl Tier for MemoryTier {
             }
         }
         Ok(n)
+    }
+
+    fn namespace_usage(&self, ns: &str) -> Option<(u64, u64)> {
+        Some(MemoryTier::namespace_usage(self, ns))
     }
 
     fn stats(&self) -> TierStats {

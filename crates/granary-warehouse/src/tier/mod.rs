@@ -141,4 +141,10 @@ pub trait Tier: Send + Sync + 'static {
     }
 
     fn stats(&self) -> TierStats;
+
+    /// Bytes and entries namespace `ns` holds here, where the tier knows
+    /// without I/O (memory and disk do; the remote tier does not).
+    fn namespace_usage(&self, _ns: &str) -> Option<(u64, u64)> {
+        None
+    }
 }

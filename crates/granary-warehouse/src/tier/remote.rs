@@ -23,7 +23,20 @@
 //!   knows them); hits, misses, expirations, corrupt drops and errors are.
 //!
 //! A read that fails verification (checksum, tag, a record of another
-//! entry) deletes the object, counts it and reports the entry absent.
+//! entry, a format this build cannot read) counts it in `verify_failed`
+//! and reports the entry absent to this node, and never deletes the
+//! object: the tier is shared, and a node with the wrong key or an older
+//! build must not destroy what other nodes can read. Expired objects are
+//! deleted (expiry is read from a verified head).
+//!
+//! TTL sweep: [`Tier::purge_expired`] walks the whole prefix a page at a
+//! time (`list_with_offset` from where the previous pass stopped, wrapping
+//! around), reads each object's head and deletes the verified, expired ones
+//! whose record names the object's own path. The store calls it every
+//! few seconds with a small page, which bounds the request rate one node
+//! adds to the bucket. An object another node rewrites between the head read
+//! and the delete is lost (object stores offer no conditional delete); that
+//! costs a cache miss, never a wrong value.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -44,13 +57,15 @@ use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, Tier
 
 /// Heads read in parallel by `scan`.
 const SCAN_PARALLEL: usize = 16;
+/// Heads read in parallel by the TTL sweep.
+const SWEEP_PARALLEL: usize = 8;
 
 #[derive(Default)]
 struct Counters {
     hits: AtomicU64,
     misses: AtomicU64,
     expirations: AtomicU64,
-    corrupt_dropped: AtomicU64,
+    verify_failed: AtomicU64,
     errors: AtomicU64,
 }
 
@@ -61,6 +76,12 @@ pub struct RemoteTier {
     at_rest: AtRest,
     c: Counters,
     events: TierEvents,
+    /// Whether listings come in name order (object stores do; `file://`
+    /// lists in directory order).
+    sorted_listing: bool,
+    /// The last object the TTL sweep examined; `None`: start of the prefix.
+    /// The lock also keeps sweeps from overlapping.
+    sweep_after: tokio::sync::Mutex<Option<Path>>,
 }
 
 fn remote_err(op: &str, path: &Path, e: object_store::Error) -> WarehouseError {
@@ -91,7 +112,15 @@ pub async fn open_remote(cfg: &RemoteConfig, at_rest: AtRest) -> Result<RemoteTi
     opts.extend(cfg.options.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.clone())));
     let (store, prefix) = object_store::parse_url_opts(&url, opts)
         .map_err(|e| WarehouseError::Config(format!("remote url {:?}: {e}", cfg.url)))?;
-    Ok(RemoteTier { store: Arc::from(store), prefix, at_rest, c: Counters::default(), events: TierEvents::default() })
+    Ok(RemoteTier {
+        store: Arc::from(store),
+        prefix,
+        at_rest,
+        c: Counters::default(),
+        events: TierEvents::default(),
+        sweep_after: tokio::sync::Mutex::new(None),
+        sorted_listing: url.scheme() != "file",
+    })
 }
 
 impl RemoteTier {
@@ -146,22 +175,22 @@ impl RemoteTier {
         match got {
             Ok(b) => Ok(Some(b)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
-            // A zero-length object cannot serve a range: it is a torn write.
-            Err(e) if e.to_string().contains("Range") || e.to_string().contains("range") => Ok(Some(Bytes::new())),
-            Err(e) => Err(self.fail("get", path, e)),
+            // The range starts at 0, so the only object that cannot serve it
+            // is an empty one; the stores report that as a generic error
+            // whose type is private, so ask the store for the object's size
+            // instead of reading the message.
+            Err(e) => match self.store.head(path).await {
+                Ok(m) if m.size == 0 => Ok(Some(Bytes::new())),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                _ => Err(self.fail("get", path, e)),
+            },
         }
     }
 
-    /// Deletes an object that failed verification and counts it.
-    async fn drop_corrupt(&self, ns: &str, key: &[u8], path: &Path, reason: &Corrupt) {
-        tracing::warn!(%path, %reason, "remote tier: dropping a corrupt object");
-        self.c.corrupt_dropped.fetch_add(1, Relaxed);
-        self.events.removed(ns, key);
-        if let Err(e) = self.store.delete(path).await {
-            if !matches!(e, object_store::Error::NotFound { .. }) {
-                self.fail("delete", path, e);
-            }
-        }
+    /// Counts an object that failed verification; leaves it in place.
+    fn skip_unverified(&self, path: &Path, reason: &Corrupt) {
+        tracing::warn!(%path, %reason, "remote tier: skipping an object that failed verification");
+        self.c.verify_failed.fetch_add(1, Relaxed);
     }
 
     /// Reads and verifies an entry; `None` when absent or corrupt (dropped).
@@ -171,7 +200,7 @@ impl RemoteTier {
         match self.at_rest.open(bytes, Some((ns, key))) {
             Ok(r) => Ok(Some(r)),
             Err(c) => {
-                self.drop_corrupt(ns, key, &path, &c).await;
+                self.skip_unverified(&path, &c);
                 Ok(None)
             }
         }
@@ -198,7 +227,7 @@ impl RemoteTier {
         match self.read_head(&path).await? {
             None => Ok(None),
             Some(Err(c)) => {
-                self.drop_corrupt(ns, key, &path, &c).await;
+                self.skip_unverified(&path, &c);
                 Ok(None)
             }
             Some(Ok(h)) if h.namespace != ns || h.key != key => {
@@ -206,7 +235,7 @@ impl RemoteTier {
                     found_ns: h.namespace,
                     found_key: String::from_utf8_lossy(&h.key).into_owned(),
                 };
-                self.drop_corrupt(ns, key, &path, &c).await;
+                self.skip_unverified(&path, &c);
                 Ok(None)
             }
             Some(Ok(h)) if h.meta.is_expired(now_ms()) => Ok(None),
@@ -355,13 +384,60 @@ impl Tier for RemoteTier {
         Ok(out)
     }
 
+    /// One page of the TTL sweep: examines at most `limit` objects from
+    /// where the previous page stopped; deletes the expired ones.
+    async fn purge_expired(&self, limit: usize) -> Result<u64> {
+        // A pass still running (slow bucket): this one is skipped, not queued.
+        let Ok(mut after) = self.sweep_after.try_lock() else { return Ok(0) };
+        let listing = match after.as_ref() {
+            Some(a) => self.store.list_with_offset(Some(&self.prefix), a),
+            None => self.store.list(Some(&self.prefix)),
+        };
+        let listing = listing.map_ok(|m| m.location);
+        let page: Vec<Path> = if self.sorted_listing {
+            listing.take(limit.max(1)).try_collect().await
+        } else {
+            // A filesystem lists in directory order: the page is the
+            // smallest names after the cursor, from the whole listing.
+            listing.try_collect::<Vec<_>>().await.map(|mut all| {
+                all.sort_unstable();
+                all.truncate(limit.max(1));
+                all
+            })
+        }
+        .map_err(|e| self.fail("list", &self.prefix, e))?;
+        // A short page reached the end: the next pass starts over.
+        *after = if page.len() < limit.max(1) { None } else { page.last().cloned() };
+        let now = now_ms();
+        let removed = futures::stream::iter(page)
+            .map(|path| async move {
+                // Only a verified head that names this very object is trusted
+                // to say it expired; anything else is left alone.
+                let Ok(Some(Ok(h))) = self.read_head(&path).await else { return false };
+                if !h.meta.is_expired(now) || self.object_path(&h.namespace, &h.key) != path {
+                    return false;
+                }
+                if self.delete(&path).await.is_err() {
+                    return false;
+                }
+                self.events.removed(&h.namespace, &h.key);
+                true
+            })
+            .buffer_unordered(SWEEP_PARALLEL)
+            .filter(|&gone| std::future::ready(gone))
+            .count()
+            .await as u64;
+        self.c.expirations.fetch_add(removed, Relaxed);
+        Ok(removed)
+    }
+
     fn stats(&self) -> TierStats {
         TierStats {
             tier: Some(TierKind::Remote),
             hits: self.c.hits.load(Relaxed),
             misses: self.c.misses.load(Relaxed),
             expirations: self.c.expirations.load(Relaxed),
-            corrupt_dropped: self.c.corrupt_dropped.load(Relaxed),
+            verify_failed: self.c.verify_failed.load(Relaxed),
             errors: self.c.errors.load(Relaxed),
             ..Default::default()
         }
