@@ -164,7 +164,44 @@ def llama3_factors():
                                                   original_max_position_embeddings=int(old), rope_type="llama3")
 
 
-def write_gguf(path, arch, feat, t, tokens, types, merges):
+def spm_vocabulary():
+    """A SentencePiece vocabulary (llama.cpp's `llama` tokenizer model):
+    control tokens, the 256 byte tokens, and pieces with scores (earlier is
+    higher), built so that merges reach whole words and some characters
+    (Cyrillic, emoji) fall back to bytes."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    chars = list("▁etaoinshrdlcumwfgypbvkjxqzETAOINSHRDLCUMWFGYPBVKJXQZ0123456789.,!?'\"-:;()\t\néüñàç日本語のテキスト")
+    words = ["▁t", "he", "▁th", "▁the", "in", "er", "an", "▁a", "on", "re", "▁o", "▁of", "en", "at", "es", "▁de",
+             "▁l", "▁la", "ll", "llo", "▁He", "▁Hello", "▁w", "or", "▁wor", "ld", "▁world", "▁c", "af", "▁caf",
+             "▁café", "▁é", "té", "▁été", "ter", "▁theater", "ea", "▁tea", "▁m", "▁mer", "▁à", "日本", "日本語"]
+    pieces = []
+    for p in words + chars:
+        if p not in pieces:
+            pieces.append(p)
+    scores = [0.0] * len(tokens) + [-float(i) for i in range(len(pieces))]
+    types += [gguf.TokenType.NORMAL] * len(pieces)
+    return tokens + pieces, types, scores
+
+
+TOKENIZE_TEXTS = [
+    "Hello world",
+    "Hello world, the theater of the world.",
+    " the theater",
+    "  leading spaces and trailing ",
+    "l'été à la mer",
+    "Ünïcödé café",
+    "日本語のテキスト",
+    "Привет, мир!",
+    "emoji 🙂 here",
+    "tabs\tand\nnew\n\nlines",
+    "<s>special</s> inside text",
+    "1234567890",
+    "",
+]
+
+
+def write_gguf(path, arch, feat, t, tokens, types, merges, scores=None):
     w = gguf.GGUFWriter(path, arch)
     # Not the architecture's name: llama.cpp applies per-model token rules by name.
     w.add_name("tiny random model")
@@ -188,14 +225,24 @@ def write_gguf(path, arch, feat, t, tokens, types, merges):
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(feat["linear_scale"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_eos_token_id(tokens.index("<|endoftext|>"))
-    w.add_add_bos_token(False)
+    if scores is None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(tokens.index("<|endoftext|>"))
+        w.add_eos_token_id(tokens.index("<|endoftext|>"))
+        w.add_add_bos_token(False)
+    else:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
 
     interleaved = arch == "llama"
     w.add_tensor("token_embd.weight", t["embed"])
@@ -359,6 +406,19 @@ def main():
                 quantize(path, q, ftype)
                 out["models"][f"llama-{name}.gguf"] = dict(arch=arch, quant=name, **reference(q, prompt))
                 print(f"llama {name}: quantized and run", file=sys.stderr)
+    # A SentencePiece vocabulary on the llama model, for the tokenizer.
+    tokens, types, scores = spm_vocabulary()
+    t = weights("llama", {}, np.random.default_rng(7), len(tokens))
+    path = os.path.join(args.out, "llama-spm.gguf")
+    write_gguf(path, "llama", {}, t, tokens, types, None, scores=scores)
+    llm = Llama(model_path=path, vocab_only=True, verbose=False)
+    out["tokenize"] = {
+        "file": "llama-spm.gguf",
+        "cases": [[text, llm.tokenize(text.encode(), add_bos=False, special=True)] for text in TOKENIZE_TEXTS],
+        "with_bos": llm.tokenize(b"Hello world", add_bos=True, special=True),
+        "detokenize": llm.detokenize(llm.tokenize(b"Hello world, the theater", add_bos=False)).decode(),
+    }
+    del llm
     with open(os.path.join(args.out, "reference.json"), "w") as f:
         json.dump(out, f)
 

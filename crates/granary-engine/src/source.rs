@@ -65,6 +65,16 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("granary")
 }
 
+/// The generation settings the default model is served with when a request
+/// names none, in `generation_config.json` form (its package ships none).
+/// Greedy: its first answer token is nearly a coin toss at any temperature
+/// (for "What is the capital of France?" through its chat template:
+/// "L" 15%, "The" 14%, "La" 11%, the same in llama.cpp on the same file),
+/// and with llama.cpp server's sampling defaults 4 answers in 10 named
+/// Paris and one ran on for 8,155 tokens; greedy answers "The capital of
+/// France is Paris." Requests that send `temperature` sample as asked.
+pub const DEFAULT_MODEL_GENERATION_CONFIG: &str = r#"{"do_sample": false}"#;
+
 /// Where the default model lives once fetched.
 pub fn default_model_path() -> PathBuf {
     cache_dir().join("models").join(DEFAULT_PIP_DIR).join(DEFAULT_FILE)

@@ -26,6 +26,26 @@ struct Reference {
     generator: String,
     prompt: Vec<u32>,
     models: std::collections::BTreeMap<String, RefModel>,
+    tokenize: RefTokenize,
+}
+
+/// llama.cpp's tokenization of a text set with a SentencePiece vocabulary.
+#[derive(serde::Deserialize)]
+struct RefTokenize {
+    file: String,
+    cases: Vec<(String, Vec<u32>)>,
+    with_bos: Vec<u32>,
+}
+
+/// The script's output, made once for the tests of this file.
+fn reference() -> Option<&'static (tempfile::TempDir, Reference)> {
+    static REF: std::sync::OnceLock<Option<(tempfile::TempDir, Reference)>> = std::sync::OnceLock::new();
+    REF.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let r = generate(dir.path())?;
+        Some((dir, r))
+    })
+    .as_ref()
 }
 
 #[derive(serde::Deserialize)]
@@ -133,8 +153,7 @@ fn tolerance(quant: Option<&str>) -> f32 {
 
 #[test]
 fn every_architecture_and_weight_type_matches_llama_cpp() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(reference) = generate(dir.path()) else { return };
+    let Some((dir, reference)) = reference() else { return };
     eprintln!("reference: {}", reference.generator);
     let prompt = &reference.prompt;
     let mut failures = Vec::new();
@@ -181,4 +200,25 @@ fn every_architecture_and_weight_type_matches_llama_cpp() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn sentencepiece_gguf_tokenizes_as_llama_cpp() {
+    let Some((dir, reference)) = reference() else { return };
+    let t = &reference.tokenize;
+    let tok = granary_tokenizer::Tokenizer::from_gguf_path(&dir.path().join(&t.file)).expect("SentencePiece GGUF");
+    let mut wrong = Vec::new();
+    for (text, want) in &t.cases {
+        let got = tok.encode(text, false).unwrap();
+        if &got != want {
+            wrong.push(format!("{text:?}: {got:?} vs llama.cpp's {want:?}"));
+        }
+        // Decoding gives the text back (byte fallback included).
+        if !text.contains("<s>") {
+            assert_eq!(&tok.decode(&got, false).unwrap(), text, "round trip of {text:?}");
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    assert_eq!(tok.encode("Hello world", true).unwrap(), t.with_bos, "BOS is added as llama.cpp adds it");
+    eprintln!("{} texts tokenized as llama.cpp does", t.cases.len());
 }

@@ -205,6 +205,92 @@ impl Meta<'_> {
             .collect::<Result<Vec<_>>>()
             .map(Some)
     }
+
+    fn floats(&self, key: &str) -> Result<Option<Vec<f32>>> {
+        let Some(a) = self.array(key)? else {
+            return Ok(None);
+        };
+        a.iter()
+            .map(|v| match v {
+                Value::F32(x) => Ok(*x),
+                Value::F64(x) => Ok(*x as f32),
+                v => as_i64(v)
+                    .map(|x| x as f32)
+                    .ok_or_else(|| load_err(format!("gguf: {key} holds a {:?}, not numbers", v.value_type()))),
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+}
+
+/// GGUF token type of byte tokens (`<0x0A>`).
+const TOKEN_TYPE_BYTE: i64 = 6;
+
+/// A SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`) as a
+/// byte-fallback BPE that tokenizes as llama.cpp's SPM tokenizer does:
+/// spaces become `▁` (with one prepended to text at the start or after a
+/// special token, when `add_space_prefix`), the text is cut into
+/// characters, and the adjacent pair whose concatenation is the
+/// highest-scoring vocabulary entry is merged first, again and again;
+/// characters that no entry covers become their UTF-8 bytes' `<0xXX>`
+/// tokens. The merges are every split of an entry into two entries,
+/// ranked by the entry's score (ties: lower id first).
+fn sentencepiece(
+    tokens: &[String],
+    scores: &[f32],
+    types: Option<&[i64]>,
+    vocab: &Vocab,
+    add_space_prefix: bool,
+) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::decoders::byte_fallback::ByteFallback;
+    use tokenizers::decoders::fuse::Fuse;
+    use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+    use tokenizers::decoders::strip::Strip;
+    use tokenizers::normalizers::{Prepend, Replace};
+    use tokenizers::{DecoderWrapper, NormalizerWrapper};
+
+    let mut ranked: Vec<(f32, u32, String, String)> = Vec::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        if types.is_some_and(|t| t[id] == TOKEN_TYPE_BYTE) || vocab.get(tok) != Some(&(id as u32)) {
+            continue;
+        }
+        for (pos, _) in tok.char_indices().skip(1) {
+            let (a, b) = tok.split_at(pos);
+            if vocab.contains_key(a) && vocab.contains_key(b) {
+                ranked.push((scores[id], id as u32, a.to_owned(), b.to_owned()));
+            }
+        }
+    }
+    ranked.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+    let merges: Vec<(String, String)> = ranked.into_iter().map(|(_, _, a, b)| (a, b)).collect();
+    let unk = types.and_then(|t| t.iter().position(|&ty| ty == TOKEN_TYPE_UNKNOWN)).map(|i| tokens[i].clone());
+    let mut builder = BPE::builder().vocab_and_merges(vocab.clone(), merges).byte_fallback(true);
+    if let Some(unk) = unk {
+        builder = builder.unk_token(unk).fuse_unk(true);
+    }
+    let bpe = builder.build().map_err(|e| load_err(format!("gguf: building the SentencePiece model: {e}")))?;
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+    let replace = Replace::new(" ", "\u{2581}").map_err(|e| load_err(format!("gguf: {e}")))?;
+    let mut norms: Vec<NormalizerWrapper> = Vec::new();
+    if add_space_prefix {
+        norms.push(Prepend::new("\u{2581}".into()).into());
+    }
+    norms.push(replace.into());
+    tokenizer
+        .with_normalizer(Some(tokenizers::normalizers::Sequence::new(norms)))
+        .map_err(|e| load_err(format!("gguf: {e}")))?;
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        tokenizers::decoders::DecoderWrapper::Replace(
+            Replace::new("\u{2581}", " ").map_err(|e| load_err(format!("gguf: {e}")))?,
+        ),
+        ByteFallback::default().into(),
+        Fuse::default().into(),
+    ];
+    if add_space_prefix {
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(tokenizer)
 }
 
 pub(crate) fn build(content: &Content) -> Result<GgufTokenizer> {
@@ -212,20 +298,16 @@ pub(crate) fn build(content: &Content) -> Result<GgufTokenizer> {
     let model = meta
         .str("tokenizer.ggml.model")?
         .ok_or_else(|| load_err("gguf: no tokenizer.ggml.model; the file has no embedded tokenizer"))?;
-    match model {
-        "gpt2" => {}
-        "llama" => {
-            return Err(load_err(
-                "gguf: SentencePiece tokenizers (tokenizer.ggml.model = \"llama\") are not supported; \
-                 load the model's tokenizer.json instead",
-            ))
-        }
+    let spm = match model {
+        "gpt2" => false,
+        "llama" => true,
         other => {
             return Err(load_err(format!(
-                "gguf: unsupported tokenizer.ggml.model \"{other}\" (only \"gpt2\" byte-level BPE is supported)"
+                "gguf: unsupported tokenizer.ggml.model \"{other}\" (supported: \"gpt2\" byte-level BPE, \
+                 \"llama\" SentencePiece); pass --tokenizer with the model's tokenizer.json"
             )))
         }
-    }
+    };
     let mut warnings = Vec::new();
 
     let raw_tokens =
@@ -256,57 +338,67 @@ pub(crate) fn build(content: &Content) -> Result<GgufTokenizer> {
         ));
     }
 
-    let raw_merges =
-        meta.strings("tokenizer.ggml.merges")?.ok_or_else(|| load_err("gguf: no tokenizer.ggml.merges"))?;
-    let mut merges = Vec::with_capacity(raw_merges.len());
-    let mut bad_merges = 0usize;
-    for m in raw_merges {
-        // llama.cpp splits at the first space after the first byte (so a
-        // merge may start with a space); no continuation byte is a space,
-        // so that is the first space after the first character.
-        let Some(pos) = m.char_indices().skip(1).find(|&(_, c)| c == ' ').map(|(p, _)| p) else {
-            bad_merges += 1;
-            continue;
-        };
-        let (a, b) = (&m[..pos], &m[pos + 1..]);
-        if !vocab.contains_key(a) || !vocab.contains_key(b) || !vocab.contains_key(&format!("{a}{b}")) {
-            bad_merges += 1;
-            continue;
+    let (mut tokenizer, family, default_add_bos) = if spm {
+        let scores = meta.floats("tokenizer.ggml.scores")?.unwrap_or_else(|| vec![0.0; n]);
+        if scores.len() != n {
+            return Err(load_err(format!("gguf: {} scores for {n} tokens", scores.len())));
         }
-        merges.push((a.to_owned(), b.to_owned()));
-    }
-    if bad_merges > 0 {
-        warnings.push(format!(
-            "gguf: ignored {bad_merges} merges that are malformed or name tokens missing from the vocabulary"
-        ));
-    }
+        let add_space_prefix = meta.bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+        (sentencepiece(&tokens, &scores, token_types.as_deref(), &vocab, add_space_prefix)?, "spm", true)
+    } else {
+        let raw_merges =
+            meta.strings("tokenizer.ggml.merges")?.ok_or_else(|| load_err("gguf: no tokenizer.ggml.merges"))?;
+        let mut merges = Vec::with_capacity(raw_merges.len());
+        let mut bad_merges = 0usize;
+        for m in raw_merges {
+            // llama.cpp splits at the first space after the first byte (so a
+            // merge may start with a space); no continuation byte is a space,
+            // so that is the first space after the first character.
+            let Some(pos) = m.char_indices().skip(1).find(|&(_, c)| c == ' ').map(|(p, _)| p) else {
+                bad_merges += 1;
+                continue;
+            };
+            let (a, b) = (&m[..pos], &m[pos + 1..]);
+            if !vocab.contains_key(a) || !vocab.contains_key(b) || !vocab.contains_key(&format!("{a}{b}")) {
+                bad_merges += 1;
+                continue;
+            }
+            merges.push((a.to_owned(), b.to_owned()));
+        }
+        if bad_merges > 0 {
+            warnings.push(format!(
+                "gguf: ignored {bad_merges} merges that are malformed or name tokens missing from the vocabulary"
+            ));
+        }
 
-    let pre = meta.str("tokenizer.ggml.pre")?;
-    let (spec, known) = pre_tokenizer_spec(pre);
-    if !known {
-        warnings.push(format!(
-            "gguf: {} tokenizer.ggml.pre{}; using llama.cpp's default pre-tokenizer",
-            if pre.is_some() { "unknown" } else { "missing" },
-            pre.map(|p| format!(" \"{p}\"")).unwrap_or_default()
-        ));
-    }
+        let pre = meta.str("tokenizer.ggml.pre")?;
+        let (spec, known) = pre_tokenizer_spec(pre);
+        if !known {
+            warnings.push(format!(
+                "gguf: {} tokenizer.ggml.pre{}; using llama.cpp's default pre-tokenizer",
+                if pre.is_some() { "unknown" } else { "missing" },
+                pre.map(|p| format!(" \"{p}\"")).unwrap_or_default()
+            ));
+        }
 
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .ignore_merges(spec.ignore_merges)
-        .build()
-        .map_err(|e| load_err(format!("gguf: building BPE: {e}")))?;
-    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .ignore_merges(spec.ignore_merges)
+            .build()
+            .map_err(|e| load_err(format!("gguf: building BPE: {e}")))?;
+        let mut tokenizer = tokenizers::Tokenizer::new(bpe);
 
-    let mut pieces: Vec<PreTokenizerWrapper> = Vec::with_capacity(spec.regexes.len() + 1);
-    for re in spec.regexes {
-        let split = Split::new(SplitPattern::Regex((*re).to_owned()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| load_err(format!("gguf: pre-tokenizer regex {re:?}: {e}")))?;
-        pieces.push(split.into());
-    }
-    pieces.push(ByteLevel::new(false, true, false).into());
-    tokenizer.with_pre_tokenizer(Some(Sequence::new(pieces)));
-    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+        let mut pieces: Vec<PreTokenizerWrapper> = Vec::with_capacity(spec.regexes.len() + 1);
+        for re in spec.regexes {
+            let split = Split::new(SplitPattern::Regex((*re).to_owned()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| load_err(format!("gguf: pre-tokenizer regex {re:?}: {e}")))?;
+            pieces.push(split.into());
+        }
+        pieces.push(ByteLevel::new(false, true, false).into());
+        tokenizer.with_pre_tokenizer(Some(Sequence::new(pieces)));
+        tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+        (tokenizer, spec.family, spec.default_add_bos)
+    };
 
     let id_key = |key: &str| -> Result<Option<u32>> {
         match meta.int(key)? {
@@ -357,7 +449,7 @@ pub(crate) fn build(content: &Content) -> Result<GgufTokenizer> {
         }
     }
 
-    let add_bos = meta.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(spec.default_add_bos);
+    let add_bos = meta.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(default_add_bos);
     let add_eos = meta.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
     if add_bos && bos_id.is_none() {
         warnings.push("gguf: add_bos_token is set but the file names no BOS token".to_owned());
@@ -376,7 +468,7 @@ pub(crate) fn build(content: &Content) -> Result<GgufTokenizer> {
         add_bos,
         add_eos,
         chat_template,
-        pre_family: spec.family,
+        pre_family: family,
         warnings,
     })
 }

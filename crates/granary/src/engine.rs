@@ -82,10 +82,16 @@ pub fn sampling_defaults(a: &ModelArgs, source: &std::path::Path) -> Result<gran
         let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         d.apply_generation_config(&text).with_context(|| format!("{}", path.display()))?;
         eprintln!("granary: sampling defaults from {}", path.display());
+    } else if source == granary_engine::source::default_model_path() {
+        d.apply_generation_config(granary_engine::source::DEFAULT_MODEL_GENERATION_CONFIG)?;
     }
     if let Some(spec) = &a.sampling {
         d.apply_overrides(spec).context("--sampling")?;
     }
+    eprintln!(
+        "granary: sampling defaults for requests that set none: temperature={} top_p={} top_k={} min_p={} repetition_penalty={}",
+        d.temperature, d.top_p, d.top_k, d.min_p, d.repetition_penalty
+    );
     Ok(d)
 }
 

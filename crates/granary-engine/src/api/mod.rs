@@ -5,6 +5,8 @@
 //!   `data: [DONE]`;
 //! - `GET /v1/models`, `GET /v1/models/{id}`: the backend's models (with
 //!   their context length as `max_model_len`);
+//! - `POST /tokenize`, `POST /detokenize`: the model's tokenizer (and chat
+//!   template), in vLLM's shapes;
 //! - `GET /health`: `{"status":"ok"}`; `GET /metrics`: the backend's
 //!   Prometheus text.
 //!
@@ -38,6 +40,7 @@ mod generate;
 mod request;
 mod response;
 mod stop;
+mod tokenize;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -118,6 +121,8 @@ pub fn router(backend: Arc<dyn Backend>, opts: ApiOptions) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/models", get(list_models))
         // Model ids may hold slashes (`org/name`).
         .route("/v1/models/{*id}", get(get_model))

@@ -576,7 +576,7 @@ impl ChatRequest {
         }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.into_iter().enumerate() {
-            messages.push(ChatMessage { role: m.role.template_role().to_string(), content: message_text(i, m)? });
+            messages.push(chat_message(i, m)?);
         }
         // The newer name wins when a client sends both.
         let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
@@ -760,6 +760,11 @@ fn max_tokens_value(param: &'static str, v: u64) -> Result<MaxTokens, ApiError> 
         ));
     }
     Ok(MaxTokens { value: usize::try_from(v).unwrap_or(usize::MAX), param })
+}
+
+/// Message `i` as the chat template sees it.
+pub(crate) fn chat_message(i: usize, m: Message) -> Result<ChatMessage, ApiError> {
+    Ok(ChatMessage { role: m.role.template_role().to_string(), content: message_text(i, m)? })
 }
 
 /// The text of message `i`; content parts are joined with newlines.

@@ -426,7 +426,8 @@ async fn sampling_defaults_fill_what_the_request_leaves_out() {
         send_json(&app, post("/v1/chat/completions", chat_body(json!({"logit_bias": {"9999999": 1}})))).await;
     assert_error(status, &body, StatusCode::BAD_REQUEST, Some("logit_bias.9999999"));
     // Completions default to 16 tokens.
-    let (status, _) = send_json(&app, post("/v1/completions", json!({"model": MODEL, "prompt": "a"}).to_string())).await;
+    let (status, _) =
+        send_json(&app, post("/v1/completions", json!({"model": MODEL, "prompt": "a"}).to_string())).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(backend.last_request().max_tokens, 16);
 }
@@ -607,4 +608,34 @@ async fn the_namespace_reaches_the_backend() {
     req.extensions_mut().insert(Namespace("from-gateway".into()));
     send_json(&app, req).await;
     assert_eq!(backend.last_request().namespace, "from-gateway");
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize_use_the_models_tokenizer() {
+    let Some((_, app)) = scripted() else { return };
+    let Some(tok) = tokenizer() else { return };
+    let req = json!({"model": MODEL, "prompt": "Hello there!", "return_token_strs": true});
+    let (status, body) = send_json(&app, post("/tokenize", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let ids = tok.encode("Hello there!", true).unwrap();
+    assert_eq!(body["tokens"], json!(ids));
+    assert_eq!(body["count"], ids.len());
+    assert_eq!(body["max_model_len"], CONTEXT);
+    assert_eq!(body["token_strs"].as_array().unwrap().len(), ids.len());
+    // Chat messages go through the template, as the chat endpoint does.
+    let req = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}]});
+    let (_, body) = send_json(&app, post("/tokenize", req.to_string())).await;
+    let want = tok.encode_chat(&[ChatMessage::new("user", "Hi!")], true).unwrap();
+    assert_eq!(body["tokens"], json!(want));
+    let (status, body) = send_json(&app, post("/detokenize", json!({"model": MODEL, "tokens": ids}).to_string())).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["prompt"], "Hello there!");
+    // Errors name the field.
+    let (status, body) =
+        send_json(&app, post("/detokenize", json!({"model": MODEL, "tokens": [1, 99999999]}).to_string())).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("tokens[1]"));
+    let (status, body) = send_json(&app, post("/tokenize", json!({"model": MODEL}).to_string())).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("prompt"));
+    let (status, body) = send_json(&app, post("/tokenize", json!({"model": "nope", "prompt": "a"}).to_string())).await;
+    assert_error(status, &body, StatusCode::NOT_FOUND, Some("model"));
 }
