@@ -184,3 +184,67 @@ fn a_decode_engine_computes_only_the_tail_a_prefill_engine_left() {
     assert_eq!(computed, 88.0, "the decode engine should compute only the unaligned tail");
     assert_eq!(loaded, 512.0);
 }
+
+/// Tokens generated so far, from the engine's counter.
+fn generated(e: &EngineProc) -> f64 {
+    e.metric("granary_engine_generated_tokens_total")
+}
+
+#[test]
+fn a_client_hanging_up_stops_its_generation() {
+    use std::io::Write;
+    if default_model().is_none() {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    let serve = EngineProc::start(&["serve", "--data-dir", data.path().to_str().unwrap()]);
+    // End-of-text tokens banned: only a hang-up ends these before 2,000 tokens.
+    let request = |stream: bool| {
+        let body = serde_json::json!({
+            "model": "SmolLM2-135M-Instruct", "stream": stream, "max_tokens": 2000, "temperature": 1.0, "seed": 3,
+            "logit_bias": {"0": -100, "1": -100, "2": -100},
+            "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        })
+        .to_string();
+        let mut s = std::net::TcpStream::connect(&serve.addr).unwrap();
+        write!(
+            s,
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        s
+    };
+
+    // Streamed: hang up after 12 chunks.
+    let before = generated(&serve);
+    let mut s = request(true);
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while seen.windows(6).filter(|w| w == b"data: ").count() < 12 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(s);
+    let at_close = generated(&serve) - before;
+    std::thread::sleep(Duration::from_secs(3));
+    let later = generated(&serve) - before;
+    eprintln!("streamed: {at_close} tokens at the hang-up, {later} three seconds later");
+    assert!(later <= at_close + 5.0, "generation went on after the client left: {at_close} -> {later}");
+
+    // Not streamed: hang up while the answer is being generated.
+    let before = generated(&serve);
+    let s = request(false);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while generated(&serve) - before < 5.0 {
+        assert!(Instant::now() < deadline, "the request did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(s);
+    let at_close = generated(&serve) - before;
+    std::thread::sleep(Duration::from_secs(3));
+    let later = generated(&serve) - before;
+    eprintln!("not streamed: {at_close} tokens at the hang-up, {later} three seconds later");
+    assert!(later <= at_close + 5.0, "generation went on after the client left: {at_close} -> {later}");
+}
