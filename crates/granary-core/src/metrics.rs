@@ -99,8 +99,9 @@ pub mod warehouse {
 }
 
 pub mod engine {
-    /// Label values for where a prompt token's KV came from.
-    pub const SOURCES: [&str; 4] = ["computed", "memory", "disk", "remote"];
+    /// Label values for where a prompt token's KV came from: computed, the
+    /// engine's own memory, or a warehouse tier.
+    pub const SOURCES: [&str; 5] = ["computed", "engine", "memory", "disk", "remote"];
 
     /// Time from arrival to the first generated token (histogram).
     pub const TTFT_SECONDS: &str = "granary_engine_ttft_seconds";

@@ -244,4 +244,10 @@ pub trait Backend: Send + Sync + 'static {
     fn submit(&self, model: &str, req: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, SubmitError>;
     /// Prometheus text exposition of the backend's metrics.
     fn metrics_text(&self) -> String;
+    /// The embedding of `tokens` under model `model` (blocking CPU work:
+    /// callers run it off the async threads); `None` when this backend
+    /// serves no embeddings.
+    fn embed(&self, _model: &str, _tokens: &[u32]) -> Option<anyhow::Result<Vec<f32>>> {
+        None
+    }
 }

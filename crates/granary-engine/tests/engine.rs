@@ -117,6 +117,32 @@ async fn a_repeated_prompt_loads_its_blocks_from_engine_memory() {
     };
     assert_eq!(cached(&end1), 0);
     assert_eq!(cached(&end2), 48, "three full blocks of 16 should come from memory");
-    assert_eq!(metric(&engine, "granary_engine_prompt_tokens_total{source=\"memory\"}"), 48.0);
+    assert_eq!(metric(&engine, "granary_engine_prompt_tokens_total{source=\"engine\"}"), 48.0);
     assert_eq!(metric(&engine, "granary_engine_prompt_tokens_total{source=\"computed\"}"), 50.0 + 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_turn_reuses_the_previous_answer() {
+    let cfg = EngineConfig { block_tokens: 16, ..Default::default() };
+    let Some(engine) = start(cfg.clone()) else { return };
+    let prompt: Vec<u32> = (0..40).map(|i| 2000 + i).collect();
+    let (answer, _) = collect(engine.generate(greedy(prompt.clone(), 30)).unwrap()).await;
+    assert_eq!(answer.len(), 30);
+    // Turn 2: the conversation so far, then the next message.
+    let mut turn2 = prompt.clone();
+    turn2.extend(&answer);
+    turn2.extend([504, 3575, 282, 4649, 314]);
+    let (second, end) = collect(engine.generate(greedy(turn2.clone(), 6)).unwrap()).await;
+    let cached = match end {
+        Event::Finished { usage, .. } => usage.cached_tokens,
+        other => panic!("{other:?}"),
+    };
+    // 40 prompt tokens and 29 answer tokens have KV (the last sampled
+    // token's is never computed): four full blocks of 16.
+    assert_eq!(cached, 64, "turn 2 should load turn 1's prompt and answer up to the last full block");
+    // The same turn on an engine that holds nothing gives the same tokens.
+    let Some(fresh) = start(EngineConfig { local_cache_bytes: 0, ..cfg }) else { return };
+    let (alone, end) = collect(fresh.generate(greedy(turn2, 6)).unwrap()).await;
+    assert!(matches!(end, Event::Finished { usage, .. } if usage.cached_tokens == 0));
+    assert_eq!(second, alone, "reusing the answer's KV changed the output");
 }

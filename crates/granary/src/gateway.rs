@@ -138,9 +138,11 @@ async fn serve(cfg: GatewayConfig) -> Result<()> {
             None
         }
     };
-    if cfg.upstreams.is_empty() && admin.is_none() {
+    let agent_token = std::env::var(&g.agent_token_env).ok().filter(|t| !t.is_empty());
+    if cfg.upstreams.is_empty() && admin.is_none() && agent_token.is_none() {
         anyhow::bail!(
-            "no upstreams, and node agents cannot report engines without the admin token: set {}",
+            "no upstreams, and node agents cannot report engines without a token: set {} (agents only) or {}",
+            g.agent_token_env,
             g.admin_token_env
         );
     }

@@ -5,6 +5,8 @@
 //!   `data: [DONE]`;
 //! - `GET /v1/models`, `GET /v1/models/{id}`: the backend's models (with
 //!   their context length as `max_model_len`);
+//! - `POST /v1/embeddings`: the model's mean-pooled, normalised hidden
+//!   states (float or base64);
 //! - `POST /tokenize`, `POST /detokenize`: the model's tokenizer (and chat
 //!   template), in vLLM's shapes;
 //! - `GET /health`: `{"status":"ok"}`; `GET /metrics`: the backend's
@@ -35,6 +37,7 @@
 //!   answer first (the backend reports it only at the end).
 
 mod body;
+mod embeddings;
 pub mod error;
 mod generate;
 mod request;
@@ -121,6 +124,7 @@ pub fn router(backend: Arc<dyn Backend>, opts: ApiOptions) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/models", get(list_models))

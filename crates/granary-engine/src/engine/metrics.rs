@@ -14,10 +14,14 @@ use prometheus_client::registry::Registry;
 type Labels = Vec<(&'static str, &'static str)>;
 type F64Gauge = Gauge<f64, AtomicU64>;
 
-/// Where a prompt token's KV came from.
+/// Where a prompt token's KV came from: computed, the engine's own memory,
+/// or one of the warehouse's tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
     Computed,
+    /// The engine's block cache.
+    Engine,
+    /// The warehouse's memory tier.
     Memory,
     Disk,
     Remote,
@@ -27,6 +31,7 @@ impl Source {
     pub fn as_str(self) -> &'static str {
         match self {
             Source::Computed => "computed",
+            Source::Engine => "engine",
             Source::Memory => "memory",
             Source::Disk => "disk",
             Source::Remote => "remote",
@@ -48,7 +53,7 @@ pub struct EngineMetrics {
     pub tokens_per_second: Family<Labels, F64Gauge>,
     pub saves: Family<Labels, Counter>,
     pub warehouse_errors: Counter,
-    prompt_by_source: [AtomicU64; 4],
+    prompt_by_source: [AtomicU64; 5],
 }
 
 impl Default for EngineMetrics {
@@ -108,7 +113,7 @@ impl EngineMetrics {
     }
 
     /// Prompt tokens so far by source, in [`names::SOURCES`] order.
-    pub fn prompt_tokens_by_source(&self) -> [u64; 4] {
+    pub fn prompt_tokens_by_source(&self) -> [u64; 5] {
         std::array::from_fn(|i| self.prompt_by_source[i].load(Ordering::Relaxed))
     }
 

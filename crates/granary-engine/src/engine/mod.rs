@@ -274,7 +274,7 @@ impl Engine {
     async fn fetch_prefix(&self, hashes: &[BlockHash]) -> Vec<(Bytes, Source)> {
         let sh = &self.shared;
         let mut loaded: Vec<(Bytes, Source)> =
-            sh.cache.prefix(hashes).into_iter().map(|b| (b, Source::Memory)).collect();
+            sh.cache.prefix(hashes).into_iter().map(|b| (b, Source::Engine)).collect();
         let Some(store) = &sh.store else { return loaded };
         let rest = &hashes[loaded.len()..];
         if rest.is_empty() {
@@ -324,6 +324,10 @@ impl Backend for Engine {
 
     fn metrics_text(&self) -> String {
         self.shared.metrics.render()
+    }
+
+    fn embed(&self, _model: &str, tokens: &[u32]) -> Option<anyhow::Result<Vec<f32>>> {
+        Some(self.shared.model.embed(tokens, self.shared.cfg.max_batch_tokens))
     }
 }
 
@@ -383,6 +387,8 @@ struct Seq {
     cached_tokens: usize,
     generated: usize,
     input: [u32; 1],
+    /// Generated tokens, in order (their KV follows the prompt's).
+    output: Vec<u32>,
     rng: StdRng,
     /// Tokens seen, for the penalties.
     history: sampler::History,
@@ -493,7 +499,7 @@ impl StepLoop {
             .iter()
             .zip(&a.hashes)
             .take(sources.len())
-            .filter(|((_, s), _)| *s != Source::Memory)
+            .filter(|((_, s), _)| *s != Source::Engine)
             .map(|((b, _), h)| (*h, b.clone()))
             .collect();
         sh.cache.insert(&a.req.namespace, from_store);
@@ -510,6 +516,7 @@ impl StepLoop {
             cached_tokens: cached,
             generated: 0,
             input: [0],
+            output: Vec::new(),
             rng: StdRng::seed_from_u64(seed),
             history: sampler::History::new(&a.req.sampling, &a.req.prompt),
             arrived: a.arrived,
@@ -568,6 +575,43 @@ impl StepLoop {
                 }
             }
         });
+    }
+
+    /// Names, keeps and saves the full blocks of sequence `i` past its
+    /// prompt: prompt and generated tokens whose KV is computed (the last
+    /// sampled token's is not yet).
+    fn save_generated_blocks(&mut self, i: usize) {
+        let bt = self.sh.cfg.block_tokens;
+        let s = &mut self.running[i];
+        if s.prompt_done < s.prompt_target || s.kv.len() / bt <= s.blocks_known {
+            return;
+        }
+        let full = s.kv.len() / bt;
+        if s.hashes.len() < full {
+            let tokens: Vec<u32> = s.req.prompt.iter().chain(&s.output).copied().take(full * bt).collect();
+            let chain =
+                HashChain::for_layout(&s.req.namespace, self.sh.model.fingerprint().as_bytes(), &self.sh.layout);
+            s.hashes = chain.hashes(&tokens);
+        }
+        let mut blocks = Vec::new();
+        for b in s.blocks_known..full {
+            match s.kv.export_block(b, bt) {
+                Ok(payload) => blocks.push((s.hashes[b], payload)),
+                Err(e) => {
+                    tracing::warn!(error = %e, block = b, "exporting a KV block failed");
+                    break;
+                }
+            }
+        }
+        s.blocks_known = full;
+        if blocks.is_empty() {
+            return;
+        }
+        let ns = s.req.namespace.clone();
+        self.cache_blocks(&ns, &blocks);
+        if self.sh.store.is_some() {
+            self.queue_save(SaveJob { namespace: ns, blocks });
+        }
     }
 
     fn cache_blocks(&self, namespace: &str, blocks: &[(BlockHash, Bytes)]) {
@@ -676,6 +720,7 @@ impl StepLoop {
                 continue;
             }
             s.generated += 1;
+            s.output.push(tok);
             s.history.push(tok);
             self.sh.metrics.generated.inc();
             if let Some(top) = s.req.sampling.logprobs {
@@ -702,6 +747,13 @@ impl StepLoop {
             self.cache_blocks(&ns, &blocks);
             if self.sh.store.is_some() {
                 self.queue_save(SaveJob { namespace: ns, blocks });
+            }
+        }
+        // Save blocks that generated tokens completed, so that a chat's
+        // next turn reuses the answer's KV too.
+        if self.sh.cfg.role != Role::Prefill {
+            for &(i, _, _, _) in &plan {
+                self.save_generated_blocks(i);
             }
         }
         // Remove ended sequences (highest index first keeps indices valid).

@@ -645,6 +645,55 @@ impl Model {
     /// to its KV; returns `[chunks wanting logits, vocab]` f32 logits, in
     /// chunk order.
     pub fn forward(&self, chunks: &mut [Chunk<'_>]) -> Result<Option<Tensor>> {
+        let x = self.hidden(chunks)?;
+        let cfg = &self.cfg;
+        let mut rows = Vec::new();
+        let mut row = 0u32;
+        for c in chunks.iter() {
+            row += c.tokens.len() as u32;
+            if c.logits {
+                rows.push(row - 1);
+            }
+        }
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let n = rows.len();
+        let last = x.index_select(&Tensor::from_vec(rows, n, &self.device)?, 0)?;
+        let h = candle_nn::ops::rms_norm(&last, &self.norm, cfg.rms_eps as f32)?;
+        let logits = self.lm_head.forward(&h)?.to_dtype(DType::F32)?;
+        Ok(Some(match cfg.arch.softcap {
+            Some((_, cap)) if cap > 0.0 => ((logits / cap as f64)?.tanh()? * cap as f64)?,
+            _ => logits,
+        }))
+    }
+
+    /// The sentence embedding of `tokens`: the mean over positions of the
+    /// last layer's normed hidden states, L2-normalised (mean pooling, as
+    /// sentence-transformers pools decoder models). Runs on its own KV,
+    /// `chunk` tokens at a time.
+    pub fn embed(&self, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
+        ensure!(!tokens.is_empty(), "nothing to embed");
+        ensure!(tokens.len() <= self.context_len, "{} tokens exceed the context of {}", tokens.len(), self.context_len);
+        let mut kv = self.new_kv(256);
+        let mut sum = vec![0f64; self.cfg.hidden_size];
+        for part in tokens.chunks(chunk.max(1)) {
+            let x = self.hidden(&mut [Chunk { tokens: part, kv: &mut kv, logits: false }])?;
+            let h = candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_eps as f32)?;
+            for row in h.to_dtype(DType::F32)?.to_vec2::<f32>()? {
+                for (s, v) in sum.iter_mut().zip(row) {
+                    *s += v as f64;
+                }
+            }
+        }
+        let n = tokens.len() as f64;
+        let norm = sum.iter().map(|v| (v / n).powi(2)).sum::<f64>().sqrt().max(1e-12);
+        Ok(sum.iter().map(|v| (v / n / norm) as f32).collect())
+    }
+
+    /// The layers over every chunk's tokens: `[rows, hidden]` before the
+    /// final norm; each chunk's KV grows by its tokens.
+    fn hidden(&self, chunks: &mut [Chunk<'_>]) -> Result<Tensor> {
         let cfg = &self.cfg;
         let mut ids = Vec::new();
         for c in chunks.iter_mut() {
@@ -695,28 +744,11 @@ impl Model {
             }
             x = (x + d)?;
         }
-        let mut rows = Vec::new();
-        let mut row = 0u32;
         for c in chunks.iter_mut() {
-            let n = c.tokens.len();
-            row += n as u32;
-            if c.logits {
-                rows.push(row - 1);
-            }
-            let new_len = c.kv.len() + n;
+            let new_len = c.kv.len() + c.tokens.len();
             c.kv.set_len(new_len);
         }
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        let n = rows.len();
-        let last = x.index_select(&Tensor::from_vec(rows, n, &self.device)?, 0)?;
-        let h = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
-        let logits = self.lm_head.forward(&h)?.to_dtype(DType::F32)?;
-        Ok(Some(match cfg.arch.softcap {
-            Some((_, cap)) if cap > 0.0 => ((logits / cap as f64)?.tanh()? * cap as f64)?,
-            _ => logits,
-        }))
+        Ok(x)
     }
 
     /// Rotary embeddings, the KV write and attention for every chunk, on the

@@ -233,6 +233,46 @@ def check_bad_content_part():
     raise AssertionError("expected BadRequestError")
 
 
+def check_logprobs():
+    r = chat(max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens, (len(content), r.usage.completion_tokens)
+    for e in content:
+        assert e.logprob <= 0, e
+        assert len(e.top_logprobs) == 3, e
+        # Greedy: the chosen token is the most likely one.
+        assert e.top_logprobs[0].token == e.token, e
+        assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-5, e
+
+
+def check_embeddings():
+    texts = ["The cat sat on the mat.", "A cat was sitting on the mat.", "Quarterly revenue rose by four percent."]
+    # The client asks for base64 unless told otherwise; both must decode.
+    r = client.embeddings.create(model=model_id(), input=texts)
+    f = client.embeddings.create(model=model_id(), input=texts, encoding_format="float")
+    assert [d.index for d in r.data] == [0, 1, 2]
+    assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens
+    for a, b in zip(r.data, f.data):
+        assert len(a.embedding) == len(b.embedding) > 0
+        assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding)) < 1e-6
+        norm = sum(x * x for x in a.embedding) ** 0.5
+        assert abs(norm - 1.0) < 1e-3, norm
+    v = [d.embedding for d in r.data]
+    cos = lambda a, b: sum(x * y for x, y in zip(a, b))
+    assert cos(v[0], v[1]) > cos(v[0], v[2]), (cos(v[0], v[1]), cos(v[0], v[2]))
+
+
+def check_unsupported_fields_are_refused():
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    for kw, param in [({"tools": [tool]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format")]:
+        try:
+            chat(max_tokens=4, **kw)
+        except openai.BadRequestError as e:
+            assert e.param == param, (e.param, param)
+            continue
+        raise AssertionError(f"{param} was accepted and ignored")
+
+
 CHECKS = [
     check_models_listed,
     check_chat_non_stream,
@@ -248,6 +288,9 @@ CHECKS = [
     check_max_tokens_over_context,
     check_bad_field,
     check_bad_content_part,
+    check_logprobs,
+    check_embeddings,
+    check_unsupported_fields_are_refused,
 ]
 
 
