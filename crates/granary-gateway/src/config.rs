@@ -99,6 +99,10 @@ pub struct GatewaySection {
     /// routable, or every attempt failed before the first byte). Only to
     /// models the key may use; tried in the order listed.
     pub model_fallbacks: BTreeMap<String, Vec<String>>,
+    /// The completion tokens reserved against token budgets at admission
+    /// for a request that sends no `max_tokens` (its worst case is then
+    /// unknown); the unused part is released when it ends.
+    pub default_max_tokens: u64,
 }
 
 impl Default for GatewaySection {
@@ -125,6 +129,7 @@ impl Default for GatewaySection {
             tls: None,
             agents: AgentsConfig::default(),
             model_fallbacks: BTreeMap::new(),
+            default_max_tokens: 4_096,
         }
     }
 }

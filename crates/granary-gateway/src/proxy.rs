@@ -20,7 +20,7 @@ use crate::agents::Agents;
 use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
 use crate::identity::{AuditRecord, Identity};
-use crate::limits::{Limiter, Quota};
+use crate::limits::{Limiter, Quota, Reservation};
 use crate::metrics::GatewayMetrics;
 use crate::routing::{build_policy_with, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
 use crate::types::Principal;
@@ -369,6 +369,8 @@ struct Outcome {
     prompt_estimate: u64,
     /// What the limits left, for the response's `x-ratelimit-*` headers.
     quota: Quota,
+    /// The tokens reserved at admission; settled with the real usage on drop.
+    reservation: Option<Reservation>,
 }
 
 impl Outcome {
@@ -393,6 +395,7 @@ impl Outcome {
             streamed: 0,
             prompt_estimate: 0,
             quota: Quota::default(),
+            reservation: None,
         }
     }
 
@@ -411,6 +414,7 @@ impl Outcome {
             streamed: self.streamed,
             prompt_estimate: self.prompt_estimate,
             quota: self.quota,
+            reservation: self.reservation.take(),
         }
     }
 
@@ -496,10 +500,15 @@ impl Drop for Outcome {
             }
         }
         let spent = self.rec.prompt_tokens + self.rec.completion_tokens;
-        if let (Some(p), true) = (self.principal.take(), spent > 0) {
+        if let Some(p) = self.principal.take() {
             let limiter = self.gw.limiter.clone();
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move { limiter.charge(&p, spent).await });
+            let reservation = self.reservation.take().unwrap_or_default();
+            // Settling releases what was reserved and not used, so it runs
+            // also when nothing was spent.
+            if spent != reservation.tokens {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(async move { limiter.settle(&p, &reservation, spent).await });
+                }
             }
         }
         self.gw.identity.record(std::mem::take(&mut self.rec));
@@ -516,6 +525,8 @@ struct Parsed {
     estimate: u64,
     /// The prompt alone, estimated (~4 bytes a token).
     prompt_estimate: u64,
+    /// `max_tokens` (or `max_completion_tokens`) when the request sets it.
+    max_tokens: Option<u64>,
 }
 
 fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
@@ -565,12 +576,12 @@ fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
             ))
         }
     };
-    let mut max_tokens = 0;
+    let mut max_tokens = None;
     for field in ["max_tokens", "max_completion_tokens"] {
         match body.get(field) {
             None | Some(Value::Null) => {}
             Some(v) => match v.as_u64() {
-                Some(n) => max_tokens = n,
+                Some(n) => max_tokens = Some(n),
                 None => {
                     return Err(ApiError::invalid(
                         field,
@@ -605,8 +616,8 @@ fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
     }
     // A rough token estimate for token limits: ~4 bytes a token.
     let prompt_estimate = bytes.len() as u64 / 4;
-    let estimate = prompt_estimate + max_tokens;
-    Ok(Parsed { body, model, stream, include_usage, estimate, prompt_estimate })
+    let estimate = prompt_estimate + max_tokens.unwrap_or(0);
+    Ok(Parsed { body, model, stream, include_usage, estimate, prompt_estimate, max_tokens })
 }
 
 /// The prompt's tokens as the engine will see them (chat template applied).
@@ -724,8 +735,14 @@ async fn serve(
         return Err(ApiError::model_not_found(&parsed.model));
     }
     // 4. Limits.
-    match gw.limiter.admit(&principal, parsed.estimate).await {
-        Ok(quota) => out.quota = quota,
+    // The worst case is reserved against the token budgets now and settled
+    // with the real usage when the request ends (`Outcome`'s drop).
+    let worst = parsed.prompt_estimate + parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens);
+    match gw.limiter.reserve(&principal, parsed.estimate, worst).await {
+        Ok(reservation) => {
+            out.quota = reservation.quota;
+            out.reservation = Some(reservation);
+        }
         Err(r) => {
             gw.metrics
                 .rate_limited

@@ -136,7 +136,7 @@ async fn two_gateways_enforce_one_request_limit_together() {
     assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
     // Rejected requests were not counted: the counter holds 25, not 80.
     let mut c = server.client().await;
-    let keys: Vec<String> = redis::cmd("KEYS").arg("t1:t:70:rpm:*").query_async(&mut c).await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("t1:{t70}:t:70:rpm:*").query_async(&mut c).await.unwrap();
     assert_eq!(keys.len(), 1);
     let n: u64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
     assert_eq!(n, 25);
@@ -193,14 +193,14 @@ async fn keys_name_ids_and_expire_after_their_window() {
     assert_eq!(
         shapes,
         [
-            "granary:limits:k:42:rpm",
-            "granary:limits:k:42:tpd",
-            "granary:limits:k:42:tpm",
-            "granary:limits:k:42:tpmo",
-            "granary:limits:t:4:rpm",
-            "granary:limits:t:4:tpd",
-            "granary:limits:t:4:tpm",
-            "granary:limits:t:4:tpmo",
+            "granary:limits:{t4}:k:42:rpm",
+            "granary:limits:{t4}:k:42:tpd",
+            "granary:limits:{t4}:k:42:tpm",
+            "granary:limits:{t4}:k:42:tpmo",
+            "granary:limits:{t4}:t:4:rpm",
+            "granary:limits:{t4}:t:4:tpd",
+            "granary:limits:{t4}:t:4:tpm",
+            "granary:limits:{t4}:t:4:tpmo",
         ]
     );
     for key in &keys {
@@ -218,7 +218,7 @@ async fn keys_name_ids_and_expire_after_their_window() {
     let minute_end = now - now.rem_euclid(60_000) + 60_000;
     let q = principal(43, 5, rpm(10), Limits::default());
     l.admit_at(&q, 0, minute_end - 500).await.unwrap();
-    let keys: Vec<String> = redis::cmd("KEYS").arg("granary:limits:k:43:*").query_async(&mut c).await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("granary:limits:{t5}:k:43:*").query_async(&mut c).await.unwrap();
     let ttl: i64 = redis::cmd("TTL").arg(&keys[0]).query_async(&mut c).await.unwrap();
     assert!((1..=2).contains(&ttl), "TTL {ttl}");
 }
@@ -358,4 +358,53 @@ async fn issue_14_admissions_report_the_quota_left_in_process_and_in_redis() {
         );
         assert_eq!(l.backend_errors(), 0);
     }
+}
+
+/// Issue 14, point 1: two gateways reserve each request's worst case in
+/// Redis at admission, so 50 concurrent requests against a budget that
+/// fits 10 overshoot it by at most one reservation; settling releases what
+/// a request did not use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reservations_bound_the_overshoot_of_concurrent_requests_across_gateways() {
+    let Some(server) = RedisServer::start() else { return };
+    let a = Limiter::redis(&server.url(), options("r:")).await.unwrap();
+    let b = Limiter::redis(&server.url(), options("r:")).await.unwrap();
+    const RESERVE: u64 = 150;
+    let budget =
+        Limits { tokens_per_minute: Some(10 * RESERVE), tokens_per_month: Some(10 * RESERVE), ..Limits::default() };
+    let p = principal(8, 80, Limits::default(), budget);
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let (l, p) = (if i % 2 == 0 { a.clone() } else { b.clone() }, p.clone());
+        tasks.push(tokio::spawn(async move { l.reserve_at(&p, 50, RESERVE, T0).await.ok() }));
+    }
+    let mut admitted = Vec::new();
+    for t in tasks {
+        admitted.extend(t.await.unwrap());
+    }
+    assert_eq!(admitted.len(), 10, "a budget of 10 reservations admits 10");
+    assert!(admitted.iter().all(|r| r.tokens == RESERVE && r.at_ms == T0));
+    // Each used all it reserved: the budget is spent, nothing overshot.
+    for r in &admitted {
+        a.settle(&p, r, RESERVE).await;
+    }
+    let e = b.reserve_at(&p, 50, RESERVE, T0).await.unwrap_err();
+    assert_eq!((e.limit, e.used), ("tokens_per_month", 10 * RESERVE));
+    // A request that used 50 of its 150 gives 100 back.
+    let mut c = server.client().await;
+    let keys: Vec<String> = redis::cmd("KEYS").arg("r:{t80}:t:80:tpmo:*").query_async(&mut c).await.unwrap();
+    redis::cmd("SET").arg(&keys[0]).arg(9 * RESERVE).query_async::<()>(&mut c).await.unwrap();
+    let minute: Vec<String> = redis::cmd("KEYS").arg("r:{t80}:t:80:tpm:*").query_async(&mut c).await.unwrap();
+    redis::cmd("SET").arg(&minute[0]).arg(9 * RESERVE).query_async::<()>(&mut c).await.unwrap();
+    let r = a.reserve_at(&p, 50, RESERVE, T0).await.unwrap();
+    a.settle(&p, &r, 50).await;
+    let n: u64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
+    assert_eq!(n, 9 * RESERVE + 50);
+    // A release never takes a counter below 0.
+    b.settle(&p, &r, 0).await;
+    b.settle(&p, &admitted[0], 0).await;
+    b.settle(&p, &admitted[1], 0).await;
+    let n: i64 = redis::cmd("GET").arg(&minute[0]).query_async(&mut c).await.unwrap();
+    assert!(n >= 0, "{n}");
+    assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
 }

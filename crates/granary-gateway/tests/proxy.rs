@@ -1361,19 +1361,24 @@ async fn issue_14_responses_carry_openai_rate_limit_headers() {
         let n = s.trim_end_matches("ms").trim_end_matches('s');
         s.ends_with('s') && n.split('m').all(|p| p.parse::<f64>().is_ok())
     };
-    let r = g.chat(&key, chat_body(false)).await;
+    // Admission reserves the worst case (prompt estimate, ~4 bytes a token,
+    // plus max_tokens) in the token window; the answer's 9 real tokens
+    // replace it once the request is recorded.
+    let mut body = chat_body(false);
+    body["max_tokens"] = json!(10);
+    let reserved = serde_json::to_vec(&body).unwrap().len() as u64 / 4 + 10;
+    let r = g.chat(&key, body.clone()).await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-ratelimit-limit-requests"), "2");
     assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "1");
     assert_eq!(header(&r, "x-ratelimit-limit-tokens"), "1000");
-    assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), "1000");
+    assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), (1000 - reserved).to_string());
     assert!(is_duration(&header(&r, "x-ratelimit-reset-requests")), "{}", header(&r, "x-ratelimit-reset-requests"));
     assert!(is_duration(&header(&r, "x-ratelimit-reset-tokens")));
-    // The answer's 9 tokens are charged once it is recorded.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let r = g.chat(&key, chat_body(false)).await;
+    let r = g.chat(&key, body.clone()).await;
     assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "0");
-    assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), "991");
+    assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), (1000 - 9 - reserved).to_string());
     let r = g.chat(&key, chat_body(false)).await;
     assert_eq!(r.status(), 429);
     assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "0");
@@ -1476,4 +1481,66 @@ async fn issue_14_a_slot_goes_to_a_waiter_for_its_model() {
     assert_eq!((s1, s2, sb), (StatusCode::OK, StatusCode::OK, StatusCode::OK));
     assert!(tb < t2, "b's slot went to the b request ({tb:?}), not after the a requests ({t1:?}, {t2:?})");
     assert!(tb < Duration::from_millis(1_100), "served as soon as b's slot freed: {tb:?}");
+}
+
+/// An upstream that answers after `delay` with usage `prompt` + the
+/// request's `max_tokens` (a request that uses its whole allowance).
+async fn start_spender(prompt: u64, delay: Duration) -> SocketAddr {
+    let list = vec![json!({"id": "m", "object": "model"})];
+    let app = Router::new()
+        .route("/v1/models", get(move || async move { Json(json!({"object": "list", "data": list})) }))
+        .route("/health", get(|| async { "ok" }))
+        .route(
+            "/v1/chat/completions",
+            post(move |Json(body): Json<Value>| async move {
+                tokio::time::sleep(delay).await;
+                let completion = body["max_tokens"].as_u64().unwrap_or(0);
+                Json(json!({
+                    "id": "x", "object": "chat.completion", "model": body["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+                }))
+            }),
+        );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+/// Issue 14, point 1: admission reserves each request's worst case
+/// against the token budgets, so 50 concurrent requests against a budget
+/// that fits 10 overshoot it by at most one request's reservation; when
+/// they end, the unused part of each reservation is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_14_concurrent_requests_overshoot_a_token_budget_by_at_most_one_reservation() {
+    let addr = start_spender(5, Duration::from_millis(300)).await;
+    let g = Gw::start(&named(&[("a", addr)]), |_| {}).await;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100});
+    let reservation = serde_json::to_vec(&body).unwrap().len() as u64 / 4 + 100;
+    let used_each = 5 + 100;
+    assert!(used_each <= reservation);
+    let budget = 10 * reservation;
+    let key = g.key("acme", json!({"limits": {"tokens_per_day": budget}})).await;
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let (http, base, key, body) = (g.http.clone(), g.base.clone(), key.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            http.post(format!("{base}/v1/chat/completions")).bearer_auth(key).json(&body).send().await.unwrap().status()
+        }));
+    }
+    let mut ok = 0u64;
+    for t in tasks {
+        let status = t.await.unwrap();
+        assert!(status == 200 || status == 429, "{status}");
+        ok += u64::from(status == 200);
+    }
+    let spent = ok * used_each;
+    assert!(ok >= 1 && spent <= budget + reservation, "{ok} admitted: {spent} tokens against a budget of {budget}");
+    // What the requests did not use of their reservations is released.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = g.chat(&key, body.clone()).await;
+    assert_eq!(r.status(), 200, "the released tokens admit another request after {ok}");
+    let audited: u64 = g.audit().await.iter().map(|r| r.prompt_tokens + r.completion_tokens).sum();
+    assert_eq!(audited, (ok + 1) * used_each);
 }

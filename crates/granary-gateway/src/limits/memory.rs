@@ -84,6 +84,7 @@ impl MemoryStore {
         tenant: TenantId,
         checks: &[Check],
         estimate: u64,
+        reserve: u64,
         now_ms: i64,
     ) -> (Vec<(usize, u64)>, Vec<u64>) {
         let mut shard = self.shard(tenant).lock();
@@ -97,20 +98,29 @@ impl MemoryStore {
             })
             .collect();
         if failed.is_empty() {
-            for c in checks.iter().filter(|c| c.kind.is_requests()) {
-                shard.add(c, 1);
+            for c in checks {
+                if c.kind.is_requests() {
+                    shard.add(c, 1);
+                } else if reserve > 0 {
+                    shard.add(c, reserve);
+                }
             }
         }
         let used = checks.iter().map(|c| shard.used(c)).collect();
         (failed, used)
     }
 
-    /// Adds `tokens` to every given (token) window.
-    pub(super) fn charge(&self, tenant: TenantId, checks: &[Check], tokens: u64, now_ms: i64) {
+    /// Adds `delta` (a release when negative, never below 0) to every
+    /// given token window.
+    pub(super) fn adjust(&self, tenant: TenantId, checks: &[Check], delta: i64, now_ms: i64) {
         let mut shard = self.shard(tenant).lock();
         shard.prune(now_ms);
         for c in checks.iter().filter(|c| !c.kind.is_requests()) {
-            shard.add(c, tokens);
+            if delta >= 0 {
+                shard.add(c, delta.unsigned_abs());
+            } else if let Some(counter) = shard.counters.get_mut(&CounterKey::of(c)) {
+                counter.used = counter.used.saturating_sub(delta.unsigned_abs());
+            }
         }
     }
 

@@ -15,8 +15,13 @@
 //! counters are checked and incremented in one atomic step, so a rejected
 //! request costs nothing. A token window admits while the tokens already
 //! spent are under its limit (`used < max`); a request whose estimate alone
-//! is over a token limit is refused outright, as it could never fit. The
-//! real tokens are added afterwards by [`Limiter::charge`].
+//! is over a token limit is refused outright, as it could never fit.
+//! [`Limiter::reserve`] (what the proxy uses) also reserves the request's
+//! worst case in every token window in that same step, so concurrent
+//! requests see each other and overshoot a budget by at most one
+//! reservation; [`Limiter::settle`] replaces the reservation with the real
+//! tokens when the request ends. [`Limiter::charge`] adds tokens without
+//! a reservation.
 //!
 //! With one gateway the counters live in process ([`Limiter::in_process`]).
 //! With several, they live in Redis ([`Limiter::redis`]): one script call
@@ -91,6 +96,20 @@ pub struct Headroom {
     pub remaining: u64,
     /// Until the window resets.
     pub reset: Duration,
+}
+
+/// Tokens reserved at admission, to be settled when the request ends
+/// ([`Limiter::settle`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reservation {
+    /// What the per-minute limits leave (for the `x-ratelimit-*` headers).
+    pub quota: Quota,
+    /// The tokens reserved in every token window (0: none, e.g. no token
+    /// limit applies or Redis failed open).
+    pub tokens: u64,
+    /// When it was taken (unix milliseconds): it is settled in the windows
+    /// of this time.
+    pub at_ms: i64,
 }
 
 /// What the per-minute limits leave after an admission: of the key's and
@@ -282,6 +301,8 @@ fn month_window(now_ms: i64) -> Option<(i64, i64)> {
 struct Check {
     scope: Scope,
     id: i64,
+    /// The tenant of the request (the Redis hash tag: one slot per tenant).
+    tenant: i64,
     kind: LimitKind,
     max: u64,
     start_ms: i64,
@@ -322,7 +343,7 @@ fn checks(who: &Principal, now_ms: i64, kinds: &[LimitKind]) -> Vec<Check> {
         for &kind in kinds {
             if let Some(max) = kind.max(limits) {
                 let (start_ms, end_ms) = kind.window(now_ms);
-                out.push(Check { scope, id, kind, max, start_ms, end_ms });
+                out.push(Check { scope, id, tenant: who.tenant_id, kind, max, start_ms, end_ms });
             }
         }
     }
@@ -404,21 +425,77 @@ impl Limiter {
 
     /// [`admit`](Self::admit) at an explicit time (unix milliseconds).
     pub async fn admit_at(&self, who: &Principal, estimated_tokens: u64, now_ms: i64) -> Result<Quota, Rejection> {
+        self.reserve_at(who, estimated_tokens, 0, now_ms).await.map(|r| r.quota)
+    }
+
+    /// Admits a request and, in the same atomic step, reserves `reserve`
+    /// tokens of every token window of its key and tenant (the request's
+    /// worst case: prompt plus `max_tokens`, or the configured default when
+    /// it sends none). Concurrent requests then see each other's
+    /// reservations, so a budget is overshot by at most one reservation.
+    /// `estimated_tokens` is what refuses a request outright (over a token
+    /// limit on its own). Hand the [`Reservation`] to
+    /// [`settle`](Self::settle) when the request ends.
+    pub async fn reserve(
+        &self,
+        who: &Principal,
+        estimated_tokens: u64,
+        reserve: u64,
+    ) -> Result<Reservation, Rejection> {
+        self.reserve_at(who, estimated_tokens, reserve, now_ms()).await
+    }
+
+    /// [`reserve`](Self::reserve) at an explicit time (unix milliseconds).
+    pub async fn reserve_at(
+        &self,
+        who: &Principal,
+        estimated_tokens: u64,
+        reserve: u64,
+        now_ms: i64,
+    ) -> Result<Reservation, Rejection> {
+        let none = Reservation { quota: Quota::default(), tokens: 0, at_ms: now_ms };
         if who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited() {
-            return Ok(Quota::default());
+            return Ok(none);
         }
         let checks = checks(who, now_ms, &ALL_KINDS);
         if checks.is_empty() {
-            return Ok(Quota::default());
+            return Ok(none);
         }
+        // Nothing to reserve in where no token limit applies.
+        let reserve = if checks.iter().any(|c| !c.kind.is_requests()) { reserve } else { 0 };
         let (failed, used) = match &*self.backend {
-            Backend::Memory(m) => m.admit(who.tenant_id, &checks, estimated_tokens, now_ms),
-            Backend::Redis(r) => r.admit(&checks, estimated_tokens, now_ms).await,
+            Backend::Memory(m) => m.admit(who.tenant_id, &checks, estimated_tokens, reserve, now_ms),
+            Backend::Redis(r) => r.admit(&checks, estimated_tokens, reserve, now_ms).await,
         };
         let quota = quota(&checks, &used, now_ms);
         match blocking(&checks, &failed, now_ms) {
             Some(rejection) => Err(Rejection { quota, ..rejection }),
-            None => Ok(quota),
+            // No counts back: Redis failed open and nothing was reserved.
+            None => Ok(Reservation { quota, tokens: if used.is_empty() { 0 } else { reserve }, at_ms: now_ms }),
+        }
+    }
+
+    /// Ends a reservation: the token windows it was taken from get the
+    /// tokens really used (prompt plus completion) instead of the reserved
+    /// ones; the unused part is released, an excess added. Windows that
+    /// have ended since are left alone when releasing.
+    pub async fn settle(&self, who: &Principal, reservation: &Reservation, used_tokens: u64) {
+        let delta = i64::try_from(used_tokens)
+            .unwrap_or(i64::MAX)
+            .saturating_sub(i64::try_from(reservation.tokens).unwrap_or(i64::MAX));
+        if delta == 0 || (who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited()) {
+            return;
+        }
+        let checks = checks(who, reservation.at_ms, &LimitKind::TOKENS);
+        if checks.is_empty() {
+            return;
+        }
+        // The windows are those of the admission; so is the clock used to
+        // prune and to set expiries (at worst a little generous).
+        let at = reservation.at_ms;
+        match &*self.backend {
+            Backend::Memory(m) => m.adjust(who.tenant_id, &checks, delta, at),
+            Backend::Redis(r) => r.adjust(&checks, delta, at).await,
         }
     }
 
@@ -438,8 +515,8 @@ impl Limiter {
             return;
         }
         match &*self.backend {
-            Backend::Memory(m) => m.charge(who.tenant_id, &checks, tokens, now_ms),
-            Backend::Redis(r) => r.charge(&checks, tokens, now_ms).await,
+            Backend::Memory(m) => m.adjust(who.tenant_id, &checks, i64::try_from(tokens).unwrap_or(i64::MAX), now_ms),
+            Backend::Redis(r) => r.adjust(&checks, i64::try_from(tokens).unwrap_or(i64::MAX), now_ms).await,
         }
     }
 

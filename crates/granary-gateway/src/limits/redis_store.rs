@@ -1,14 +1,16 @@
 //! Counters in Redis, shared by every gateway on the same server and prefix.
 //!
-//! Keys: `{prefix}{k|t}:{id}:{rpm|tpm|tpd|tpmo}:{window start, unix seconds}`,
-//! e.g. `granary:limits:k:42:tpd:1735689600`. They name key and tenant ids,
-//! never secrets, and expire a second after their window ends.
+//! Keys: `{prefix}{t<tenant>}:{k|t}:{id}:{rpm|tpm|tpd|tpmo}:{window start, unix seconds}`,
+//! e.g. `granary:limits:{t4}:k:42:tpd:1735689600`. They name key and tenant
+//! ids, never secrets, and expire a second after their window ends. The
+//! `{t<tenant>}` hash tag puts every key of one tenant (its own and its
+//! keys') in one Redis Cluster slot, so one script call may touch them all.
 //!
 //! One admission is one script call: the script reads every window of the
 //! key and the tenant and increments the request counters only if all of
-//! them admit. One charge is one pipeline of `INCRBY` + `EXPIRE` per token
-//! window. All keys of one call belong to one tenant; on Redis Cluster they
-//! would need to share a hash slot, which this layout does not arrange.
+//! them admit, reserving the request's worst case in the token windows. One
+//! charge or settlement is one script call too (`INCRBY`, or a release that
+//! never goes below 0).
 //!
 //! Every call is bounded by the configured timeout. On any error or timeout
 //! the limiter fails open (the request is admitted, the charge dropped),
@@ -50,9 +52,11 @@ impl Default for RedisOptions {
 /// window three arguments: `r` (request counter) or `t` (token counter), the
 /// limit, and the key's time to live in seconds. Returns every window's
 /// count after the call (`#KEYS` values), then the failed windows as
-/// `i1, used1, i2, used2, ...` (1-based), none when admitted.
+/// `i1, used1, i2, used2, ...` (1-based), none when admitted. The last
+/// argument is the reservation: added to every token window on admission.
 const ADMIT_SCRIPT: &str = r#"
 local estimate = tonumber(ARGV[1])
+local reserve = tonumber(ARGV[3 * #KEYS + 2]) or 0
 local failed = {}
 local counts = {}
 for i = 1, #KEYS do
@@ -70,6 +74,9 @@ if #failed == 0 then
     if ARGV[3 * i - 1] == 'r' then
       counts[i] = redis.call('INCR', KEYS[i])
       redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
+    elseif reserve > 0 then
+      counts[i] = redis.call('INCRBY', KEYS[i], reserve)
+      redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
     end
   end
 end
@@ -77,6 +84,24 @@ for j = 1, #failed do
   counts[#counts + 1] = failed[j]
 end
 return counts
+"#;
+
+/// Adds `ARGV[1]` to every key; `ARGV[i + 1]` is key `i`'s time to live.
+/// A negative amount releases: only from a key that still exists, and
+/// never below 0.
+const ADJUST_SCRIPT: &str = r#"
+local delta = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  if delta > 0 then
+    redis.call('INCRBY', KEYS[i], delta)
+    redis.call('EXPIRE', KEYS[i], ARGV[i + 1])
+  elseif redis.call('EXISTS', KEYS[i]) == 1 then
+    if redis.call('DECRBY', KEYS[i], -delta) < 0 then
+      redis.call('SET', KEYS[i], 0, 'KEEPTTL')
+    end
+  end
+end
+return 0
 "#;
 
 /// Seconds a key outlives its window (absorbs small clock differences
@@ -117,6 +142,7 @@ pub(super) struct RedisStore {
     prefix: String,
     timeout: Duration,
     script: redis::Script,
+    adjust: redis::Script,
 }
 
 impl RedisStore {
@@ -143,6 +169,7 @@ impl RedisStore {
             prefix: options.prefix,
             timeout: Duration::from_millis(options.timeout_ms),
             script: redis::Script::new(ADMIT_SCRIPT),
+            adjust: redis::Script::new(ADJUST_SCRIPT),
         })
     }
 
@@ -152,8 +179,9 @@ impl RedisStore {
 
     fn key(&self, check: &Check) -> String {
         format!(
-            "{}{}:{}:{}:{}",
+            "{}{{t{}}}:{}:{}:{}:{}",
             self.prefix,
+            check.tenant,
             check.scope.tag(),
             check.id,
             check.kind.tag(),
@@ -174,13 +202,20 @@ impl RedisStore {
     /// The failed windows as `(index into checks, used)`, and every
     /// window's count after the call; both empty when Redis failed (fail
     /// open).
-    pub(super) async fn admit(&self, checks: &[Check], estimate: u64, now_ms: i64) -> (Vec<(usize, u64)>, Vec<u64>) {
+    pub(super) async fn admit(
+        &self,
+        checks: &[Check],
+        estimate: u64,
+        reserve: u64,
+        now_ms: i64,
+    ) -> (Vec<(usize, u64)>, Vec<u64>) {
         let Some(mut conn) = self.connection("admission") else { return (Vec::new(), Vec::new()) };
         let mut call = self.script.prepare_invoke();
         call.arg(estimate);
         for c in checks {
             call.key(self.key(c)).arg(if c.kind.is_requests() { "r" } else { "t" }).arg(c.max).arg(ttl_secs(c, now_ms));
         }
+        call.arg(reserve);
         let reply = tokio::time::timeout(self.timeout, call.invoke_async::<Vec<i64>>(&mut conn)).await;
         let flat = match reply {
             Ok(Ok(flat)) => flat,
@@ -208,17 +243,17 @@ impl RedisStore {
         (failed, counts.iter().map(|&n| u64::try_from(n).unwrap_or(0)).collect())
     }
 
-    /// Adds `tokens` to every given token window.
-    pub(super) async fn charge(&self, checks: &[Check], tokens: u64, now_ms: i64) {
+    /// Adds `delta` to every given token window (a release, never below
+    /// 0, when negative).
+    pub(super) async fn adjust(&self, checks: &[Check], delta: i64, now_ms: i64) {
         let Some(mut conn) = self.connection("charge") else { return };
-        let mut pipe = redis::pipe();
+        let mut call = self.adjust.prepare_invoke();
+        call.arg(delta);
         for c in checks.iter().filter(|c| !c.kind.is_requests()) {
-            let key = self.key(c);
-            pipe.cmd("INCRBY").arg(&key).arg(tokens).ignore();
-            pipe.cmd("EXPIRE").arg(&key).arg(ttl_secs(c, now_ms)).ignore();
+            call.key(self.key(c)).arg(ttl_secs(c, now_ms));
         }
-        match tokio::time::timeout(self.timeout, pipe.exec_async(&mut conn)).await {
-            Ok(Ok(())) => {}
+        match tokio::time::timeout(self.timeout, call.invoke_async::<i64>(&mut conn)).await {
+            Ok(Ok(_)) => {}
             Ok(Err(e)) => self.shared.failed("charge", &e),
             Err(_) => self.shared.failed("charge", &format_args!("no answer within {} ms", self.timeout.as_millis())),
         }

@@ -311,3 +311,42 @@ fn reset_durations_are_written_as_openai_writes_them() {
     assert_eq!(t(360_000), "6m0s");
     assert_eq!(t(61_050), "1m1.05s");
 }
+
+/// Issue 14, point 1: concurrent admissions see each other's reservations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_bound_concurrent_overshoot_and_settle_releases_the_rest() {
+    let l = Limiter::in_process();
+    let budget = Limits { tokens_per_day: Some(1_000), ..Limits::default() };
+    let p = principal(1, 10, budget, Limits::default());
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let (l, p) = (l.clone(), p.clone());
+        tasks.push(tokio::spawn(async move { l.reserve_at(&p, 10, 100, T0).await.ok() }));
+    }
+    let mut admitted = Vec::new();
+    for t in tasks {
+        admitted.extend(t.await.unwrap());
+    }
+    assert_eq!(admitted.len(), 10);
+    // 150 reserved where 1000 fit: admitted while under the budget, so at
+    // most one reservation over it.
+    let q = principal(2, 20, Limits { tokens_per_day: Some(1_000), ..Limits::default() }, Limits::default());
+    let mut n = 0;
+    while l.reserve_at(&q, 10, 150, T0).await.is_ok() {
+        n += 1;
+    }
+    assert_eq!(n, 7, "0, 150, ..., 900 are under 1000: 7 admitted, 1050 reserved");
+    // Settling: each used 40 of its 100; 600 come back.
+    for r in &admitted {
+        l.settle(&p, r, 40).await;
+    }
+    let mut more = 0;
+    while let Ok(r) = l.reserve_at(&p, 10, 100, T0).await {
+        assert_eq!(r.tokens, 100);
+        more += 1;
+    }
+    assert_eq!(more, 6, "400 used: 400, 500, ..., 900 are under 1000");
+    // Without any token limit nothing is reserved.
+    let free = principal(3, 30, rpm(10), Limits::default());
+    assert_eq!(l.reserve_at(&free, 10, 100, T0).await.unwrap().tokens, 0);
+}
