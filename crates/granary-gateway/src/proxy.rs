@@ -170,6 +170,31 @@ enum TokenizerSlot {
 }
 
 impl Gateway {
+    /// Copies the audit writer's and the limiter's own counters into the
+    /// metrics.
+    pub fn refresh_counters(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let m = &self.metrics;
+        m.audit_dropped.inner().store(self.identity.audit_dropped(), Relaxed);
+        m.audit_write_errors.inner().store(self.identity.audit_write_errors(), Relaxed);
+        m.audit_spooled.set(i64::try_from(self.identity.audit_spooled()).unwrap_or(i64::MAX));
+        m.limiter_errors.inner().store(self.limiter.backend_errors(), Relaxed);
+    }
+
+    /// Reloads the day and month token budgets of every tenant and key from
+    /// the usage rollup into the limiter (raising counters, never lowering
+    /// them). [`Gateway::new`] starts this in the background.
+    pub async fn restore_budgets(&self) {
+        const DAYS_32: i64 = 32 * 86_400_000;
+        match self.identity.budget_usage(now_ms() - DAYS_32).await {
+            Ok(usage) => {
+                self.limiter.restore(&usage).await;
+                tracing::info!(rows = usage.len(), "limits: day and month budgets reloaded from usage_daily");
+            }
+            Err(e) => tracing::warn!(error = %e, "limits: cannot reload budgets from usage_daily"),
+        }
+    }
+
     pub fn new(config: &GatewayConfig, identity: Identity, limiter: Limiter) -> anyhow::Result<Arc<Gateway>> {
         config.validate()?;
         let metrics = GatewayMetrics::new(config.gateway.metrics_max_tenants);
@@ -198,6 +223,10 @@ impl Gateway {
             scoped: ScopedTokens::from_env(&config.gateway)?,
         });
         gw.rebuild();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let g = gw.clone();
+            rt.spawn(async move { g.restore_budgets().await });
+        }
         Ok(gw)
     }
 
@@ -512,7 +541,7 @@ impl Drop for Outcome {
             }
         }
         self.gw.identity.record(std::mem::take(&mut self.rec));
-        m.audit_dropped.inner().store(self.gw.identity.audit_dropped(), std::sync::atomic::Ordering::Relaxed);
+        self.gw.refresh_counters();
     }
 }
 

@@ -94,7 +94,8 @@ fn rec(tenant: &str, model: &str, status: u16, prompt: u64, completion: u64, tim
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_on_postgresql() {
     let Some(server) = server() else { return };
-    let opts = IdentityOptions { key_cache: Duration::from_millis(1000), audit_queue: 1024 };
+    let opts =
+        IdentityOptions { key_cache: Duration::from_millis(1000), audit_queue: 1024, ..IdentityOptions::default() };
     let id = Identity::open(&server.url, opts.clone()).await.expect("open on PostgreSQL");
     assert_eq!(id.backend(), "postgres");
     // A second process on the same database: migrations are already applied.

@@ -124,6 +124,16 @@ impl MemoryStore {
         }
     }
 
+    /// Raises each counter to at least its value.
+    pub(super) fn raise(&self, tenant: TenantId, counters: &[(Check, u64)], now_ms: i64) {
+        let mut shard = self.shard(tenant).lock();
+        shard.prune(now_ms);
+        for (c, value) in counters {
+            let counter = shard.counters.entry(CounterKey::of(c)).or_insert(Counter { used: 0, end_ms: c.end_ms });
+            counter.used = counter.used.max(*value);
+        }
+    }
+
     /// How many windows are held (for tests of the pruning).
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {

@@ -43,7 +43,7 @@ use crate::{ApiError, Limits, Principal};
 pub use self::redis_store::RedisOptions;
 
 /// Whose limit blocked a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Scope {
     /// The API key's own limits.
     Key,
@@ -224,7 +224,7 @@ fn retry_secs(after: Duration) -> u64 {
 }
 
 /// The four counted limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum LimitKind {
     RequestsPerMinute,
     TokensPerMinute,
@@ -517,6 +517,53 @@ impl Limiter {
         match &*self.backend {
             Backend::Memory(m) => m.adjust(who.tenant_id, &checks, i64::try_from(tokens).unwrap_or(i64::MAX), now_ms),
             Backend::Redis(r) => r.adjust(&checks, i64::try_from(tokens).unwrap_or(i64::MAX), now_ms).await,
+        }
+    }
+
+    /// Raises the day and month token counters of every tenant and key in
+    /// `usage` to at least what it says they used (never lowers one), so a
+    /// restart, or a Redis that lost its data, does not reset a budget.
+    /// `usage` is per tenant, key (0: none) and UTC day, as the
+    /// `usage_daily` rollup keeps it; days outside the current day and
+    /// month are ignored. Counters that already hold more (requests served
+    /// since) keep their value.
+    pub async fn restore(&self, usage: &[crate::identity::DailyUsage]) {
+        self.restore_at(usage, now_ms()).await
+    }
+
+    /// [`restore`](Self::restore) at an explicit time (unix milliseconds).
+    pub async fn restore_at(&self, usage: &[crate::identity::DailyUsage], now_ms: i64) {
+        use std::collections::BTreeMap;
+        // (tenant, scope, id, kind) -> tokens
+        let mut totals: BTreeMap<(i64, Scope, i64, LimitKind), u64> = BTreeMap::new();
+        for u in usage {
+            for kind in [LimitKind::TokensPerDay, LimitKind::TokensPerMonth] {
+                let (start, end) = kind.window(now_ms);
+                if u.day_ms < start || u.day_ms >= end {
+                    continue;
+                }
+                let mut add = |scope, id| {
+                    let t = totals.entry((u.tenant_id, scope, id, kind)).or_default();
+                    *t = t.saturating_add(u.tokens);
+                };
+                add(Scope::Tenant, u.tenant_id);
+                if u.key_id != 0 {
+                    add(Scope::Key, u.key_id);
+                }
+            }
+        }
+        // One call per tenant: its keys share its Redis hash slot.
+        let mut per_tenant: BTreeMap<i64, Vec<(Check, u64)>> = BTreeMap::new();
+        for ((tenant, scope, id, kind), tokens) in totals {
+            let (start_ms, end_ms) = kind.window(now_ms);
+            let check = Check { scope, id, tenant, kind, max: 0, start_ms, end_ms };
+            per_tenant.entry(tenant).or_default().push((check, tokens));
+        }
+        for (tenant, counters) in per_tenant {
+            match &*self.backend {
+                Backend::Memory(m) => m.raise(tenant, &counters, now_ms),
+                Backend::Redis(r) => r.raise(&counters, now_ms).await,
+            }
         }
     }
 

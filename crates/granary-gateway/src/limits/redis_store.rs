@@ -104,6 +104,19 @@ end
 return 0
 "#;
 
+/// Raises every key to at least `ARGV[2i - 1]`, with time to live
+/// `ARGV[2i]` when it sets it.
+const RAISE_SCRIPT: &str = r#"
+for i = 1, #KEYS do
+  local want = tonumber(ARGV[2 * i - 1])
+  local have = tonumber(redis.call('GET', KEYS[i]) or '0') or 0
+  if have < want then
+    redis.call('SET', KEYS[i], want, 'EX', ARGV[2 * i])
+  end
+end
+return 0
+"#;
+
 /// Seconds a key outlives its window (absorbs small clock differences
 /// between gateways).
 const GRACE_SECS: i64 = 1;
@@ -143,6 +156,7 @@ pub(super) struct RedisStore {
     timeout: Duration,
     script: redis::Script,
     adjust: redis::Script,
+    raise: redis::Script,
 }
 
 impl RedisStore {
@@ -170,6 +184,7 @@ impl RedisStore {
             timeout: Duration::from_millis(options.timeout_ms),
             script: redis::Script::new(ADMIT_SCRIPT),
             adjust: redis::Script::new(ADJUST_SCRIPT),
+            raise: redis::Script::new(RAISE_SCRIPT),
         })
     }
 
@@ -256,6 +271,22 @@ impl RedisStore {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => self.shared.failed("charge", &e),
             Err(_) => self.shared.failed("charge", &format_args!("no answer within {} ms", self.timeout.as_millis())),
+        }
+    }
+}
+
+impl RedisStore {
+    /// Raises each counter (all of one tenant) to at least its value.
+    pub(super) async fn raise(&self, counters: &[(Check, u64)], now_ms: i64) {
+        let Some(mut conn) = self.connection("restore") else { return };
+        let mut call = self.raise.prepare_invoke();
+        for (c, value) in counters {
+            call.key(self.key(c)).arg(*value).arg(ttl_secs(c, now_ms));
+        }
+        match tokio::time::timeout(self.timeout, call.invoke_async::<i64>(&mut conn)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => self.shared.failed("restore", &e),
+            Err(_) => self.shared.failed("restore", &format_args!("no answer within {} ms", self.timeout.as_millis())),
         }
     }
 }
