@@ -408,3 +408,46 @@ async fn reservations_bound_the_overshoot_of_concurrent_requests_across_gateways
     assert!(n >= 0, "{n}");
     assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
 }
+
+/// Issue 14, point 2: a Redis that lost its counters (a flush, a restart
+/// without persistence) gets the day and month budgets back from the usage
+/// rollup; counters that hold more keep their value.
+#[tokio::test]
+async fn budgets_are_rebuilt_in_redis_from_the_usage_rollup() {
+    use granary_gateway::identity::DailyUsage;
+    let Some(server) = RedisServer::start() else { return };
+    let l = Limiter::redis(&server.url(), options("rb:")).await.unwrap();
+    let month = Limits { tokens_per_month: Some(1_000), tokens_per_day: Some(600), ..Limits::default() };
+    let p = principal(5, 50, month.clone(), Limits::default());
+    let day = T0 - T0.rem_euclid(86_400_000);
+    let usage = [
+        // Today: 400 by key 5, 100 by another key of the tenant.
+        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day, tokens: 400 },
+        DailyUsage { tenant_id: 50, key_id: 6, day_ms: day, tokens: 100 },
+        // Earlier this month: 700 by key 5; last month's are ignored.
+        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day - 86_400_000, tokens: 700 },
+        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day - 40 * 86_400_000, tokens: 99_999 },
+    ];
+    l.admit_at(&p, 0, T0).await.unwrap();
+    l.restore_at(&usage, T0).await;
+    let r = l.admit_at(&p, 0, T0).await.unwrap_err();
+    assert_eq!((r.limit, r.used), ("tokens_per_month", 1_100));
+    let mut c = server.client().await;
+    let get = |k: &'static str| {
+        let mut c = c.clone();
+        async move {
+            let keys: Vec<String> = redis::cmd("KEYS").arg(k).query_async(&mut c).await.unwrap();
+            let v: u64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
+            v
+        }
+    };
+    assert_eq!(get("rb:{t50}:k:5:tpd:*").await, 400);
+    assert_eq!(get("rb:{t50}:t:50:tpd:*").await, 500);
+    assert_eq!(get("rb:{t50}:t:50:tpmo:*").await, 1_200);
+    // Raising only: a counter that holds more keeps it.
+    l.charge_at(&p, 1_000, T0).await;
+    l.restore_at(&usage, T0).await;
+    assert_eq!(get("rb:{t50}:k:5:tpmo:*").await, 2_100);
+    let _ = redis::cmd("PING").query_async::<String>(&mut c).await;
+    assert_eq!(l.backend_errors(), 0);
+}

@@ -186,7 +186,7 @@ impl Gw {
         }
         tweak(&mut cfg);
         cfg.validate().unwrap();
-        let identity = Identity::open("sqlite::memory:", IdentityOptions::default()).await.unwrap();
+        let identity = Identity::open(&cfg.gateway.database, cfg.gateway.identity_options()).await.unwrap();
         let gw = Gateway::new(&cfg, identity.clone(), Limiter::in_process()).unwrap();
         if probe {
             gw.upstreams.probe_all(&cfg.gateway).await;
@@ -1543,4 +1543,39 @@ async fn issue_14_concurrent_requests_overshoot_a_token_budget_by_at_most_one_re
     assert_eq!(r.status(), 200, "the released tokens admit another request after {ok}");
     let audited: u64 = g.audit().await.iter().map(|r| r.prompt_tokens + r.completion_tokens).sum();
     assert_eq!(audited, (ok + 1) * used_each);
+}
+
+/// Issue 14, point 2: day and month budgets are reloaded from the usage
+/// rollup at start, so a restarted gateway (fresh in-process counters)
+/// still refuses a tenant whose month is spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_14_a_restart_keeps_the_month_budget_spent() {
+    let addr = start_spender(5, Duration::ZERO).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("gateway.db").display());
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100});
+    let key = {
+        let g = Gw::start(&named(&[("a", addr)]), |c| c.gateway.database = db.clone()).await;
+        let key = g.key("acme", json!({})).await;
+        let (s, _) = g
+            .admin(reqwest::Method::PATCH, "/admin/v1/tenants/acme", Some(json!({"limits": {"tokens_per_month": 250}})))
+            .await;
+        assert_eq!(s, StatusCode::OK);
+        // 105 tokens each: 0 and 105 are under 250, 210 too; 315 is not.
+        for _ in 0..3 {
+            assert_eq!(g.chat(&key, body.clone()).await.status(), 200);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(g.chat(&key, body.clone()).await.status(), 429);
+        g.identity.flush().await;
+        key
+    };
+    // A new process: the same database, counters starting from nothing.
+    let g = Gw::start(&named(&[("a", addr)]), |c| c.gateway.database = db.clone()).await;
+    g.gw.restore_budgets().await;
+    let r = g.chat(&key, body.clone()).await;
+    assert_eq!(r.status(), 429, "a restart must not reset the month");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "quota_exceeded", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("tokens_per_month"), "{v}");
 }
