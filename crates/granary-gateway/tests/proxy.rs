@@ -584,6 +584,13 @@ async fn metrics_pass_promtool() {
     for name in n::ALL.iter().filter(|x| !quiet.contains(x)) {
         assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing:\n{text}");
     }
+    for line in [
+        "granary_gateway_audit_spooled_records 0",
+        "granary_gateway_audit_write_errors_total 0",
+        "granary_gateway_limiter_errors_total 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+    }
     let run = std::process::Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(std::process::Stdio::piped())
