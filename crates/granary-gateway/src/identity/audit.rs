@@ -76,6 +76,14 @@ struct Spool {
 impl Spool {
     fn open(cfg: &SpoolConfig) -> std::io::Result<Spool> {
         std::fs::create_dir_all(&cfg.dir)?;
+        // A `.tmp` file is a batch that was being spilled when the process
+        // died: possibly incomplete, so never replayed (whole batches are
+        // renamed into place only once synced).
+        for e in std::fs::read_dir(&cfg.dir)?.flatten() {
+            if e.path().extension().is_some_and(|x| x == "tmp") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
         let mut spool = Spool { dir: cfg.dir.clone(), max_bytes: cfg.max_bytes, next_seq: 0 };
         spool.next_seq = spool.files()?.iter().filter_map(|p| seq_of(p)).max().map_or(0, |s| s + 1);
         Ok(spool)
