@@ -121,7 +121,8 @@ async fn two_gateways_enforce_one_request_limit_together() {
                     Ok(_) => admitted += 1,
                     Err(r) => {
                         assert_eq!((r.scope, r.limit, r.max), (Scope::Tenant, "requests_per_minute", 25));
-                        assert_eq!(r.retry_after, Duration::from_millis(33_500));
+                        // A rate: one of 25 a minute drains every 2.4 s.
+                        assert_eq!(r.retry_after, Duration::from_millis(2_400));
                     }
                 }
             }
@@ -134,12 +135,13 @@ async fn two_gateways_enforce_one_request_limit_together() {
     }
     assert_eq!(admitted, 25, "exactly the tenant's limit across both gateways");
     assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
-    // Rejected requests were not counted: the counter holds 25, not 80.
+    // Rejected requests were not counted: the rate holds 25 requests (its
+    // time is 25 x 2.4 s ahead), not 80.
     let mut c = server.client().await;
     let keys: Vec<String> = redis::cmd("KEYS").arg("t1:{t70}:t:70:rpm:*").query_async(&mut c).await.unwrap();
-    assert_eq!(keys.len(), 1);
-    let n: u64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
-    assert_eq!(n, 25);
+    assert_eq!(keys, ["t1:{t70}:t:70:rpm:0"]);
+    let tat: String = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
+    assert_eq!(tat.parse::<f64>().unwrap(), (T0 + 25 * 2_400) as f64);
     // Another limiter with another prefix does not see these counters.
     let other = Limiter::redis(&server.url(), options("t2:")).await.unwrap();
     other.admit_at(&p, 0, T0).await.unwrap();
@@ -214,13 +216,14 @@ async fn keys_name_ids_and_expire_after_their_window() {
         };
         assert!(ttl > 0 && ttl <= most, "{key} has TTL {ttl}, expected 1..={most}");
     }
-    // A minute counter for a window that is almost over expires within seconds.
-    let minute_end = now - now.rem_euclid(60_000) + 60_000;
+    // A per-minute rate expires a second after what it holds has drained:
+    // one request of 10 a minute, 6 s.
     let q = principal(43, 5, rpm(10), Limits::default());
-    l.admit_at(&q, 0, minute_end - 500).await.unwrap();
+    l.admit_at(&q, 0, now).await.unwrap();
     let keys: Vec<String> = redis::cmd("KEYS").arg("granary:limits:{t5}:k:43:*").query_async(&mut c).await.unwrap();
-    let ttl: i64 = redis::cmd("TTL").arg(&keys[0]).query_async(&mut c).await.unwrap();
-    assert!((1..=2).contains(&ttl), "TTL {ttl}");
+    assert_eq!(keys, ["granary:limits:{t5}:k:43:rpm:0"]);
+    let ttl: i64 = redis::cmd("PTTL").arg(&keys[0]).query_async(&mut c).await.unwrap();
+    assert!((5_000..=7_000).contains(&ttl), "PTTL {ttl}");
 }
 
 #[tokio::test]
@@ -338,7 +341,8 @@ async fn issue_14_admissions_report_the_quota_left_in_process_and_in_redis() {
     let key = Limits { requests_per_minute: Some(5), tokens_per_minute: Some(1_000), ..Limits::default() };
     let tenant = Limits { requests_per_minute: Some(3), ..Limits::default() };
     let p = principal(5, 50, key, tenant);
-    let window_left = Duration::from_millis(60_000 - (T0.rem_euclid(60_000)) as u64);
+    // A rate: one request of 3 a minute drains in 20 s.
+    let window_left = Duration::from_secs(20);
     for (name, l) in limiters {
         let q = l.admit_at(&p, 10, T0).await.unwrap();
         let r = q.requests.expect("a request quota");
@@ -394,18 +398,24 @@ async fn reservations_bound_the_overshoot_of_concurrent_requests_across_gateways
     let mut c = server.client().await;
     let keys: Vec<String> = redis::cmd("KEYS").arg("r:{t80}:t:80:tpmo:*").query_async(&mut c).await.unwrap();
     redis::cmd("SET").arg(&keys[0]).arg(9 * RESERVE).query_async::<()>(&mut c).await.unwrap();
+    // The minute rate holds 9 reservations: its time is 9 x 150 x 40 ms ahead.
     let minute: Vec<String> = redis::cmd("KEYS").arg("r:{t80}:t:80:tpm:*").query_async(&mut c).await.unwrap();
-    redis::cmd("SET").arg(&minute[0]).arg(9 * RESERVE).query_async::<()>(&mut c).await.unwrap();
+    redis::cmd("SET").arg(&minute[0]).arg(T0 + 9 * RESERVE as i64 * 40).query_async::<()>(&mut c).await.unwrap();
     let r = a.reserve_at(&p, 50, RESERVE, T0).await.unwrap();
     a.settle(&p, &r, 50).await;
     let n: u64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
     assert_eq!(n, 9 * RESERVE + 50);
+    let tat: String = redis::cmd("GET").arg(&minute[0]).query_async(&mut c).await.unwrap();
+    assert_eq!(tat.parse::<f64>().unwrap(), (T0 + (9 * RESERVE + 50) as i64 * 40) as f64);
     // A release never takes a counter below 0.
     b.settle(&p, &r, 0).await;
     b.settle(&p, &admitted[0], 0).await;
     b.settle(&p, &admitted[1], 0).await;
-    let n: i64 = redis::cmd("GET").arg(&minute[0]).query_async(&mut c).await.unwrap();
+    let n: i64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
     assert!(n >= 0, "{n}");
+    // The rate drained below now is removed rather than kept in the past.
+    let tat: Option<String> = redis::cmd("GET").arg(&minute[0]).query_async(&mut c).await.unwrap();
+    assert!(tat.as_ref().is_none_or(|t| t.parse::<f64>().unwrap() > T0 as f64), "{tat:?}");
     assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
 }
 
@@ -450,4 +460,48 @@ async fn budgets_are_rebuilt_in_redis_from_the_usage_rollup() {
     assert_eq!(get("rb:{t50}:k:5:tpmo:*").await, 2_100);
     let _ = redis::cmd("PING").query_async::<String>(&mut c).await;
     assert_eq!(l.backend_errors(), 0);
+}
+
+/// Issue 14, point 1: per-minute limits are rates (GCRA) in Redis as in
+/// process: a burst at the end of one wall-clock minute and another at the
+/// start of the next together fit the limit.
+#[tokio::test]
+async fn a_burst_across_a_minute_edge_cannot_exceed_the_limit_in_redis_or_in_process() {
+    let server = RedisServer::start();
+    let mut limiters = vec![("memory", Limiter::in_process())];
+    if let Some(s) = &server {
+        limiters.push(("redis", Limiter::redis(&s.url(), options("edge:")).await.unwrap()));
+    }
+    let edge = T0 - T0.rem_euclid(60_000) + 60_000;
+    for (name, l) in limiters {
+        let p = principal(1, 10, rpm(10), Limits::default());
+        let mut admitted = 0;
+        for t in [edge - 500, edge - 1, edge, edge + 1, edge + 500] {
+            for _ in 0..20 {
+                admitted += u32::from(l.admit_at(&p, 0, t).await.is_ok());
+            }
+        }
+        assert_eq!(admitted, 10, "{name}: no second burst after the edge");
+        // Then one request per 6 s, and never more than 10 in any minute.
+        let mut times = Vec::new();
+        for step in 0..240 {
+            let t = edge + 500 + step * 500;
+            if l.admit_at(&p, 0, t).await.is_ok() {
+                times.push(t);
+            }
+        }
+        assert_eq!(times.first(), Some(&(edge - 500 + 6_000)), "{name}");
+        assert!(times.windows(2).all(|w| w[1] - w[0] >= 6_000), "{name}: {times:?}");
+        // Tokens: 1000 taken just before the edge leave what one second
+        // drained (16 of 1000) just after it.
+        let q = principal(2, 20, Limits { tokens_per_minute: Some(1_000), ..Limits::default() }, Limits::default());
+        l.reserve_at(&q, 10, 1_000, edge - 500).await.unwrap();
+        let tokens = l.admit_at(&q, 0, edge + 500).await.unwrap().tokens.unwrap();
+        assert_eq!(
+            (tokens.limit, tokens.remaining, tokens.reset),
+            (1_000, 16, Duration::from_millis(59_040)),
+            "{name}"
+        );
+        assert_eq!(l.backend_errors(), 0);
+    }
 }

@@ -1,14 +1,20 @@
 //! Request and token limits per key and per tenant, in process or shared through Redis.
 //!
-//! Every request must fit both its key's and its tenant's [`Limits`]. Four
-//! fixed windows are counted, each keyed by its start:
+//! Every request must fit both its key's and its tenant's [`Limits`]:
 //!
-//! | limit                 | window                 |
-//! |-----------------------|------------------------|
-//! | `requests_per_minute` | the wall-clock minute  |
-//! | `tokens_per_minute`   | the wall-clock minute  |
-//! | `tokens_per_day`      | the UTC day            |
-//! | `tokens_per_month`    | the UTC calendar month |
+//! | limit                 | counted as                                  |
+//! |-----------------------|---------------------------------------------|
+//! | `requests_per_minute` | a rate (GCRA): each request drains in 60 s / limit |
+//! | `tokens_per_minute`   | a rate (GCRA): each token drains in 60 s / limit   |
+//! | `tokens_per_day`      | a fixed window: the UTC day                 |
+//! | `tokens_per_month`    | a fixed window: the UTC calendar month      |
+//!
+//! A rate is a bucket that drains continuously, so there is no window edge
+//! at which a second full burst fits: whatever is taken at once, no 60 s
+//! span sees more than the limit plus what drained within it. "Used" is the
+//! bucket's level (rounded up), "reset" the time until it is empty, and a
+//! refusal's retry time the time until it is under the limit again. The
+//! day and month budgets are calendar windows, as billing is.
 //!
 //! Admission ([`Limiter::admit`]) happens before the request is sent
 //! upstream, when only an estimate of its tokens is known. The request
@@ -173,7 +179,7 @@ fn quota(checks: &[Check], used: &[u64], now_ms: i64) -> Quota {
             .map(|(c, &u)| Headroom {
                 limit: c.max,
                 remaining: c.max.saturating_sub(u),
-                reset: Duration::from_millis(u64::try_from(c.end_ms.saturating_sub(now_ms)).unwrap_or(0)),
+                reset: Duration::from_millis(u64::try_from(c.reset_ms(u, now_ms)).unwrap_or(0)),
             })
             .min_by_key(|h| h.remaining)
     };
@@ -258,6 +264,11 @@ impl LimitKind {
         self == LimitKind::RequestsPerMinute
     }
 
+    /// The per-minute limits: rates (GCRA), not calendar windows.
+    fn is_rate(self) -> bool {
+        matches!(self, LimitKind::RequestsPerMinute | LimitKind::TokensPerMinute)
+    }
+
     fn max(self, limits: &Limits) -> Option<u64> {
         match self {
             LimitKind::RequestsPerMinute => limits.requests_per_minute,
@@ -268,11 +279,13 @@ impl LimitKind {
     }
 
     /// The window holding `now_ms`: `(start, end)` in unix milliseconds.
+    /// For the per-minute rates: `(0, now + 1 minute)`.
     fn window(self, now_ms: i64) -> (i64, i64) {
         const MINUTE: i64 = 60_000;
         const DAY: i64 = 86_400_000;
         match self {
-            LimitKind::RequestsPerMinute | LimitKind::TokensPerMinute => fixed_window(now_ms, MINUTE),
+            // Rates have one counter for all time; "end" is unused.
+            LimitKind::RequestsPerMinute | LimitKind::TokensPerMinute => (0, now_ms.saturating_add(MINUTE)),
             LimitKind::TokensPerDay => fixed_window(now_ms, DAY),
             // A time chrono cannot place in the calendar (hundreds of
             // thousands of years away) falls back to 30-day windows.
@@ -309,9 +322,37 @@ struct Check {
     end_ms: i64,
 }
 
+/// What a per-minute rate drains in: its limit per [`RATE_PERIOD_MS`].
+pub(crate) const RATE_PERIOD_MS: i64 = 60_000;
+
 impl Check {
+    /// Milliseconds one unit (a request, a token) of this rate takes to drain.
+    fn unit_ms(&self) -> f64 {
+        RATE_PERIOD_MS as f64 / self.max.max(1) as f64
+    }
+
+    /// Until `used` is under the limit again: for a rate, until enough has
+    /// drained; for a calendar window, until it ends.
+    fn retry_ms(&self, used: u64, now_ms: i64) -> i64 {
+        if self.kind.is_rate() {
+            let over = used.saturating_add(1).saturating_sub(self.max) as f64;
+            ((over * self.unit_ms()).ceil() as i64).max(1)
+        } else {
+            self.end_ms.saturating_sub(now_ms)
+        }
+    }
+
+    /// Until nothing is used: a rate fully drained, a window ended.
+    fn reset_ms(&self, used: u64, now_ms: i64) -> i64 {
+        if self.kind.is_rate() {
+            (used as f64 * self.unit_ms()).ceil() as i64
+        } else {
+            self.end_ms.saturating_sub(now_ms)
+        }
+    }
+
     fn rejection(&self, used: u64, now_ms: i64) -> Rejection {
-        let left = u64::try_from(self.end_ms.saturating_sub(now_ms)).unwrap_or(0);
+        let left = u64::try_from(self.retry_ms(used, now_ms)).unwrap_or(0);
         Rejection {
             scope: self.scope,
             limit: self.kind.as_str(),
@@ -353,13 +394,13 @@ fn checks(who: &Principal, now_ms: i64, kinds: &[LimitKind]) -> Vec<Check> {
 const ALL_KINDS: [LimitKind; 4] =
     [LimitKind::RequestsPerMinute, LimitKind::TokensPerMinute, LimitKind::TokensPerDay, LimitKind::TokensPerMonth];
 
-/// Among the failed windows, the one that resets last: retrying earlier
+/// Among the failed windows, the one that admits last: retrying earlier
 /// would fail again. `failed` holds `(index into checks, used)`.
 fn blocking(checks: &[Check], failed: &[(usize, u64)], now_ms: i64) -> Option<Rejection> {
     let mut best: Option<(usize, u64)> = None;
     for &(i, used) in failed {
         let Some(check) = checks.get(i) else { continue };
-        if best.is_none_or(|(b, _)| check.end_ms > checks[b].end_ms) {
+        if best.is_none_or(|(b, bu)| check.retry_ms(used, now_ms) > checks[b].retry_ms(bu, now_ms)) {
             best = Some((i, used));
         }
     }

@@ -3,6 +3,9 @@
 //! Keys: `{prefix}{t<tenant>}:{k|t}:{id}:{rpm|tpm|tpd|tpmo}:{window start, unix seconds}`,
 //! e.g. `granary:limits:{t4}:k:42:tpd:1735689600`. They name key and tenant
 //! ids, never secrets, and expire a second after their window ends. The
+//! per-minute rates (`rpm`, `tpm`) have window start 0 and hold a time (GCRA,
+//! see the admission script); they expire a second after all they counted
+//! has drained. The
 //! `{t<tenant>}` hash tag puts every key of one tenant (its own and its
 //! keys') in one Redis Cluster slot, so one script call may touch them all.
 //!
@@ -49,34 +52,54 @@ impl Default for RedisOptions {
 /// Checks every window of one request and counts it if all admit.
 ///
 /// `KEYS[i]` is a window; `ARGV[1]` the request's token estimate; then per
-/// window three arguments: `r` (request counter) or `t` (token counter), the
-/// limit, and the key's time to live in seconds. Returns every window's
-/// count after the call (`#KEYS` values), then the failed windows as
-/// `i1, used1, i2, used2, ...` (1-based), none when admitted. The last
-/// argument is the reservation: added to every token window on admission.
+/// window three arguments: its kind, the limit, and the key's time to live
+/// in seconds (calendar windows). Kinds: `r` requests per minute and `q`
+/// tokens per minute, both rates (GCRA: the key holds the time, in unix
+/// milliseconds, when all it counted has drained, each unit taking
+/// 60000 / limit ms); `t` a calendar token window (the key holds a count).
+/// Then the reservation (added to every token window on admission) and the
+/// caller's clock. Returns every window's count after the call (`#KEYS`
+/// values), then the failed windows as `i1, used1, i2, used2, ...`
+/// (1-based), none when admitted.
 const ADMIT_SCRIPT: &str = r#"
 local estimate = tonumber(ARGV[1])
 local reserve = tonumber(ARGV[3 * #KEYS + 2]) or 0
+local now = tonumber(ARGV[3 * #KEYS + 3])
+local function level(tat, max)
+  if tat <= now then return 0 end
+  return math.max(0, math.ceil((tat - now) * max / 60000 - 1e-6))
+end
 local failed = {}
 local counts = {}
+local state = {}
 for i = 1, #KEYS do
   local kind = ARGV[3 * i - 1]
   local max = tonumber(ARGV[3 * i])
-  local used = tonumber(redis.call('GET', KEYS[i]) or '0') or 0
+  local raw = tonumber(redis.call('GET', KEYS[i]) or '0') or 0
+  local used = raw
+  if kind ~= 't' then used = level(raw, max) end
+  state[i] = raw
   counts[i] = used
-  if used >= max or (kind == 't' and estimate > max) then
+  if used >= max or (kind ~= 'r' and estimate > max) then
     failed[#failed + 1] = i
     failed[#failed + 1] = used
   end
 end
 if #failed == 0 then
   for i = 1, #KEYS do
-    if ARGV[3 * i - 1] == 'r' then
-      counts[i] = redis.call('INCR', KEYS[i])
-      redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
-    elseif reserve > 0 then
-      counts[i] = redis.call('INCRBY', KEYS[i], reserve)
-      redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
+    local kind = ARGV[3 * i - 1]
+    local max = tonumber(ARGV[3 * i])
+    local n = reserve
+    if kind == 'r' then n = 1 end
+    if n > 0 then
+      if kind == 't' then
+        counts[i] = redis.call('INCRBY', KEYS[i], n)
+        redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
+      else
+        local tat = math.max(state[i], now) + n * 60000 / max
+        redis.call('SET', KEYS[i], string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 1000)
+        counts[i] = level(tat, max)
+      end
     end
   end
 end
@@ -86,18 +109,38 @@ end
 return counts
 "#;
 
-/// Adds `ARGV[1]` to every key; `ARGV[i + 1]` is key `i`'s time to live.
-/// A negative amount releases: only from a key that still exists, and
-/// never below 0.
+/// Adds `ARGV[1]` to every key (a negative amount releases: only from a
+/// key that still exists, and never below 0); `ARGV[2]` is the caller's
+/// clock; then per key its kind (`q` or `t`, as in the admission script),
+/// limit and time to live in seconds.
 const ADJUST_SCRIPT: &str = r#"
 local delta = tonumber(ARGV[1])
+local now = tonumber(ARGV[2])
 for i = 1, #KEYS do
-  if delta > 0 then
-    redis.call('INCRBY', KEYS[i], delta)
-    redis.call('EXPIRE', KEYS[i], ARGV[i + 1])
-  elseif redis.call('EXISTS', KEYS[i]) == 1 then
-    if redis.call('DECRBY', KEYS[i], -delta) < 0 then
-      redis.call('SET', KEYS[i], 0, 'KEEPTTL')
+  local kind = ARGV[3 * i]
+  local max = tonumber(ARGV[3 * i + 1])
+  if kind == 't' then
+    if delta > 0 then
+      redis.call('INCRBY', KEYS[i], delta)
+      redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 2])
+    elseif redis.call('EXISTS', KEYS[i]) == 1 then
+      if redis.call('DECRBY', KEYS[i], -delta) < 0 then
+        redis.call('SET', KEYS[i], 0, 'KEEPTTL')
+      end
+    end
+  else
+    local raw = redis.call('GET', KEYS[i])
+    local tat = tonumber(raw or '0') or 0
+    if delta > 0 then
+      tat = math.max(tat, now) + delta * 60000 / max
+      redis.call('SET', KEYS[i], string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 1000)
+    elseif raw then
+      tat = tat + delta * 60000 / max
+      if tat <= now then
+        redis.call('DEL', KEYS[i])
+      else
+        redis.call('SET', KEYS[i], string.format('%.3f', tat), 'KEEPTTL')
+      end
     end
   end
 end
@@ -228,9 +271,9 @@ impl RedisStore {
         let mut call = self.script.prepare_invoke();
         call.arg(estimate);
         for c in checks {
-            call.key(self.key(c)).arg(if c.kind.is_requests() { "r" } else { "t" }).arg(c.max).arg(ttl_secs(c, now_ms));
+            call.key(self.key(c)).arg(kind_code(c)).arg(c.max).arg(ttl_secs(c, now_ms));
         }
-        call.arg(reserve);
+        call.arg(reserve).arg(now_ms);
         let reply = tokio::time::timeout(self.timeout, call.invoke_async::<Vec<i64>>(&mut conn)).await;
         let flat = match reply {
             Ok(Ok(flat)) => flat,
@@ -263,9 +306,9 @@ impl RedisStore {
     pub(super) async fn adjust(&self, checks: &[Check], delta: i64, now_ms: i64) {
         let Some(mut conn) = self.connection("charge") else { return };
         let mut call = self.adjust.prepare_invoke();
-        call.arg(delta);
+        call.arg(delta).arg(now_ms);
         for c in checks.iter().filter(|c| !c.kind.is_requests()) {
-            call.key(self.key(c)).arg(ttl_secs(c, now_ms));
+            call.key(self.key(c)).arg(kind_code(c)).arg(c.max.max(1)).arg(ttl_secs(c, now_ms));
         }
         match tokio::time::timeout(self.timeout, call.invoke_async::<i64>(&mut conn)).await {
             Ok(Ok(_)) => {}
@@ -288,6 +331,15 @@ impl RedisStore {
             Ok(Err(e)) => self.shared.failed("restore", &e),
             Err(_) => self.shared.failed("restore", &format_args!("no answer within {} ms", self.timeout.as_millis())),
         }
+    }
+}
+
+/// The admission script's name for a check's kind.
+fn kind_code(c: &Check) -> &'static str {
+    match (c.kind.is_requests(), c.kind.is_rate()) {
+        (true, _) => "r",
+        (false, true) => "q",
+        (false, false) => "t",
     }
 }
 
