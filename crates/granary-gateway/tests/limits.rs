@@ -28,8 +28,13 @@ impl RedisServer {
     }
 
     fn start_on(port: u16) -> Option<Self> {
+        Self::start_with(port, &[])
+    }
+
+    fn start_with(port: u16, extra: &[&str]) -> Option<Self> {
         let spawned = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn();
@@ -504,4 +509,61 @@ async fn a_burst_across_a_minute_edge_cannot_exceed_the_limit_in_redis_or_in_pro
         );
         assert_eq!(l.backend_errors(), 0);
     }
+}
+
+/// Issue 14, point 2: on Redis Cluster every script call must name keys of
+/// one hash slot (else `CROSSSLOT`, and the limiter would fail open). A
+/// cluster-enabled server owning every slot enforces that rule, so the
+/// limiter's calls must all succeed there: admission with reservation,
+/// settlement, charge and the budget restore.
+#[tokio::test]
+async fn every_limiter_call_stays_in_one_cluster_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = dir.path().join("nodes.conf");
+    let port = free_port();
+    let Some(server) =
+        RedisServer::start_with(port, &["--cluster-enabled", "yes", "--cluster-config-file", nodes.to_str().unwrap()])
+    else {
+        return;
+    };
+    let mut c = server.client().await;
+    let _: () = redis::cmd("CLUSTER").arg("ADDSLOTSRANGE").arg(0).arg(16383).query_async(&mut c).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info: String = redis::cmd("CLUSTER").arg("INFO").query_async(&mut c).await.unwrap();
+        if info.contains("cluster_state:ok") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the one-node cluster did not come up: {info}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Keys of two slots in one script are refused here, as on any cluster.
+    let cross: redis::RedisResult<i64> = redis::cmd("EVAL")
+        .arg("return redis.call('EXISTS', KEYS[1], KEYS[2])")
+        .arg(2)
+        .arg("a")
+        .arg("b")
+        .query_async(&mut c)
+        .await;
+    assert!(cross.is_err(), "the server does not check slots: {cross:?}");
+
+    let l = Limiter::redis(&server.url(), options("granary:limits:")).await.unwrap();
+    let all = Limits {
+        requests_per_minute: Some(3),
+        tokens_per_minute: Some(10_000),
+        tokens_per_day: Some(10_000),
+        tokens_per_month: Some(100_000),
+    };
+    let p = principal(42, 4, all.clone(), all);
+    for _ in 0..3 {
+        let r = l.reserve_at(&p, 10, 100, T0).await.unwrap();
+        l.settle(&p, &r, 60).await;
+    }
+    l.charge_at(&p, 5, T0).await;
+    let usage =
+        [granary_gateway::identity::DailyUsage { tenant_id: 4, key_id: 42, day_ms: T0 - T0 % 86_400_000, tokens: 500 }];
+    l.restore_at(&usage, T0).await;
+    assert_eq!(l.backend_errors(), 0, "a call named keys of more than one slot");
+    let r = l.admit_at(&p, 0, T0).await.unwrap_err();
+    assert_eq!(r.limit, "requests_per_minute");
 }
