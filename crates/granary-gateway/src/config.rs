@@ -109,6 +109,10 @@ pub struct GatewaySection {
     pub audit_spool_dir: Option<PathBuf>,
     /// The most the audit spool may hold, in bytes (default 1 GiB).
     pub audit_spool_max_bytes: u64,
+    /// How often day and month budgets are reloaded from the usage rollup
+    /// into the limiter (raising counters, never lowering them), which
+    /// rebuilds Redis counters that were lost; 0: only at start.
+    pub budget_reload_s: u64,
 }
 
 impl Default for GatewaySection {
@@ -138,6 +142,7 @@ impl Default for GatewaySection {
             default_max_tokens: 4_096,
             audit_spool_dir: None,
             audit_spool_max_bytes: 1 << 30,
+            budget_reload_s: 60,
         }
     }
 }

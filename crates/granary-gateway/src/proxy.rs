@@ -183,7 +183,9 @@ impl Gateway {
 
     /// Reloads the day and month token budgets of every tenant and key from
     /// the usage rollup into the limiter (raising counters, never lowering
-    /// them). [`Gateway::new`] starts this in the background.
+    /// them). [`Gateway::new`] runs this in the background at start and
+    /// every `budget_reload_s`, which also rebuilds Redis counters that
+    /// were lost (a flush, a restart without persistence).
     pub async fn restore_budgets(&self) {
         const DAYS_32: i64 = 32 * 86_400_000;
         match self.identity.budget_usage(now_ms() - DAYS_32).await {
@@ -224,8 +226,21 @@ impl Gateway {
         });
         gw.rebuild();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let g = gw.clone();
-            rt.spawn(async move { g.restore_budgets().await });
+            // At start, then every `budget_reload_s` while the gateway lives.
+            let weak = Arc::downgrade(&gw);
+            let every = Duration::from_secs(config.gateway.budget_reload_s);
+            rt.spawn(async move {
+                loop {
+                    match weak.upgrade() {
+                        Some(g) => g.restore_budgets().await,
+                        None => return,
+                    }
+                    if every.is_zero() {
+                        return;
+                    }
+                    tokio::time::sleep(every).await;
+                }
+            });
         }
         Ok(gw)
     }

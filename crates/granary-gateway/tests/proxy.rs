@@ -174,6 +174,15 @@ impl Gw {
     /// `probe: false` starts without health checks, so upstreams count as
     /// up until a request finds otherwise.
     async fn start_opts(upstreams: &[(String, SocketAddr)], probe: bool, tweak: impl FnOnce(&mut GatewayConfig)) -> Gw {
+        Gw::start_limited(upstreams, probe, Limiter::in_process(), tweak).await
+    }
+
+    async fn start_limited(
+        upstreams: &[(String, SocketAddr)],
+        probe: bool,
+        limiter: Limiter,
+        tweak: impl FnOnce(&mut GatewayConfig),
+    ) -> Gw {
         let mut cfg = GatewayConfig::default();
         cfg.gateway.database = "sqlite::memory:".into();
         cfg.gateway.retry_backoff_ms = 1;
@@ -187,7 +196,7 @@ impl Gw {
         tweak(&mut cfg);
         cfg.validate().unwrap();
         let identity = Identity::open(&cfg.gateway.database, cfg.gateway.identity_options()).await.unwrap();
-        let gw = Gateway::new(&cfg, identity.clone(), Limiter::in_process()).unwrap();
+        let gw = Gateway::new(&cfg, identity.clone(), limiter).unwrap();
         if probe {
             gw.upstreams.probe_all(&cfg.gateway).await;
             gw.upstreams.spawn_watchers(&cfg.gateway, tokio_util::sync::CancellationToken::new());
@@ -1582,4 +1591,59 @@ async fn issue_14_a_restart_keeps_the_month_budget_spent() {
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "quota_exceeded", "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("tokens_per_month"), "{v}");
+}
+
+/// Issue 14, point 2: Redis counters that were lost (here `FLUSHALL`) are
+/// rebuilt from the usage rollup within `budget_reload_s`, so a tenant whose
+/// month is spent stays refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_14_lost_redis_counters_are_rebuilt_from_the_rollup() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let spawned = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn();
+    /// Stops the server also when an assertion fails.
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let Ok(child) = spawned else {
+        assert!(std::env::var("GRANARY_REQUIRE_EXTERNAL").as_deref() != Ok("1"), "redis-server is not installed");
+        eprintln!("SKIPPED: redis-server is not installed");
+        return;
+    };
+    let _redis_server = KillOnDrop(child);
+    let url = format!("redis://127.0.0.1:{port}/");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "redis-server did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let limiter = Limiter::redis(&url, granary_gateway::limits::RedisOptions::default()).await.unwrap();
+    let addr = start_spender(5, Duration::ZERO).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("gateway.db").display());
+    let g = Gw::start_limited(&named(&[("a", addr)]), true, limiter.clone(), |c| {
+        c.gateway.database = db.clone();
+        c.gateway.budget_reload_s = 1;
+    })
+    .await;
+    let key = g.key("acme", json!({"limits": {"tokens_per_month": 250}})).await;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100});
+    for _ in 0..3 {
+        assert_eq!(g.chat(&key, body.clone()).await.status(), 200);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(g.chat(&key, body.clone()).await.status(), 429);
+    g.identity.flush().await;
+    let mut c = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut c).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let r = g.chat(&key, body.clone()).await;
+    assert_eq!(r.status(), 429, "the month must come back after a flush");
+    assert_eq!(limiter.backend_errors(), 0);
 }
