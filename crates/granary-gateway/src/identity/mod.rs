@@ -11,7 +11,9 @@
 //!   [`Principal`]. Keys are stored only as a blake3 hash plus their public
 //!   prefix; verified keys are cached for [`IdentityOptions::key_cache`].
 //! - [`Identity::record`] queues an [`AuditRecord`] without waiting; a
-//!   background task writes them in batches. [`Identity::usage`] aggregates
+//!   background task writes them in batches (retried, then spooled to disk
+//!   while the database refuses them; see `audit`), and adds them to the
+//!   `usage_daily` rollup. [`Identity::usage`] aggregates
 //!   them per tenant and model.
 //! - [`admin_router`] is the admin HTTP API, [`AdminCmd`] / [`run_admin`]
 //!   the admin command line.
@@ -766,8 +768,8 @@ impl Identity {
         }
     }
 
-    /// Waits until every record queued before this call is written (or
-    /// given up on after a database error).
+    /// Waits until every record queued before this call is written, or
+    /// spooled (or dropped and counted) after the database refused it.
     pub async fn flush(&self) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if self.inner.audit_tx.send(audit::Msg::Flush(tx)).await.is_ok() {
