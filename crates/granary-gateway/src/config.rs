@@ -99,6 +99,20 @@ pub struct GatewaySection {
     /// routable, or every attempt failed before the first byte). Only to
     /// models the key may use; tried in the order listed.
     pub model_fallbacks: BTreeMap<String, Vec<String>>,
+    /// The completion tokens reserved against token budgets at admission
+    /// for a request that sends no `max_tokens` (its worst case is then
+    /// unknown); the unused part is released when it ends.
+    pub default_max_tokens: u64,
+    /// Where audit batches the database refuses are kept (a file per batch)
+    /// until it takes them again; replayed at start too. Unset: such
+    /// batches are dropped and counted in `granary_gateway_audit_dropped_total`.
+    pub audit_spool_dir: Option<PathBuf>,
+    /// The most the audit spool may hold, in bytes (default 1 GiB).
+    pub audit_spool_max_bytes: u64,
+    /// How often day and month budgets are reloaded from the usage rollup
+    /// into the limiter (raising counters, never lowering them), which
+    /// rebuilds Redis counters that were lost; 0: only at start.
+    pub budget_reload_s: u64,
 }
 
 impl Default for GatewaySection {
@@ -125,11 +139,26 @@ impl Default for GatewaySection {
             tls: None,
             agents: AgentsConfig::default(),
             model_fallbacks: BTreeMap::new(),
+            default_max_tokens: 4_096,
+            audit_spool_dir: None,
+            audit_spool_max_bytes: 1 << 30,
+            budget_reload_s: 60,
         }
     }
 }
 
 impl GatewaySection {
+    /// The identity store's options this section sets (key cache, audit
+    /// spool).
+    pub fn identity_options(&self) -> crate::identity::IdentityOptions {
+        crate::identity::IdentityOptions {
+            key_cache: Duration::from_millis(self.key_cache_ms),
+            audit_spool_dir: self.audit_spool_dir.clone(),
+            audit_spool_max_bytes: self.audit_spool_max_bytes,
+            ..crate::identity::IdentityOptions::default()
+        }
+    }
+
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
     }

@@ -43,6 +43,12 @@ pub struct GatewayMetrics {
     pub routed_hit_blocks: Family<Labels, Counter>,
     pub routed_blocks: Family<Labels, Counter>,
     pub audit_dropped: Counter,
+    /// Audit records waiting in the on-disk spool.
+    pub audit_spooled: Gauge,
+    /// Audit batch writes the database refused.
+    pub audit_write_errors: Counter,
+    /// Limiter calls to Redis that failed or timed out (each failed open).
+    pub limiter_errors: Counter,
     pub load_requests: Family<Labels, Counter>,
     pub loads: Family<Labels, Counter>,
     pub load_seconds: Family<Labels, Histogram>,
@@ -83,6 +89,9 @@ impl GatewayMetrics {
             routed_hit_blocks: Family::default(),
             routed_blocks: Family::default(),
             audit_dropped: Counter::default(),
+            audit_spooled: Gauge::default(),
+            audit_write_errors: Counter::default(),
+            limiter_errors: Counter::default(),
             load_requests: Family::default(),
             loads: Family::default(),
             load_seconds: Family::new_with_constructor(load_buckets as fn() -> Histogram),
@@ -130,6 +139,21 @@ impl GatewayMetrics {
         );
         registry.register(base(names::ROUTED_BLOCKS), "Prompt blocks of routed requests", m.routed_blocks.clone());
         registry.register(base(names::AUDIT_DROPPED), "Audit records dropped", m.audit_dropped.clone());
+        registry.register(
+            "granary_gateway_audit_spooled_records",
+            "Audit records waiting in the spool for the database",
+            m.audit_spooled.clone(),
+        );
+        registry.register(
+            "granary_gateway_audit_write_errors",
+            "Audit batch writes the database refused (retried or spooled)",
+            m.audit_write_errors.clone(),
+        );
+        registry.register(
+            "granary_gateway_limiter_errors",
+            "Limiter calls to Redis that failed or timed out (the request was admitted)",
+            m.limiter_errors.clone(),
+        );
         registry.register(base(names::MODEL_LOAD_REQUESTS), "Model loads asked of agents", m.load_requests.clone());
         registry.register(base(names::MODEL_LOADS), "Model loads finished, by outcome", m.loads.clone());
         registry.register(

@@ -20,7 +20,7 @@ use crate::agents::Agents;
 use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
 use crate::identity::{AuditRecord, Identity};
-use crate::limits::{Limiter, Quota};
+use crate::limits::{Limiter, Quota, Reservation};
 use crate::metrics::GatewayMetrics;
 use crate::routing::{build_policy_with, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
 use crate::types::Principal;
@@ -170,6 +170,33 @@ enum TokenizerSlot {
 }
 
 impl Gateway {
+    /// Copies the audit writer's and the limiter's own counters into the
+    /// metrics.
+    pub fn refresh_counters(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let m = &self.metrics;
+        m.audit_dropped.inner().store(self.identity.audit_dropped(), Relaxed);
+        m.audit_write_errors.inner().store(self.identity.audit_write_errors(), Relaxed);
+        m.audit_spooled.set(i64::try_from(self.identity.audit_spooled()).unwrap_or(i64::MAX));
+        m.limiter_errors.inner().store(self.limiter.backend_errors(), Relaxed);
+    }
+
+    /// Reloads the day and month token budgets of every tenant and key from
+    /// the usage rollup into the limiter (raising counters, never lowering
+    /// them). [`Gateway::new`] runs this in the background at start and
+    /// every `budget_reload_s`, which also rebuilds Redis counters that
+    /// were lost (a flush, a restart without persistence).
+    pub async fn restore_budgets(&self) {
+        const DAYS_32: i64 = 32 * 86_400_000;
+        match self.identity.budget_usage(now_ms() - DAYS_32).await {
+            Ok(usage) => {
+                self.limiter.restore(&usage).await;
+                tracing::info!(rows = usage.len(), "limits: day and month budgets reloaded from usage_daily");
+            }
+            Err(e) => tracing::warn!(error = %e, "limits: cannot reload budgets from usage_daily"),
+        }
+    }
+
     pub fn new(config: &GatewayConfig, identity: Identity, limiter: Limiter) -> anyhow::Result<Arc<Gateway>> {
         config.validate()?;
         let metrics = GatewayMetrics::new(config.gateway.metrics_max_tenants);
@@ -198,6 +225,23 @@ impl Gateway {
             scoped: ScopedTokens::from_env(&config.gateway)?,
         });
         gw.rebuild();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            // At start, then every `budget_reload_s` while the gateway lives.
+            let weak = Arc::downgrade(&gw);
+            let every = Duration::from_secs(config.gateway.budget_reload_s);
+            rt.spawn(async move {
+                loop {
+                    match weak.upgrade() {
+                        Some(g) => g.restore_budgets().await,
+                        None => return,
+                    }
+                    if every.is_zero() {
+                        return;
+                    }
+                    tokio::time::sleep(every).await;
+                }
+            });
+        }
         Ok(gw)
     }
 
@@ -369,6 +413,8 @@ struct Outcome {
     prompt_estimate: u64,
     /// What the limits left, for the response's `x-ratelimit-*` headers.
     quota: Quota,
+    /// The tokens reserved at admission; settled with the real usage on drop.
+    reservation: Option<Reservation>,
 }
 
 impl Outcome {
@@ -393,6 +439,7 @@ impl Outcome {
             streamed: 0,
             prompt_estimate: 0,
             quota: Quota::default(),
+            reservation: None,
         }
     }
 
@@ -411,6 +458,7 @@ impl Outcome {
             streamed: self.streamed,
             prompt_estimate: self.prompt_estimate,
             quota: self.quota,
+            reservation: self.reservation.take(),
         }
     }
 
@@ -496,14 +544,19 @@ impl Drop for Outcome {
             }
         }
         let spent = self.rec.prompt_tokens + self.rec.completion_tokens;
-        if let (Some(p), true) = (self.principal.take(), spent > 0) {
+        if let Some(p) = self.principal.take() {
             let limiter = self.gw.limiter.clone();
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move { limiter.charge(&p, spent).await });
+            let reservation = self.reservation.take().unwrap_or_default();
+            // Settling releases what was reserved and not used, so it runs
+            // also when nothing was spent.
+            if spent != reservation.tokens {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(async move { limiter.settle(&p, &reservation, spent).await });
+                }
             }
         }
         self.gw.identity.record(std::mem::take(&mut self.rec));
-        m.audit_dropped.inner().store(self.gw.identity.audit_dropped(), std::sync::atomic::Ordering::Relaxed);
+        self.gw.refresh_counters();
     }
 }
 
@@ -516,6 +569,8 @@ struct Parsed {
     estimate: u64,
     /// The prompt alone, estimated (~4 bytes a token).
     prompt_estimate: u64,
+    /// `max_tokens` (or `max_completion_tokens`) when the request sets it.
+    max_tokens: Option<u64>,
 }
 
 fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
@@ -565,12 +620,12 @@ fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
             ))
         }
     };
-    let mut max_tokens = 0;
+    let mut max_tokens = None;
     for field in ["max_tokens", "max_completion_tokens"] {
         match body.get(field) {
             None | Some(Value::Null) => {}
             Some(v) => match v.as_u64() {
-                Some(n) => max_tokens = n,
+                Some(n) => max_tokens = Some(n),
                 None => {
                     return Err(ApiError::invalid(
                         field,
@@ -605,8 +660,8 @@ fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
     }
     // A rough token estimate for token limits: ~4 bytes a token.
     let prompt_estimate = bytes.len() as u64 / 4;
-    let estimate = prompt_estimate + max_tokens;
-    Ok(Parsed { body, model, stream, include_usage, estimate, prompt_estimate })
+    let estimate = prompt_estimate + max_tokens.unwrap_or(0);
+    Ok(Parsed { body, model, stream, include_usage, estimate, prompt_estimate, max_tokens })
 }
 
 /// The prompt's tokens as the engine will see them (chat template applied).
@@ -723,8 +778,14 @@ async fn serve(
         return Err(ApiError::model_not_found(&parsed.model));
     }
     // 4. Limits.
-    match gw.limiter.admit(&principal, parsed.estimate).await {
-        Ok(quota) => out.quota = quota,
+    // The worst case is reserved against the token budgets now and settled
+    // with the real usage when the request ends (`Outcome`'s drop).
+    let worst = parsed.prompt_estimate + parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens);
+    match gw.limiter.reserve(&principal, parsed.estimate, worst).await {
+        Ok(reservation) => {
+            out.quota = reservation.quota;
+            out.reservation = Some(reservation);
+        }
         Err(r) => {
             gw.metrics
                 .rate_limited

@@ -142,6 +142,7 @@ async fn metrics(
     for u in gw.upstreams.list().iter() {
         u.export();
     }
+    gw.refresh_counters();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         granary_core::metrics::to_prometheus_text(&gw.metrics.render()),

@@ -28,8 +28,13 @@ impl RedisServer {
     }
 
     fn start_on(port: u16) -> Option<Self> {
+        Self::start_with(port, &[])
+    }
+
+    fn start_with(port: u16, extra: &[&str]) -> Option<Self> {
         let spawned = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn();
@@ -121,7 +126,8 @@ async fn two_gateways_enforce_one_request_limit_together() {
                     Ok(_) => admitted += 1,
                     Err(r) => {
                         assert_eq!((r.scope, r.limit, r.max), (Scope::Tenant, "requests_per_minute", 25));
-                        assert_eq!(r.retry_after, Duration::from_millis(33_500));
+                        // A rate: one of 25 a minute drains every 2.4 s.
+                        assert_eq!(r.retry_after, Duration::from_millis(2_400));
                     }
                 }
             }
@@ -134,12 +140,13 @@ async fn two_gateways_enforce_one_request_limit_together() {
     }
     assert_eq!(admitted, 25, "exactly the tenant's limit across both gateways");
     assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
-    // Rejected requests were not counted: the counter holds 25, not 80.
+    // Rejected requests were not counted: the rate holds 25 requests (its
+    // time is 25 x 2.4 s ahead), not 80.
     let mut c = server.client().await;
-    let keys: Vec<String> = redis::cmd("KEYS").arg("t1:t:70:rpm:*").query_async(&mut c).await.unwrap();
-    assert_eq!(keys.len(), 1);
-    let n: u64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
-    assert_eq!(n, 25);
+    let keys: Vec<String> = redis::cmd("KEYS").arg("t1:{t70}:t:70:rpm:*").query_async(&mut c).await.unwrap();
+    assert_eq!(keys, ["t1:{t70}:t:70:rpm:0"]);
+    let tat: String = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
+    assert_eq!(tat.parse::<f64>().unwrap(), (T0 + 25 * 2_400) as f64);
     // Another limiter with another prefix does not see these counters.
     let other = Limiter::redis(&server.url(), options("t2:")).await.unwrap();
     other.admit_at(&p, 0, T0).await.unwrap();
@@ -193,14 +200,14 @@ async fn keys_name_ids_and_expire_after_their_window() {
     assert_eq!(
         shapes,
         [
-            "granary:limits:k:42:rpm",
-            "granary:limits:k:42:tpd",
-            "granary:limits:k:42:tpm",
-            "granary:limits:k:42:tpmo",
-            "granary:limits:t:4:rpm",
-            "granary:limits:t:4:tpd",
-            "granary:limits:t:4:tpm",
-            "granary:limits:t:4:tpmo",
+            "granary:limits:{t4}:k:42:rpm",
+            "granary:limits:{t4}:k:42:tpd",
+            "granary:limits:{t4}:k:42:tpm",
+            "granary:limits:{t4}:k:42:tpmo",
+            "granary:limits:{t4}:t:4:rpm",
+            "granary:limits:{t4}:t:4:tpd",
+            "granary:limits:{t4}:t:4:tpm",
+            "granary:limits:{t4}:t:4:tpmo",
         ]
     );
     for key in &keys {
@@ -214,13 +221,14 @@ async fn keys_name_ids_and_expire_after_their_window() {
         };
         assert!(ttl > 0 && ttl <= most, "{key} has TTL {ttl}, expected 1..={most}");
     }
-    // A minute counter for a window that is almost over expires within seconds.
-    let minute_end = now - now.rem_euclid(60_000) + 60_000;
+    // A per-minute rate expires a second after what it holds has drained:
+    // one request of 10 a minute, 6 s.
     let q = principal(43, 5, rpm(10), Limits::default());
-    l.admit_at(&q, 0, minute_end - 500).await.unwrap();
-    let keys: Vec<String> = redis::cmd("KEYS").arg("granary:limits:k:43:*").query_async(&mut c).await.unwrap();
-    let ttl: i64 = redis::cmd("TTL").arg(&keys[0]).query_async(&mut c).await.unwrap();
-    assert!((1..=2).contains(&ttl), "TTL {ttl}");
+    l.admit_at(&q, 0, now).await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("granary:limits:{t5}:k:43:*").query_async(&mut c).await.unwrap();
+    assert_eq!(keys, ["granary:limits:{t5}:k:43:rpm:0"]);
+    let ttl: i64 = redis::cmd("PTTL").arg(&keys[0]).query_async(&mut c).await.unwrap();
+    assert!((5_000..=7_000).contains(&ttl), "PTTL {ttl}");
 }
 
 #[tokio::test]
@@ -338,7 +346,8 @@ async fn issue_14_admissions_report_the_quota_left_in_process_and_in_redis() {
     let key = Limits { requests_per_minute: Some(5), tokens_per_minute: Some(1_000), ..Limits::default() };
     let tenant = Limits { requests_per_minute: Some(3), ..Limits::default() };
     let p = principal(5, 50, key, tenant);
-    let window_left = Duration::from_millis(60_000 - (T0.rem_euclid(60_000)) as u64);
+    // A rate: one request of 3 a minute drains in 20 s.
+    let window_left = Duration::from_secs(20);
     for (name, l) in limiters {
         let q = l.admit_at(&p, 10, T0).await.unwrap();
         let r = q.requests.expect("a request quota");
@@ -358,4 +367,203 @@ async fn issue_14_admissions_report_the_quota_left_in_process_and_in_redis() {
         );
         assert_eq!(l.backend_errors(), 0);
     }
+}
+
+/// Issue 14, point 1: two gateways reserve each request's worst case in
+/// Redis at admission, so 50 concurrent requests against a budget that
+/// fits 10 overshoot it by at most one reservation; settling releases what
+/// a request did not use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reservations_bound_the_overshoot_of_concurrent_requests_across_gateways() {
+    let Some(server) = RedisServer::start() else { return };
+    let a = Limiter::redis(&server.url(), options("r:")).await.unwrap();
+    let b = Limiter::redis(&server.url(), options("r:")).await.unwrap();
+    const RESERVE: u64 = 150;
+    let budget =
+        Limits { tokens_per_minute: Some(10 * RESERVE), tokens_per_month: Some(10 * RESERVE), ..Limits::default() };
+    let p = principal(8, 80, Limits::default(), budget);
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let (l, p) = (if i % 2 == 0 { a.clone() } else { b.clone() }, p.clone());
+        tasks.push(tokio::spawn(async move { l.reserve_at(&p, 50, RESERVE, T0).await.ok() }));
+    }
+    let mut admitted = Vec::new();
+    for t in tasks {
+        admitted.extend(t.await.unwrap());
+    }
+    assert_eq!(admitted.len(), 10, "a budget of 10 reservations admits 10");
+    assert!(admitted.iter().all(|r| r.tokens == RESERVE && r.at_ms == T0));
+    // Each used all it reserved: the budget is spent, nothing overshot.
+    for r in &admitted {
+        a.settle(&p, r, RESERVE).await;
+    }
+    let e = b.reserve_at(&p, 50, RESERVE, T0).await.unwrap_err();
+    assert_eq!((e.limit, e.used), ("tokens_per_month", 10 * RESERVE));
+    // A request that used 50 of its 150 gives 100 back.
+    let mut c = server.client().await;
+    let keys: Vec<String> = redis::cmd("KEYS").arg("r:{t80}:t:80:tpmo:*").query_async(&mut c).await.unwrap();
+    redis::cmd("SET").arg(&keys[0]).arg(9 * RESERVE).query_async::<()>(&mut c).await.unwrap();
+    // The minute rate holds 9 reservations: its time is 9 x 150 x 40 ms ahead.
+    let minute: Vec<String> = redis::cmd("KEYS").arg("r:{t80}:t:80:tpm:*").query_async(&mut c).await.unwrap();
+    redis::cmd("SET").arg(&minute[0]).arg(T0 + 9 * RESERVE as i64 * 40).query_async::<()>(&mut c).await.unwrap();
+    let r = a.reserve_at(&p, 50, RESERVE, T0).await.unwrap();
+    a.settle(&p, &r, 50).await;
+    let n: u64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
+    assert_eq!(n, 9 * RESERVE + 50);
+    let tat: String = redis::cmd("GET").arg(&minute[0]).query_async(&mut c).await.unwrap();
+    assert_eq!(tat.parse::<f64>().unwrap(), (T0 + (9 * RESERVE + 50) as i64 * 40) as f64);
+    // A release never takes a counter below 0.
+    b.settle(&p, &r, 0).await;
+    b.settle(&p, &admitted[0], 0).await;
+    b.settle(&p, &admitted[1], 0).await;
+    let n: i64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
+    assert!(n >= 0, "{n}");
+    // The rate drained below now is removed rather than kept in the past.
+    let tat: Option<String> = redis::cmd("GET").arg(&minute[0]).query_async(&mut c).await.unwrap();
+    assert!(tat.as_ref().is_none_or(|t| t.parse::<f64>().unwrap() > T0 as f64), "{tat:?}");
+    assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
+}
+
+/// Issue 14, point 2: a Redis that lost its counters (a flush, a restart
+/// without persistence) gets the day and month budgets back from the usage
+/// rollup; counters that hold more keep their value.
+#[tokio::test]
+async fn budgets_are_rebuilt_in_redis_from_the_usage_rollup() {
+    use granary_gateway::identity::DailyUsage;
+    let Some(server) = RedisServer::start() else { return };
+    let l = Limiter::redis(&server.url(), options("rb:")).await.unwrap();
+    let month = Limits { tokens_per_month: Some(1_000), tokens_per_day: Some(600), ..Limits::default() };
+    let p = principal(5, 50, month.clone(), Limits::default());
+    let day = T0 - T0.rem_euclid(86_400_000);
+    let usage = [
+        // Today: 400 by key 5, 100 by another key of the tenant.
+        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day, tokens: 400 },
+        DailyUsage { tenant_id: 50, key_id: 6, day_ms: day, tokens: 100 },
+        // Earlier this month: 700 by key 5; last month's are ignored.
+        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day - 86_400_000, tokens: 700 },
+        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day - 40 * 86_400_000, tokens: 99_999 },
+    ];
+    l.admit_at(&p, 0, T0).await.unwrap();
+    l.restore_at(&usage, T0).await;
+    let r = l.admit_at(&p, 0, T0).await.unwrap_err();
+    assert_eq!((r.limit, r.used), ("tokens_per_month", 1_100));
+    let mut c = server.client().await;
+    let get = |k: &'static str| {
+        let mut c = c.clone();
+        async move {
+            let keys: Vec<String> = redis::cmd("KEYS").arg(k).query_async(&mut c).await.unwrap();
+            let v: u64 = redis::cmd("GET").arg(&keys[0]).query_async(&mut c).await.unwrap();
+            v
+        }
+    };
+    assert_eq!(get("rb:{t50}:k:5:tpd:*").await, 400);
+    assert_eq!(get("rb:{t50}:t:50:tpd:*").await, 500);
+    assert_eq!(get("rb:{t50}:t:50:tpmo:*").await, 1_200);
+    // Raising only: a counter that holds more keeps it.
+    l.charge_at(&p, 1_000, T0).await;
+    l.restore_at(&usage, T0).await;
+    assert_eq!(get("rb:{t50}:k:5:tpmo:*").await, 2_100);
+    let _ = redis::cmd("PING").query_async::<String>(&mut c).await;
+    assert_eq!(l.backend_errors(), 0);
+}
+
+/// Issue 14, point 1: per-minute limits are rates (GCRA) in Redis as in
+/// process: a burst at the end of one wall-clock minute and another at the
+/// start of the next together fit the limit.
+#[tokio::test]
+async fn a_burst_across_a_minute_edge_cannot_exceed_the_limit_in_redis_or_in_process() {
+    let server = RedisServer::start();
+    let mut limiters = vec![("memory", Limiter::in_process())];
+    if let Some(s) = &server {
+        limiters.push(("redis", Limiter::redis(&s.url(), options("edge:")).await.unwrap()));
+    }
+    let edge = T0 - T0.rem_euclid(60_000) + 60_000;
+    for (name, l) in limiters {
+        let p = principal(1, 10, rpm(10), Limits::default());
+        let mut admitted = 0;
+        for t in [edge - 500, edge - 1, edge, edge + 1, edge + 500] {
+            for _ in 0..20 {
+                admitted += u32::from(l.admit_at(&p, 0, t).await.is_ok());
+            }
+        }
+        assert_eq!(admitted, 10, "{name}: no second burst after the edge");
+        // Then one request per 6 s, and never more than 10 in any minute.
+        let mut times = Vec::new();
+        for step in 0..240 {
+            let t = edge + 500 + step * 500;
+            if l.admit_at(&p, 0, t).await.is_ok() {
+                times.push(t);
+            }
+        }
+        assert_eq!(times.first(), Some(&(edge - 500 + 6_000)), "{name}");
+        assert!(times.windows(2).all(|w| w[1] - w[0] >= 6_000), "{name}: {times:?}");
+        // Tokens: 1000 taken just before the edge leave what one second
+        // drained (16 of 1000) just after it.
+        let q = principal(2, 20, Limits { tokens_per_minute: Some(1_000), ..Limits::default() }, Limits::default());
+        l.reserve_at(&q, 10, 1_000, edge - 500).await.unwrap();
+        let tokens = l.admit_at(&q, 0, edge + 500).await.unwrap().tokens.unwrap();
+        assert_eq!(
+            (tokens.limit, tokens.remaining, tokens.reset),
+            (1_000, 16, Duration::from_millis(59_040)),
+            "{name}"
+        );
+        assert_eq!(l.backend_errors(), 0);
+    }
+}
+
+/// Issue 14, point 2: on Redis Cluster every script call must name keys of
+/// one hash slot (else `CROSSSLOT`, and the limiter would fail open). A
+/// cluster-enabled server owning every slot enforces that rule, so the
+/// limiter's calls must all succeed there: admission with reservation,
+/// settlement, charge and the budget restore.
+#[tokio::test]
+async fn every_limiter_call_stays_in_one_cluster_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = dir.path().join("nodes.conf");
+    let port = free_port();
+    let Some(server) =
+        RedisServer::start_with(port, &["--cluster-enabled", "yes", "--cluster-config-file", nodes.to_str().unwrap()])
+    else {
+        return;
+    };
+    let mut c = server.client().await;
+    let _: () = redis::cmd("CLUSTER").arg("ADDSLOTSRANGE").arg(0).arg(16383).query_async(&mut c).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info: String = redis::cmd("CLUSTER").arg("INFO").query_async(&mut c).await.unwrap();
+        if info.contains("cluster_state:ok") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the one-node cluster did not come up: {info}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Keys of two slots in one script are refused here, as on any cluster.
+    let cross: redis::RedisResult<i64> = redis::cmd("EVAL")
+        .arg("return redis.call('EXISTS', KEYS[1], KEYS[2])")
+        .arg(2)
+        .arg("a")
+        .arg("b")
+        .query_async(&mut c)
+        .await;
+    assert!(cross.is_err(), "the server does not check slots: {cross:?}");
+
+    let l = Limiter::redis(&server.url(), options("granary:limits:")).await.unwrap();
+    let all = Limits {
+        requests_per_minute: Some(3),
+        tokens_per_minute: Some(10_000),
+        tokens_per_day: Some(10_000),
+        tokens_per_month: Some(100_000),
+    };
+    let p = principal(42, 4, all.clone(), all);
+    for _ in 0..3 {
+        let r = l.reserve_at(&p, 10, 100, T0).await.unwrap();
+        l.settle(&p, &r, 60).await;
+    }
+    l.charge_at(&p, 5, T0).await;
+    let usage =
+        [granary_gateway::identity::DailyUsage { tenant_id: 4, key_id: 42, day_ms: T0 - T0 % 86_400_000, tokens: 500 }];
+    l.restore_at(&usage, T0).await;
+    assert_eq!(l.backend_errors(), 0, "a call named keys of more than one slot");
+    let r = l.admit_at(&p, 0, T0).await.unwrap_err();
+    assert_eq!(r.limit, "requests_per_minute");
 }

@@ -11,7 +11,9 @@
 //!   [`Principal`]. Keys are stored only as a blake3 hash plus their public
 //!   prefix; verified keys are cached for [`IdentityOptions::key_cache`].
 //! - [`Identity::record`] queues an [`AuditRecord`] without waiting; a
-//!   background task writes them in batches. [`Identity::usage`] aggregates
+//!   background task writes them in batches (retried, then spooled to disk
+//!   while the database refuses them; see `audit`), and adds them to the
+//!   `usage_daily` rollup. [`Identity::usage`] aggregates
 //!   them per tenant and model.
 //! - [`admin_router`] is the admin HTTP API, [`AdminCmd`] / [`run_admin`]
 //!   the admin command line.
@@ -24,7 +26,7 @@ pub mod keys;
 mod tests;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -63,11 +65,27 @@ pub struct IdentityOptions {
     /// Audit records that may wait for the writer; past this, new records
     /// are dropped and counted ([`Identity::audit_dropped`]).
     pub audit_queue: usize,
+    /// Where audit batches the database refuses are spooled (a file per
+    /// batch) until it takes them again; `None`: such batches are dropped
+    /// and counted.
+    pub audit_spool_dir: Option<std::path::PathBuf>,
+    /// The most the spool may hold, in bytes; past it batches are dropped
+    /// and counted.
+    pub audit_spool_max_bytes: u64,
+    /// How long one audit batch write may take before it counts as failed
+    /// (and is retried, then spooled).
+    pub audit_write_timeout: Duration,
 }
 
 impl Default for IdentityOptions {
     fn default() -> Self {
-        IdentityOptions { key_cache: Duration::from_secs(2), audit_queue: 65_536 }
+        IdentityOptions {
+            key_cache: Duration::from_secs(2),
+            audit_queue: 65_536,
+            audit_spool_dir: None,
+            audit_spool_max_bytes: 1 << 30,
+            audit_write_timeout: Duration::from_secs(5),
+        }
     }
 }
 
@@ -197,6 +215,18 @@ pub struct CreatedKey {
     pub info: KeyInfo,
     /// The whole key, to hand to the client; it cannot be recovered later.
     pub secret: String,
+}
+
+/// Tokens one key (or, `key_id` 0, requests without one) of a tenant used
+/// on one UTC day, from the `usage_daily` rollup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DailyUsage {
+    pub tenant_id: TenantId,
+    pub key_id: KeyId,
+    /// The day's start, unix milliseconds.
+    pub day_ms: i64,
+    /// Prompt plus completion tokens.
+    pub tokens: u64,
 }
 
 /// One request, as the audit log keeps it.
@@ -438,7 +468,7 @@ struct Inner {
     /// When each key's `last_used_ms` was last written.
     touched: Mutex<HashMap<KeyId, i64>>,
     audit_tx: mpsc::Sender<audit::Msg>,
-    dropped: Arc<AtomicU64>,
+    stats: Arc<audit::AuditStats>,
 }
 
 /// Keys read from the database, by hash, with the time they were read.
@@ -535,8 +565,18 @@ impl Identity {
         let migrator = if backend == "sqlite" { &MIGRATOR_SQLITE } else { &MIGRATOR_POSTGRES };
         migrator.run(&pool).await.context("migrating the identity database")?;
 
-        let dropped = Arc::new(AtomicU64::new(0));
-        let audit_tx = audit::spawn_writer(pool.clone(), options.audit_queue.max(1), dropped.clone());
+        let stats = Arc::new(audit::AuditStats::default());
+        let spool = options
+            .audit_spool_dir
+            .clone()
+            .map(|dir| audit::SpoolConfig { dir, max_bytes: options.audit_spool_max_bytes });
+        let audit_tx = audit::spawn_writer(
+            pool.clone(),
+            options.audit_queue.max(1),
+            stats.clone(),
+            spool,
+            options.audit_write_timeout,
+        );
         Ok(Identity {
             inner: Arc::new(Inner {
                 pool,
@@ -545,7 +585,7 @@ impl Identity {
                 cache: Mutex::new(KeyCache::default()),
                 touched: Mutex::new(HashMap::new()),
                 audit_tx,
-                dropped,
+                stats,
             }),
         })
     }
@@ -721,15 +761,15 @@ impl Identity {
     /// the queue is full the record is dropped and counted.
     pub fn record(&self, rec: AuditRecord) {
         if self.inner.audit_tx.try_send(audit::Msg::Record(Box::new(rec))).is_err() {
-            let n = self.inner.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            let n = self.inner.stats.dropped.fetch_add(1, Ordering::Relaxed) + 1;
             if n.is_power_of_two() {
                 tracing::warn!(dropped = n, "audit queue full: records dropped");
             }
         }
     }
 
-    /// Waits until every record queued before this call is written (or
-    /// given up on after a database error).
+    /// Waits until every record queued before this call is written, or
+    /// spooled (or dropped and counted) after the database refused it.
     pub async fn flush(&self) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if self.inner.audit_tx.send(audit::Msg::Flush(tx)).await.is_ok() {
@@ -738,9 +778,43 @@ impl Identity {
     }
 
     /// Audit records lost so far: dropped on a full queue, or not written
-    /// because the database failed.
+    /// because the database failed and the spool was full or absent.
     pub fn audit_dropped(&self) -> u64 {
-        self.inner.dropped.load(Ordering::Relaxed)
+        self.inner.stats.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Audit records waiting in the spool for the database.
+    pub fn audit_spooled(&self) -> u64 {
+        self.inner.stats.spooled.load(Ordering::Relaxed)
+    }
+
+    /// Audit batch writes the database refused (each retried or spooled).
+    pub fn audit_write_errors(&self) -> u64 {
+        self.inner.stats.write_errors.load(Ordering::Relaxed)
+    }
+
+    /// Tokens (prompt plus completion) per tenant, key and UTC day from
+    /// `since_ms`'s day on, from the `usage_daily` rollup: what day and
+    /// month budgets are reloaded from at start.
+    pub async fn budget_usage(&self, since_ms: i64) -> Result<Vec<DailyUsage>, AdminError> {
+        let rows = sqlx::query(
+            "SELECT tenant_id, key_id, day_ms, CAST(SUM(prompt_tokens + completion_tokens) AS BIGINT) \
+             FROM usage_daily WHERE day_ms >= $1 GROUP BY tenant_id, key_id, day_ms",
+        )
+        .bind(audit::day_of(since_ms))
+        .fetch_all(&self.inner.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(DailyUsage {
+                    tenant_id: r.try_get(0)?,
+                    key_id: r.try_get(1)?,
+                    day_ms: r.try_get(2)?,
+                    tokens: u64_col(r, 3)?,
+                })
+            })
+            .collect::<Result<Vec<_>, sqlx::Error>>()
+            .map_err(AdminError::from)
     }
 
     /// Usage per tenant and model over `[from_ms, to_ms)`, sorted by tenant

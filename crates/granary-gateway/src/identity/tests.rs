@@ -177,9 +177,12 @@ async fn expiry_in_the_past_is_refused() {
 
 #[tokio::test]
 async fn the_cache_serves_keys_and_revocation_here_invalidates_it_at_once() {
-    let id = Identity::open("sqlite::memory:", IdentityOptions { key_cache: Duration::from_secs(60), audit_queue: 16 })
-        .await
-        .unwrap();
+    let id = Identity::open(
+        "sqlite::memory:",
+        IdentityOptions { key_cache: Duration::from_secs(60), audit_queue: 16, ..IdentityOptions::default() },
+    )
+    .await
+    .unwrap();
     tenant(&id, "acme").await;
     let a = key(&id, "acme").await;
     let b = key(&id, "acme").await;
@@ -199,7 +202,8 @@ async fn the_cache_serves_keys_and_revocation_here_invalidates_it_at_once() {
 async fn revocation_by_another_process_takes_effect_within_the_cache_time() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}/nested/gateway.db", dir.path().display());
-    let opts = IdentityOptions { key_cache: Duration::from_millis(1000), audit_queue: 16 };
+    let opts =
+        IdentityOptions { key_cache: Duration::from_millis(1000), audit_queue: 16, ..IdentityOptions::default() };
     let gateway = Identity::open(&url, opts.clone()).await.unwrap();
     assert!(dir.path().join("nested/gateway.db").exists(), "the database file is created");
     let admin = Identity::open(&url, opts).await.unwrap();
@@ -284,9 +288,12 @@ async fn audit_records_are_written_on_flush_and_aggregated_into_usage() {
 
 #[tokio::test]
 async fn a_full_audit_queue_drops_and_counts_instead_of_waiting() {
-    let id = Identity::open("sqlite::memory:", IdentityOptions { key_cache: Duration::from_secs(2), audit_queue: 4 })
-        .await
-        .unwrap();
+    let id = Identity::open(
+        "sqlite::memory:",
+        IdentityOptions { key_cache: Duration::from_secs(2), audit_queue: 4, ..IdentityOptions::default() },
+    )
+    .await
+    .unwrap();
     // Hold the only connection so the writer cannot drain the queue.
     let conn = id.pool().acquire().await.unwrap();
     let started = std::time::Instant::now();
@@ -678,9 +685,12 @@ async fn last_use_is_recorded_lazily() {
 
 #[tokio::test]
 async fn a_database_failure_is_503_without_detail() {
-    let id = Identity::open("sqlite::memory:", IdentityOptions { key_cache: Duration::ZERO, audit_queue: 16 })
-        .await
-        .unwrap();
+    let id = Identity::open(
+        "sqlite::memory:",
+        IdentityOptions { key_cache: Duration::ZERO, audit_queue: 16, ..IdentityOptions::default() },
+    )
+    .await
+    .unwrap();
     tenant(&id, "acme").await;
     let k = key(&id, "acme").await;
     id.authenticate(&k.secret).await.unwrap();
@@ -697,4 +707,118 @@ async fn a_database_failure_is_503_without_detail() {
     id.record(rec("acme", "llama", 200, 1, 1, 0, 1));
     id.flush().await;
     assert_eq!(id.audit_dropped(), 1);
+}
+
+async fn audit_count(id: &Identity) -> i64 {
+    sqlx::query("SELECT COUNT(*) FROM audit_log").fetch_one(id.pool()).await.map(|r| r.get::<i64, _>(0)).unwrap_or(-1)
+}
+
+async fn spooling(dir: &std::path::Path) -> Identity {
+    let opts = IdentityOptions {
+        audit_spool_dir: Some(dir.join("spool")),
+        audit_write_timeout: Duration::from_millis(500),
+        ..IdentityOptions::default()
+    };
+    Identity::open(&format!("sqlite://{}", dir.join("g.db").display()), opts).await.unwrap()
+}
+
+/// Issue 14, point 2: while the database refuses audit writes (here its
+/// `audit_log` table is renamed away) under load, batches are retried and
+/// spooled to disk; when it takes writes again every record arrives, once,
+/// and the daily rollup counts them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_14_audit_records_survive_a_database_outage_under_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let id = spooling(dir.path()).await;
+    const TOTAL: i64 = 3_000;
+    let loader = {
+        let id = id.clone();
+        tokio::spawn(async move {
+            for i in 0..TOTAL {
+                id.record(rec("acme", "llama", 200, 3, 4, 0, 1_741_964_966_500 + i));
+                if i % 20 == 0 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sqlx::query("ALTER TABLE audit_log RENAME TO audit_log_away").execute(id.pool()).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while id.audit_spooled() == 0 {
+        assert!(std::time::Instant::now() < deadline, "nothing was spooled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    sqlx::query("ALTER TABLE audit_log_away RENAME TO audit_log").execute(id.pool()).await.unwrap();
+    loader.await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        id.flush().await;
+        if audit_count(&id).await == TOTAL && id.audit_spooled() == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of {TOTAL} records arrived, {} spooled, {} dropped",
+            audit_count(&id).await,
+            id.audit_spooled(),
+            id.audit_dropped()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(id.audit_dropped(), 0);
+    assert!(id.audit_write_errors() > 0);
+    let distinct: i64 =
+        sqlx::query("SELECT COUNT(DISTINCT request_id) FROM audit_log").fetch_one(id.pool()).await.unwrap().get(0);
+    assert_eq!(distinct, TOTAL);
+    let (requests, tokens): (i64, i64) = sqlx::query(
+        "SELECT CAST(SUM(requests) AS BIGINT), CAST(SUM(prompt_tokens + completion_tokens) AS BIGINT) FROM usage_daily",
+    )
+    .fetch_one(id.pool())
+    .await
+    .map(|r| (r.get(0), r.get(1)))
+    .unwrap();
+    assert_eq!((requests, tokens), (TOTAL, TOTAL * 7));
+    let files = std::fs::read_dir(dir.path().join("spool")).unwrap().count();
+    assert_eq!(files, 0, "replayed spool files are removed");
+}
+
+/// Batches spooled before a restart are written by the next process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_14_spooled_audit_batches_are_replayed_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let id = spooling(dir.path()).await;
+    sqlx::query("ALTER TABLE audit_log RENAME TO audit_log_away").execute(id.pool()).await.unwrap();
+    for i in 0..10 {
+        id.record(rec("acme", "llama", 200, 1, 1, 0, i));
+    }
+    id.flush().await;
+    assert_eq!((id.audit_spooled(), id.audit_dropped()), (10, 0));
+    drop(id);
+    // The writer ends with its last sender; the database comes back.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let url = format!("sqlite://{}", dir.path().join("g.db").display());
+    let raw = sqlx::AnyPool::connect(&url).await.unwrap();
+    sqlx::query("ALTER TABLE audit_log_away RENAME TO audit_log").execute(&raw).await.unwrap();
+    raw.close().await;
+    let again = spooling(dir.path()).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // Committed first, then the file is removed and the count updated.
+    while audit_count(&again).await != 10 || again.audit_spooled() != 0 {
+        assert!(std::time::Instant::now() < deadline, "the spool was not replayed at start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(audit_count(&again).await, 10, "replayed once");
+    // Without a spool, a batch the database refuses is dropped and counted.
+    sqlx::query("ALTER TABLE audit_log RENAME TO audit_log_away").execute(again.pool()).await.unwrap();
+    let plain = Identity::open(
+        &format!("sqlite://{}", dir.path().join("g.db").display()),
+        IdentityOptions { audit_write_timeout: Duration::from_millis(500), ..IdentityOptions::default() },
+    )
+    .await
+    .unwrap();
+    plain.record(rec("acme", "llama", 200, 1, 1, 0, 99));
+    plain.flush().await;
+    assert_eq!(plain.audit_dropped(), 1);
 }

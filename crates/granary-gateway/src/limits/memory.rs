@@ -1,4 +1,5 @@
-//! Counters in process: 16 shards, each a mutex over a map of windows.
+//! Counters in process: 16 shards, each a mutex over a map of windows
+//! (calendar days and months) and rates (per minute, GCRA).
 //!
 //! A key belongs to exactly one tenant, so the shard is chosen by tenant:
 //! every counter one request touches (its key's and its tenant's) lives in
@@ -31,10 +32,14 @@ impl CounterKey {
     }
 }
 
+/// A calendar window's count, or a rate's theoretical arrival time.
 #[derive(Debug, Clone, Copy)]
 struct Counter {
     used: u64,
     end_ms: i64,
+    /// For a rate (GCRA): when everything counted so far has drained, unix
+    /// milliseconds; what is "used" at `now` is `(tat - now) / unit`.
+    tat: f64,
 }
 
 #[derive(Default)]
@@ -51,13 +56,45 @@ impl Shard {
         }
     }
 
-    fn used(&self, check: &Check) -> u64 {
-        self.counters.get(&CounterKey::of(check)).map_or(0, |c| c.used)
+    fn used(&self, check: &Check, now_ms: i64) -> u64 {
+        let Some(c) = self.counters.get(&CounterKey::of(check)) else { return 0 };
+        if check.kind.is_rate() {
+            level(c.tat, check, now_ms)
+        } else {
+            c.used
+        }
     }
 
-    fn add(&mut self, check: &Check, n: u64) {
-        let c = self.counters.entry(CounterKey::of(check)).or_insert(Counter { used: 0, end_ms: check.end_ms });
-        c.used = c.used.saturating_add(n);
+    fn add(&mut self, check: &Check, n: u64, now_ms: i64) {
+        let c =
+            self.counters.entry(CounterKey::of(check)).or_insert(Counter { used: 0, end_ms: check.end_ms, tat: 0.0 });
+        if check.kind.is_rate() {
+            c.tat = c.tat.max(now_ms as f64) + n as f64 * check.unit_ms();
+            c.end_ms = c.tat.ceil() as i64;
+        } else {
+            c.used = c.used.saturating_add(n);
+        }
+    }
+
+    fn release(&mut self, check: &Check, n: u64, now_ms: i64) {
+        let Some(c) = self.counters.get_mut(&CounterKey::of(check)) else { return };
+        if check.kind.is_rate() {
+            c.tat = (c.tat - n as f64 * check.unit_ms()).max(now_ms as f64);
+            c.end_ms = c.tat.ceil() as i64;
+        } else {
+            c.used = c.used.saturating_sub(n);
+        }
+    }
+}
+
+/// What a rate holds at `now_ms`, given its theoretical arrival time,
+/// rounded up (a part of a request or token still counts).
+pub(super) fn level(tat: f64, check: &Check, now_ms: i64) -> u64 {
+    let left = tat - now_ms as f64;
+    if left <= 0.0 {
+        0
+    } else {
+        (left / check.unit_ms() - 1e-6).ceil().max(0.0) as u64
     }
 }
 
@@ -84,6 +121,7 @@ impl MemoryStore {
         tenant: TenantId,
         checks: &[Check],
         estimate: u64,
+        reserve: u64,
         now_ms: i64,
     ) -> (Vec<(usize, u64)>, Vec<u64>) {
         let mut shard = self.shard(tenant).lock();
@@ -92,25 +130,45 @@ impl MemoryStore {
             .iter()
             .enumerate()
             .filter_map(|(i, c)| {
-                let used = shard.used(c);
+                let used = shard.used(c, now_ms);
                 (!c.admits(used, estimate)).then_some((i, used))
             })
             .collect();
         if failed.is_empty() {
-            for c in checks.iter().filter(|c| c.kind.is_requests()) {
-                shard.add(c, 1);
+            for c in checks {
+                if c.kind.is_requests() {
+                    shard.add(c, 1, now_ms);
+                } else if reserve > 0 {
+                    shard.add(c, reserve, now_ms);
+                }
             }
         }
-        let used = checks.iter().map(|c| shard.used(c)).collect();
+        let used = checks.iter().map(|c| shard.used(c, now_ms)).collect();
         (failed, used)
     }
 
-    /// Adds `tokens` to every given (token) window.
-    pub(super) fn charge(&self, tenant: TenantId, checks: &[Check], tokens: u64, now_ms: i64) {
+    /// Adds `delta` (a release when negative, never below 0) to every
+    /// given token window.
+    pub(super) fn adjust(&self, tenant: TenantId, checks: &[Check], delta: i64, now_ms: i64) {
         let mut shard = self.shard(tenant).lock();
         shard.prune(now_ms);
         for c in checks.iter().filter(|c| !c.kind.is_requests()) {
-            shard.add(c, tokens);
+            if delta >= 0 {
+                shard.add(c, delta.unsigned_abs(), now_ms);
+            } else {
+                shard.release(c, delta.unsigned_abs(), now_ms);
+            }
+        }
+    }
+
+    /// Raises each counter to at least its value.
+    pub(super) fn raise(&self, tenant: TenantId, counters: &[(Check, u64)], now_ms: i64) {
+        let mut shard = self.shard(tenant).lock();
+        shard.prune(now_ms);
+        for (c, value) in counters {
+            let counter =
+                shard.counters.entry(CounterKey::of(c)).or_insert(Counter { used: 0, end_ms: c.end_ms, tat: 0.0 });
+            counter.used = counter.used.max(*value);
         }
     }
 

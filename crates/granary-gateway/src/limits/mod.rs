@@ -1,22 +1,33 @@
 //! Request and token limits per key and per tenant, in process or shared through Redis.
 //!
-//! Every request must fit both its key's and its tenant's [`Limits`]. Four
-//! fixed windows are counted, each keyed by its start:
+//! Every request must fit both its key's and its tenant's [`Limits`]:
 //!
-//! | limit                 | window                 |
-//! |-----------------------|------------------------|
-//! | `requests_per_minute` | the wall-clock minute  |
-//! | `tokens_per_minute`   | the wall-clock minute  |
-//! | `tokens_per_day`      | the UTC day            |
-//! | `tokens_per_month`    | the UTC calendar month |
+//! | limit                 | counted as                                  |
+//! |-----------------------|---------------------------------------------|
+//! | `requests_per_minute` | a rate (GCRA): each request drains in 60 s / limit |
+//! | `tokens_per_minute`   | a rate (GCRA): each token drains in 60 s / limit   |
+//! | `tokens_per_day`      | a fixed window: the UTC day                 |
+//! | `tokens_per_month`    | a fixed window: the UTC calendar month      |
+//!
+//! A rate is a bucket that drains continuously, so there is no window edge
+//! at which a second full burst fits: whatever is taken at once, no 60 s
+//! span sees more than the limit plus what drained within it. "Used" is the
+//! bucket's level (rounded up), "reset" the time until it is empty, and a
+//! refusal's retry time the time until it is under the limit again. The
+//! day and month budgets are calendar windows, as billing is.
 //!
 //! Admission ([`Limiter::admit`]) happens before the request is sent
 //! upstream, when only an estimate of its tokens is known. The request
 //! counters are checked and incremented in one atomic step, so a rejected
 //! request costs nothing. A token window admits while the tokens already
 //! spent are under its limit (`used < max`); a request whose estimate alone
-//! is over a token limit is refused outright, as it could never fit. The
-//! real tokens are added afterwards by [`Limiter::charge`].
+//! is over a token limit is refused outright, as it could never fit.
+//! [`Limiter::reserve`] (what the proxy uses) also reserves the request's
+//! worst case in every token window in that same step, so concurrent
+//! requests see each other and overshoot a budget by at most one
+//! reservation; [`Limiter::settle`] replaces the reservation with the real
+//! tokens when the request ends. [`Limiter::charge`] adds tokens without
+//! a reservation.
 //!
 //! With one gateway the counters live in process ([`Limiter::in_process`]).
 //! With several, they live in Redis ([`Limiter::redis`]): one script call
@@ -38,7 +49,7 @@ use crate::{ApiError, Limits, Principal};
 pub use self::redis_store::RedisOptions;
 
 /// Whose limit blocked a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Scope {
     /// The API key's own limits.
     Key,
@@ -91,6 +102,20 @@ pub struct Headroom {
     pub remaining: u64,
     /// Until the window resets.
     pub reset: Duration,
+}
+
+/// Tokens reserved at admission, to be settled when the request ends
+/// ([`Limiter::settle`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reservation {
+    /// What the per-minute limits leave (for the `x-ratelimit-*` headers).
+    pub quota: Quota,
+    /// The tokens reserved in every token window (0: none, e.g. no token
+    /// limit applies or Redis failed open).
+    pub tokens: u64,
+    /// When it was taken (unix milliseconds): it is settled in the windows
+    /// of this time.
+    pub at_ms: i64,
 }
 
 /// What the per-minute limits leave after an admission: of the key's and
@@ -154,7 +179,7 @@ fn quota(checks: &[Check], used: &[u64], now_ms: i64) -> Quota {
             .map(|(c, &u)| Headroom {
                 limit: c.max,
                 remaining: c.max.saturating_sub(u),
-                reset: Duration::from_millis(u64::try_from(c.end_ms.saturating_sub(now_ms)).unwrap_or(0)),
+                reset: Duration::from_millis(u64::try_from(c.reset_ms(u, now_ms)).unwrap_or(0)),
             })
             .min_by_key(|h| h.remaining)
     };
@@ -205,7 +230,7 @@ fn retry_secs(after: Duration) -> u64 {
 }
 
 /// The four counted limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum LimitKind {
     RequestsPerMinute,
     TokensPerMinute,
@@ -239,6 +264,11 @@ impl LimitKind {
         self == LimitKind::RequestsPerMinute
     }
 
+    /// The per-minute limits: rates (GCRA), not calendar windows.
+    fn is_rate(self) -> bool {
+        matches!(self, LimitKind::RequestsPerMinute | LimitKind::TokensPerMinute)
+    }
+
     fn max(self, limits: &Limits) -> Option<u64> {
         match self {
             LimitKind::RequestsPerMinute => limits.requests_per_minute,
@@ -249,11 +279,13 @@ impl LimitKind {
     }
 
     /// The window holding `now_ms`: `(start, end)` in unix milliseconds.
+    /// For the per-minute rates: `(0, now + 1 minute)`.
     fn window(self, now_ms: i64) -> (i64, i64) {
         const MINUTE: i64 = 60_000;
         const DAY: i64 = 86_400_000;
         match self {
-            LimitKind::RequestsPerMinute | LimitKind::TokensPerMinute => fixed_window(now_ms, MINUTE),
+            // Rates have one counter for all time; "end" is unused.
+            LimitKind::RequestsPerMinute | LimitKind::TokensPerMinute => (0, now_ms.saturating_add(MINUTE)),
             LimitKind::TokensPerDay => fixed_window(now_ms, DAY),
             // A time chrono cannot place in the calendar (hundreds of
             // thousands of years away) falls back to 30-day windows.
@@ -282,15 +314,45 @@ fn month_window(now_ms: i64) -> Option<(i64, i64)> {
 struct Check {
     scope: Scope,
     id: i64,
+    /// The tenant of the request (the Redis hash tag: one slot per tenant).
+    tenant: i64,
     kind: LimitKind,
     max: u64,
     start_ms: i64,
     end_ms: i64,
 }
 
+/// What a per-minute rate drains in: its limit per [`RATE_PERIOD_MS`].
+pub(crate) const RATE_PERIOD_MS: i64 = 60_000;
+
 impl Check {
+    /// Milliseconds one unit (a request, a token) of this rate takes to drain.
+    fn unit_ms(&self) -> f64 {
+        RATE_PERIOD_MS as f64 / self.max.max(1) as f64
+    }
+
+    /// Until `used` is under the limit again: for a rate, until enough has
+    /// drained; for a calendar window, until it ends.
+    fn retry_ms(&self, used: u64, now_ms: i64) -> i64 {
+        if self.kind.is_rate() {
+            let over = used.saturating_add(1).saturating_sub(self.max) as f64;
+            ((over * self.unit_ms()).ceil() as i64).max(1)
+        } else {
+            self.end_ms.saturating_sub(now_ms)
+        }
+    }
+
+    /// Until nothing is used: a rate fully drained, a window ended.
+    fn reset_ms(&self, used: u64, now_ms: i64) -> i64 {
+        if self.kind.is_rate() {
+            (used as f64 * self.unit_ms()).ceil() as i64
+        } else {
+            self.end_ms.saturating_sub(now_ms)
+        }
+    }
+
     fn rejection(&self, used: u64, now_ms: i64) -> Rejection {
-        let left = u64::try_from(self.end_ms.saturating_sub(now_ms)).unwrap_or(0);
+        let left = u64::try_from(self.retry_ms(used, now_ms)).unwrap_or(0);
         Rejection {
             scope: self.scope,
             limit: self.kind.as_str(),
@@ -322,7 +384,7 @@ fn checks(who: &Principal, now_ms: i64, kinds: &[LimitKind]) -> Vec<Check> {
         for &kind in kinds {
             if let Some(max) = kind.max(limits) {
                 let (start_ms, end_ms) = kind.window(now_ms);
-                out.push(Check { scope, id, kind, max, start_ms, end_ms });
+                out.push(Check { scope, id, tenant: who.tenant_id, kind, max, start_ms, end_ms });
             }
         }
     }
@@ -332,13 +394,13 @@ fn checks(who: &Principal, now_ms: i64, kinds: &[LimitKind]) -> Vec<Check> {
 const ALL_KINDS: [LimitKind; 4] =
     [LimitKind::RequestsPerMinute, LimitKind::TokensPerMinute, LimitKind::TokensPerDay, LimitKind::TokensPerMonth];
 
-/// Among the failed windows, the one that resets last: retrying earlier
+/// Among the failed windows, the one that admits last: retrying earlier
 /// would fail again. `failed` holds `(index into checks, used)`.
 fn blocking(checks: &[Check], failed: &[(usize, u64)], now_ms: i64) -> Option<Rejection> {
     let mut best: Option<(usize, u64)> = None;
     for &(i, used) in failed {
         let Some(check) = checks.get(i) else { continue };
-        if best.is_none_or(|(b, _)| check.end_ms > checks[b].end_ms) {
+        if best.is_none_or(|(b, bu)| check.retry_ms(used, now_ms) > checks[b].retry_ms(bu, now_ms)) {
             best = Some((i, used));
         }
     }
@@ -404,21 +466,77 @@ impl Limiter {
 
     /// [`admit`](Self::admit) at an explicit time (unix milliseconds).
     pub async fn admit_at(&self, who: &Principal, estimated_tokens: u64, now_ms: i64) -> Result<Quota, Rejection> {
+        self.reserve_at(who, estimated_tokens, 0, now_ms).await.map(|r| r.quota)
+    }
+
+    /// Admits a request and, in the same atomic step, reserves `reserve`
+    /// tokens of every token window of its key and tenant (the request's
+    /// worst case: prompt plus `max_tokens`, or the configured default when
+    /// it sends none). Concurrent requests then see each other's
+    /// reservations, so a budget is overshot by at most one reservation.
+    /// `estimated_tokens` is what refuses a request outright (over a token
+    /// limit on its own). Hand the [`Reservation`] to
+    /// [`settle`](Self::settle) when the request ends.
+    pub async fn reserve(
+        &self,
+        who: &Principal,
+        estimated_tokens: u64,
+        reserve: u64,
+    ) -> Result<Reservation, Rejection> {
+        self.reserve_at(who, estimated_tokens, reserve, now_ms()).await
+    }
+
+    /// [`reserve`](Self::reserve) at an explicit time (unix milliseconds).
+    pub async fn reserve_at(
+        &self,
+        who: &Principal,
+        estimated_tokens: u64,
+        reserve: u64,
+        now_ms: i64,
+    ) -> Result<Reservation, Rejection> {
+        let none = Reservation { quota: Quota::default(), tokens: 0, at_ms: now_ms };
         if who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited() {
-            return Ok(Quota::default());
+            return Ok(none);
         }
         let checks = checks(who, now_ms, &ALL_KINDS);
         if checks.is_empty() {
-            return Ok(Quota::default());
+            return Ok(none);
         }
+        // Nothing to reserve in where no token limit applies.
+        let reserve = if checks.iter().any(|c| !c.kind.is_requests()) { reserve } else { 0 };
         let (failed, used) = match &*self.backend {
-            Backend::Memory(m) => m.admit(who.tenant_id, &checks, estimated_tokens, now_ms),
-            Backend::Redis(r) => r.admit(&checks, estimated_tokens, now_ms).await,
+            Backend::Memory(m) => m.admit(who.tenant_id, &checks, estimated_tokens, reserve, now_ms),
+            Backend::Redis(r) => r.admit(&checks, estimated_tokens, reserve, now_ms).await,
         };
         let quota = quota(&checks, &used, now_ms);
         match blocking(&checks, &failed, now_ms) {
             Some(rejection) => Err(Rejection { quota, ..rejection }),
-            None => Ok(quota),
+            // No counts back: Redis failed open and nothing was reserved.
+            None => Ok(Reservation { quota, tokens: if used.is_empty() { 0 } else { reserve }, at_ms: now_ms }),
+        }
+    }
+
+    /// Ends a reservation: the token windows it was taken from get the
+    /// tokens really used (prompt plus completion) instead of the reserved
+    /// ones; the unused part is released, an excess added. Windows that
+    /// have ended since are left alone when releasing.
+    pub async fn settle(&self, who: &Principal, reservation: &Reservation, used_tokens: u64) {
+        let delta = i64::try_from(used_tokens)
+            .unwrap_or(i64::MAX)
+            .saturating_sub(i64::try_from(reservation.tokens).unwrap_or(i64::MAX));
+        if delta == 0 || (who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited()) {
+            return;
+        }
+        let checks = checks(who, reservation.at_ms, &LimitKind::TOKENS);
+        if checks.is_empty() {
+            return;
+        }
+        // The windows are those of the admission; so is the clock used to
+        // prune and to set expiries (at worst a little generous).
+        let at = reservation.at_ms;
+        match &*self.backend {
+            Backend::Memory(m) => m.adjust(who.tenant_id, &checks, delta, at),
+            Backend::Redis(r) => r.adjust(&checks, delta, at).await,
         }
     }
 
@@ -438,8 +556,55 @@ impl Limiter {
             return;
         }
         match &*self.backend {
-            Backend::Memory(m) => m.charge(who.tenant_id, &checks, tokens, now_ms),
-            Backend::Redis(r) => r.charge(&checks, tokens, now_ms).await,
+            Backend::Memory(m) => m.adjust(who.tenant_id, &checks, i64::try_from(tokens).unwrap_or(i64::MAX), now_ms),
+            Backend::Redis(r) => r.adjust(&checks, i64::try_from(tokens).unwrap_or(i64::MAX), now_ms).await,
+        }
+    }
+
+    /// Raises the day and month token counters of every tenant and key in
+    /// `usage` to at least what it says they used (never lowers one), so a
+    /// restart, or a Redis that lost its data, does not reset a budget.
+    /// `usage` is per tenant, key (0: none) and UTC day, as the
+    /// `usage_daily` rollup keeps it; days outside the current day and
+    /// month are ignored. Counters that already hold more (requests served
+    /// since) keep their value.
+    pub async fn restore(&self, usage: &[crate::identity::DailyUsage]) {
+        self.restore_at(usage, now_ms()).await
+    }
+
+    /// [`restore`](Self::restore) at an explicit time (unix milliseconds).
+    pub async fn restore_at(&self, usage: &[crate::identity::DailyUsage], now_ms: i64) {
+        use std::collections::BTreeMap;
+        // (tenant, scope, id, kind) -> tokens
+        let mut totals: BTreeMap<(i64, Scope, i64, LimitKind), u64> = BTreeMap::new();
+        for u in usage {
+            for kind in [LimitKind::TokensPerDay, LimitKind::TokensPerMonth] {
+                let (start, end) = kind.window(now_ms);
+                if u.day_ms < start || u.day_ms >= end {
+                    continue;
+                }
+                let mut add = |scope, id| {
+                    let t = totals.entry((u.tenant_id, scope, id, kind)).or_default();
+                    *t = t.saturating_add(u.tokens);
+                };
+                add(Scope::Tenant, u.tenant_id);
+                if u.key_id != 0 {
+                    add(Scope::Key, u.key_id);
+                }
+            }
+        }
+        // One call per tenant: its keys share its Redis hash slot.
+        let mut per_tenant: BTreeMap<i64, Vec<(Check, u64)>> = BTreeMap::new();
+        for ((tenant, scope, id, kind), tokens) in totals {
+            let (start_ms, end_ms) = kind.window(now_ms);
+            let check = Check { scope, id, tenant, kind, max: 0, start_ms, end_ms };
+            per_tenant.entry(tenant).or_default().push((check, tokens));
+        }
+        for (tenant, counters) in per_tenant {
+            match &*self.backend {
+                Backend::Memory(m) => m.raise(tenant, &counters, now_ms),
+                Backend::Redis(r) => r.raise(&counters, now_ms).await,
+            }
         }
     }
 

@@ -1,14 +1,19 @@
 //! Counters in Redis, shared by every gateway on the same server and prefix.
 //!
-//! Keys: `{prefix}{k|t}:{id}:{rpm|tpm|tpd|tpmo}:{window start, unix seconds}`,
-//! e.g. `granary:limits:k:42:tpd:1735689600`. They name key and tenant ids,
-//! never secrets, and expire a second after their window ends.
+//! Keys: `{prefix}{t<tenant>}:{k|t}:{id}:{rpm|tpm|tpd|tpmo}:{window start, unix seconds}`,
+//! e.g. `granary:limits:{t4}:k:42:tpd:1735689600`. They name key and tenant
+//! ids, never secrets, and expire a second after their window ends. The
+//! per-minute rates (`rpm`, `tpm`) have window start 0 and hold a time (GCRA,
+//! see the admission script); they expire a second after all they counted
+//! has drained. The
+//! `{t<tenant>}` hash tag puts every key of one tenant (its own and its
+//! keys') in one Redis Cluster slot, so one script call may touch them all.
 //!
 //! One admission is one script call: the script reads every window of the
 //! key and the tenant and increments the request counters only if all of
-//! them admit. One charge is one pipeline of `INCRBY` + `EXPIRE` per token
-//! window. All keys of one call belong to one tenant; on Redis Cluster they
-//! would need to share a hash slot, which this layout does not arrange.
+//! them admit, reserving the request's worst case in the token windows. One
+//! charge or settlement is one script call too (`INCRBY`, or a release that
+//! never goes below 0).
 //!
 //! Every call is bounded by the configured timeout. On any error or timeout
 //! the limiter fails open (the request is admitted, the charge dropped),
@@ -47,29 +52,54 @@ impl Default for RedisOptions {
 /// Checks every window of one request and counts it if all admit.
 ///
 /// `KEYS[i]` is a window; `ARGV[1]` the request's token estimate; then per
-/// window three arguments: `r` (request counter) or `t` (token counter), the
-/// limit, and the key's time to live in seconds. Returns every window's
-/// count after the call (`#KEYS` values), then the failed windows as
-/// `i1, used1, i2, used2, ...` (1-based), none when admitted.
+/// window three arguments: its kind, the limit, and the key's time to live
+/// in seconds (calendar windows). Kinds: `r` requests per minute and `q`
+/// tokens per minute, both rates (GCRA: the key holds the time, in unix
+/// milliseconds, when all it counted has drained, each unit taking
+/// 60000 / limit ms); `t` a calendar token window (the key holds a count).
+/// Then the reservation (added to every token window on admission) and the
+/// caller's clock. Returns every window's count after the call (`#KEYS`
+/// values), then the failed windows as `i1, used1, i2, used2, ...`
+/// (1-based), none when admitted.
 const ADMIT_SCRIPT: &str = r#"
 local estimate = tonumber(ARGV[1])
+local reserve = tonumber(ARGV[3 * #KEYS + 2]) or 0
+local now = tonumber(ARGV[3 * #KEYS + 3])
+local function level(tat, max)
+  if tat <= now then return 0 end
+  return math.max(0, math.ceil((tat - now) * max / 60000 - 1e-6))
+end
 local failed = {}
 local counts = {}
+local state = {}
 for i = 1, #KEYS do
   local kind = ARGV[3 * i - 1]
   local max = tonumber(ARGV[3 * i])
-  local used = tonumber(redis.call('GET', KEYS[i]) or '0') or 0
+  local raw = tonumber(redis.call('GET', KEYS[i]) or '0') or 0
+  local used = raw
+  if kind ~= 't' then used = level(raw, max) end
+  state[i] = raw
   counts[i] = used
-  if used >= max or (kind == 't' and estimate > max) then
+  if used >= max or (kind ~= 'r' and estimate > max) then
     failed[#failed + 1] = i
     failed[#failed + 1] = used
   end
 end
 if #failed == 0 then
   for i = 1, #KEYS do
-    if ARGV[3 * i - 1] == 'r' then
-      counts[i] = redis.call('INCR', KEYS[i])
-      redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
+    local kind = ARGV[3 * i - 1]
+    local max = tonumber(ARGV[3 * i])
+    local n = reserve
+    if kind == 'r' then n = 1 end
+    if n > 0 then
+      if kind == 't' then
+        counts[i] = redis.call('INCRBY', KEYS[i], n)
+        redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
+      else
+        local tat = math.max(state[i], now) + n * 60000 / max
+        redis.call('SET', KEYS[i], string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 1000)
+        counts[i] = level(tat, max)
+      end
     end
   end
 end
@@ -77,6 +107,57 @@ for j = 1, #failed do
   counts[#counts + 1] = failed[j]
 end
 return counts
+"#;
+
+/// Adds `ARGV[1]` to every key (a negative amount releases: only from a
+/// key that still exists, and never below 0); `ARGV[2]` is the caller's
+/// clock; then per key its kind (`q` or `t`, as in the admission script),
+/// limit and time to live in seconds.
+const ADJUST_SCRIPT: &str = r#"
+local delta = tonumber(ARGV[1])
+local now = tonumber(ARGV[2])
+for i = 1, #KEYS do
+  local kind = ARGV[3 * i]
+  local max = tonumber(ARGV[3 * i + 1])
+  if kind == 't' then
+    if delta > 0 then
+      redis.call('INCRBY', KEYS[i], delta)
+      redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 2])
+    elseif redis.call('EXISTS', KEYS[i]) == 1 then
+      if redis.call('DECRBY', KEYS[i], -delta) < 0 then
+        redis.call('SET', KEYS[i], 0, 'KEEPTTL')
+      end
+    end
+  else
+    local raw = redis.call('GET', KEYS[i])
+    local tat = tonumber(raw or '0') or 0
+    if delta > 0 then
+      tat = math.max(tat, now) + delta * 60000 / max
+      redis.call('SET', KEYS[i], string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 1000)
+    elseif raw then
+      tat = tat + delta * 60000 / max
+      if tat <= now then
+        redis.call('DEL', KEYS[i])
+      else
+        redis.call('SET', KEYS[i], string.format('%.3f', tat), 'KEEPTTL')
+      end
+    end
+  end
+end
+return 0
+"#;
+
+/// Raises every key to at least `ARGV[2i - 1]`, with time to live
+/// `ARGV[2i]` when it sets it.
+const RAISE_SCRIPT: &str = r#"
+for i = 1, #KEYS do
+  local want = tonumber(ARGV[2 * i - 1])
+  local have = tonumber(redis.call('GET', KEYS[i]) or '0') or 0
+  if have < want then
+    redis.call('SET', KEYS[i], want, 'EX', ARGV[2 * i])
+  end
+end
+return 0
 "#;
 
 /// Seconds a key outlives its window (absorbs small clock differences
@@ -117,6 +198,8 @@ pub(super) struct RedisStore {
     prefix: String,
     timeout: Duration,
     script: redis::Script,
+    adjust: redis::Script,
+    raise: redis::Script,
 }
 
 impl RedisStore {
@@ -143,6 +226,8 @@ impl RedisStore {
             prefix: options.prefix,
             timeout: Duration::from_millis(options.timeout_ms),
             script: redis::Script::new(ADMIT_SCRIPT),
+            adjust: redis::Script::new(ADJUST_SCRIPT),
+            raise: redis::Script::new(RAISE_SCRIPT),
         })
     }
 
@@ -152,8 +237,9 @@ impl RedisStore {
 
     fn key(&self, check: &Check) -> String {
         format!(
-            "{}{}:{}:{}:{}",
+            "{}{{t{}}}:{}:{}:{}:{}",
             self.prefix,
+            check.tenant,
             check.scope.tag(),
             check.id,
             check.kind.tag(),
@@ -174,13 +260,20 @@ impl RedisStore {
     /// The failed windows as `(index into checks, used)`, and every
     /// window's count after the call; both empty when Redis failed (fail
     /// open).
-    pub(super) async fn admit(&self, checks: &[Check], estimate: u64, now_ms: i64) -> (Vec<(usize, u64)>, Vec<u64>) {
+    pub(super) async fn admit(
+        &self,
+        checks: &[Check],
+        estimate: u64,
+        reserve: u64,
+        now_ms: i64,
+    ) -> (Vec<(usize, u64)>, Vec<u64>) {
         let Some(mut conn) = self.connection("admission") else { return (Vec::new(), Vec::new()) };
         let mut call = self.script.prepare_invoke();
         call.arg(estimate);
         for c in checks {
-            call.key(self.key(c)).arg(if c.kind.is_requests() { "r" } else { "t" }).arg(c.max).arg(ttl_secs(c, now_ms));
+            call.key(self.key(c)).arg(kind_code(c)).arg(c.max).arg(ttl_secs(c, now_ms));
         }
+        call.arg(reserve).arg(now_ms);
         let reply = tokio::time::timeout(self.timeout, call.invoke_async::<Vec<i64>>(&mut conn)).await;
         let flat = match reply {
             Ok(Ok(flat)) => flat,
@@ -208,20 +301,45 @@ impl RedisStore {
         (failed, counts.iter().map(|&n| u64::try_from(n).unwrap_or(0)).collect())
     }
 
-    /// Adds `tokens` to every given token window.
-    pub(super) async fn charge(&self, checks: &[Check], tokens: u64, now_ms: i64) {
+    /// Adds `delta` to every given token window (a release, never below
+    /// 0, when negative).
+    pub(super) async fn adjust(&self, checks: &[Check], delta: i64, now_ms: i64) {
         let Some(mut conn) = self.connection("charge") else { return };
-        let mut pipe = redis::pipe();
+        let mut call = self.adjust.prepare_invoke();
+        call.arg(delta).arg(now_ms);
         for c in checks.iter().filter(|c| !c.kind.is_requests()) {
-            let key = self.key(c);
-            pipe.cmd("INCRBY").arg(&key).arg(tokens).ignore();
-            pipe.cmd("EXPIRE").arg(&key).arg(ttl_secs(c, now_ms)).ignore();
+            call.key(self.key(c)).arg(kind_code(c)).arg(c.max.max(1)).arg(ttl_secs(c, now_ms));
         }
-        match tokio::time::timeout(self.timeout, pipe.exec_async(&mut conn)).await {
-            Ok(Ok(())) => {}
+        match tokio::time::timeout(self.timeout, call.invoke_async::<i64>(&mut conn)).await {
+            Ok(Ok(_)) => {}
             Ok(Err(e)) => self.shared.failed("charge", &e),
             Err(_) => self.shared.failed("charge", &format_args!("no answer within {} ms", self.timeout.as_millis())),
         }
+    }
+}
+
+impl RedisStore {
+    /// Raises each counter (all of one tenant) to at least its value.
+    pub(super) async fn raise(&self, counters: &[(Check, u64)], now_ms: i64) {
+        let Some(mut conn) = self.connection("restore") else { return };
+        let mut call = self.raise.prepare_invoke();
+        for (c, value) in counters {
+            call.key(self.key(c)).arg(*value).arg(ttl_secs(c, now_ms));
+        }
+        match tokio::time::timeout(self.timeout, call.invoke_async::<i64>(&mut conn)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => self.shared.failed("restore", &e),
+            Err(_) => self.shared.failed("restore", &format_args!("no answer within {} ms", self.timeout.as_millis())),
+        }
+    }
+}
+
+/// The admission script's name for a check's kind.
+fn kind_code(c: &Check) -> &'static str {
+    match (c.kind.is_requests(), c.kind.is_rate()) {
+        (true, _) => "r",
+        (false, true) => "q",
+        (false, false) => "t",
     }
 }
 

@@ -42,7 +42,7 @@ fn memory_len(l: &Limiter) -> usize {
 }
 
 #[tokio::test]
-async fn requests_per_minute_admits_n_then_rejects_until_the_minute_ends() {
+async fn requests_per_minute_admits_n_then_one_more_per_sixtieth_of_a_minute_per_request() {
     let l = Limiter::in_process();
     let p = principal(1, 10, rpm(3), Limits::default());
     for _ in 0..3 {
@@ -52,19 +52,55 @@ async fn requests_per_minute_admits_n_then_rejects_until_the_minute_ends() {
     assert_eq!(r.scope, Scope::Key);
     assert_eq!(r.limit, "requests_per_minute");
     assert_eq!((r.max, r.used), (3, 3));
-    // T0 is 26.5 s into its minute.
-    assert_eq!(r.retry_after, Duration::from_millis(33_500));
+    // A rate, not a calendar minute: each request drains in 20 s.
+    assert_eq!(r.retry_after, Duration::from_millis(20_000));
 
     let e = r.to_api_error();
     assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(e.code, Some("rate_limit_exceeded"));
-    assert_eq!(e.message, "key limit requests_per_minute (3) reached; retry after 34 s");
+    assert_eq!(e.message, "key limit requests_per_minute (3) reached; retry after 20 s");
     let resp = e.into_response();
-    assert_eq!(resp.headers()[header::RETRY_AFTER], "34");
+    assert_eq!(resp.headers()[header::RETRY_AFTER], "20");
 
-    // The next minute admits again.
-    let next = minute_start(T0) + MINUTE;
-    l.admit_at(&p, 0, next).await.unwrap();
+    // 20 s later one more fits, not three; a minute later all three.
+    assert!(l.admit_at(&p, 0, T0 + 19_999).await.is_err());
+    l.admit_at(&p, 0, T0 + 20_000).await.unwrap();
+    assert!(l.admit_at(&p, 0, T0 + 20_000).await.is_err());
+    for _ in 0..3 {
+        l.admit_at(&p, 0, T0 + 20_000 + MINUTE).await.unwrap();
+    }
+}
+
+/// Issue 14, point 1: no 2x burst at a minute's edge. A burst at the end of
+/// one wall-clock minute and another at the start of the next together fit
+/// the limit, in any 60 s span.
+#[tokio::test]
+async fn a_burst_across_a_minute_edge_cannot_exceed_the_limit() {
+    let l = Limiter::in_process();
+    let p = principal(1, 10, rpm(10), Limits { tokens_per_minute: Some(1_000), ..Limits::default() });
+    let edge = minute_start(T0) + MINUTE;
+    let mut admitted = 0;
+    for t in [edge - 500, edge - 1, edge, edge + 1, edge + 500] {
+        for _ in 0..20 {
+            admitted += u32::from(l.admit_at(&p, 0, t).await.is_ok());
+        }
+    }
+    // 10 at once, and what one second drains (1/6 request): none more.
+    assert_eq!(admitted, 10);
+    // Tokens: 1000 taken just before the edge leave what one second
+    // drained (16 of 1000) just after it, not a fresh 1000.
+    let q = principal(2, 20, Limits { tokens_per_minute: Some(1_000), ..Limits::default() }, Limits::default());
+    l.reserve_at(&q, 10, 1_000, edge - 500).await.unwrap();
+    let quota = l.admit_at(&q, 0, edge + 500).await.unwrap();
+    let tokens = quota.tokens.unwrap();
+    assert_eq!((tokens.limit, tokens.remaining), (1_000, 16));
+    assert_eq!(tokens.reset, Duration::from_millis(59_040));
+    let r = l.reserve_at(&q, 10, 1_000, edge + 500).await.unwrap();
+    let e = l.admit_at(&q, 0, edge + 500).await.unwrap_err();
+    assert_eq!((e.limit, e.used), ("tokens_per_minute", 1_984));
+    // A settled reservation gives back what was not used.
+    l.settle(&q, &r, 0).await;
+    assert_eq!(l.admit_at(&q, 0, edge + 500).await.unwrap().tokens.unwrap().remaining, 16);
 }
 
 #[tokio::test]
@@ -99,7 +135,7 @@ async fn a_request_must_fit_the_key_and_the_tenant() {
     l.admit_at(&a, 0, T0).await.unwrap();
     let r = l.admit_at(&b, 0, T0).await.unwrap_err();
     assert_eq!(r.scope, Scope::Tenant);
-    assert_eq!(r.to_api_error().message, "tenant limit requests_per_minute (3) reached; retry after 34 s");
+    assert_eq!(r.to_api_error().message, "tenant limit requests_per_minute (3) reached; retry after 20 s");
     // Another tenant is untouched.
     l.admit_at(&principal(3, 11, rpm(100), rpm(3)), 0, T0).await.unwrap();
 }
@@ -272,9 +308,9 @@ fn windows_start_and_end_where_the_calendar_says() {
     assert_eq!(start, 1_733_011_200_000); // 2024-12-01
     assert_eq!(end, 1_735_689_600_000); // 2025-01-01
     assert_eq!(LimitKind::TokensPerDay.window(t), (1_735_603_200_000, 1_735_689_600_000));
-    assert_eq!(LimitKind::TokensPerMinute.window(t), (1_735_689_540_000, 1_735_689_600_000));
-    // Before 1970 the minute still starts at or before the instant.
-    assert_eq!(LimitKind::RequestsPerMinute.window(-1), (-60_000, 0));
+    // The per-minute limits are rates: one counter, not calendar minutes.
+    assert_eq!(LimitKind::TokensPerMinute.window(t), (0, t + 60_000));
+    assert_eq!(LimitKind::RequestsPerMinute.window(-1), (0, 59_999));
 }
 
 #[test]
@@ -310,4 +346,43 @@ fn reset_durations_are_written_as_openai_writes_them() {
     assert_eq!(t(17_280), "17.28s");
     assert_eq!(t(360_000), "6m0s");
     assert_eq!(t(61_050), "1m1.05s");
+}
+
+/// Issue 14, point 1: concurrent admissions see each other's reservations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_bound_concurrent_overshoot_and_settle_releases_the_rest() {
+    let l = Limiter::in_process();
+    let budget = Limits { tokens_per_day: Some(1_000), ..Limits::default() };
+    let p = principal(1, 10, budget, Limits::default());
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let (l, p) = (l.clone(), p.clone());
+        tasks.push(tokio::spawn(async move { l.reserve_at(&p, 10, 100, T0).await.ok() }));
+    }
+    let mut admitted = Vec::new();
+    for t in tasks {
+        admitted.extend(t.await.unwrap());
+    }
+    assert_eq!(admitted.len(), 10);
+    // 150 reserved where 1000 fit: admitted while under the budget, so at
+    // most one reservation over it.
+    let q = principal(2, 20, Limits { tokens_per_day: Some(1_000), ..Limits::default() }, Limits::default());
+    let mut n = 0;
+    while l.reserve_at(&q, 10, 150, T0).await.is_ok() {
+        n += 1;
+    }
+    assert_eq!(n, 7, "0, 150, ..., 900 are under 1000: 7 admitted, 1050 reserved");
+    // Settling: each used 40 of its 100; 600 come back.
+    for r in &admitted {
+        l.settle(&p, r, 40).await;
+    }
+    let mut more = 0;
+    while let Ok(r) = l.reserve_at(&p, 10, 100, T0).await {
+        assert_eq!(r.tokens, 100);
+        more += 1;
+    }
+    assert_eq!(more, 6, "400 used: 400, 500, ..., 900 are under 1000");
+    // Without any token limit nothing is reserved.
+    let free = principal(3, 30, rpm(10), Limits::default());
+    assert_eq!(l.reserve_at(&free, 10, 100, T0).await.unwrap().tokens, 0);
 }
