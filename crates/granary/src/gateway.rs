@@ -4,7 +4,6 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
@@ -120,12 +119,8 @@ pub async fn run(args: GatewayArgs) -> Result<()> {
 
 async fn serve(cfg: GatewayConfig) -> Result<()> {
     let g = &cfg.gateway;
-    let identity = Identity::open(
-        &g.database,
-        IdentityOptions { key_cache: Duration::from_millis(g.key_cache_ms), ..IdentityOptions::default() },
-    )
-    .await
-    .with_context(|| "opening the gateway database")?;
+    let identity =
+        Identity::open(&g.database, g.identity_options()).await.with_context(|| "opening the gateway database")?;
     let limiter = match &g.redis {
         Some(url) => Limiter::redis(url, RedisOptions::default()).await?,
         None => Limiter::in_process(),
