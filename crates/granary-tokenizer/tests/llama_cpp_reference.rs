@@ -255,9 +255,9 @@ fn gguf_unknown_pre_tokenizer_warns_and_uses_default() {
     let text = "Hello, world! 12345";
     assert_eq!(tok.decode(&tok.encode(text, false).unwrap(), false).unwrap(), text);
 
-    content.metadata.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
+    content.metadata.insert("tokenizer.ggml.model".into(), Value::String("rwkv".into()));
     let err = Tokenizer::from_gguf(&content).unwrap_err().to_string();
-    assert!(err.contains("not supported"), "{err}");
+    assert!(err.contains("unsupported") && err.contains("\"rwkv\"") && err.contains("--tokenizer"), "{err}");
 
     content.metadata.remove("tokenizer.chat_template");
     content.metadata.insert("tokenizer.ggml.model".into(), Value::String("gpt2".into()));
