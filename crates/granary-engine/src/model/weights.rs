@@ -1,0 +1,455 @@
+//! Building a [`Model`] from weight files: GGUF and Hugging Face
+//! safetensors tensor names, fused projections, rotary tables per layer
+//! kind, and the tensor types the loader takes.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+
+use super::linear::{Linear, Proj};
+use super::{config, load, Layer, LoadOptions, LoadStats, Loader, Model, ModelConfig, ReadOptions, Rope};
+
+/// Where weight tensors come from while building a [`Model`].
+trait TensorSource {
+    fn get(&mut self, name: &str) -> Result<Tensor>;
+    fn get_opt(&mut self, name: &str) -> Result<Option<Tensor>>;
+    /// The tensor as stored, when the source is quantized.
+    fn get_quantized(&mut self, _name: &str) -> Result<Option<QTensor>> {
+        Ok(None)
+    }
+    /// Whether the tensor is stored as Q4_1 (without reading it).
+    fn stored_q4_1(&self, _name: &str) -> bool {
+        false
+    }
+}
+
+/// A GGUF's tensors, read up front ([`load`]); each is handed out once
+/// (its memory goes with it), one asked for again is read from the file.
+struct GgufSource<'a> {
+    ct: &'a gguf_file::Content,
+    tensors: HashMap<String, QTensor>,
+    path: &'a Path,
+    device: Device,
+}
+
+impl GgufSource<'_> {
+    fn take(&mut self, name: &str) -> Result<Option<QTensor>> {
+        if !self.ct.tensor_infos.contains_key(name) {
+            return Ok(None);
+        }
+        if let Some(q) = self.tensors.remove(name) {
+            return Ok(Some(q));
+        }
+        let mut file = File::open(self.path).with_context(|| format!("open {}", self.path.display()))?;
+        Ok(Some(self.ct.tensor(&mut file, name, &self.device)?))
+    }
+}
+
+impl TensorSource for GgufSource<'_> {
+    fn get(&mut self, name: &str) -> Result<Tensor> {
+        self.get_opt(name)?.with_context(|| format!("GGUF has no tensor {name}"))
+    }
+    fn get_opt(&mut self, name: &str) -> Result<Option<Tensor>> {
+        match self.take(name)? {
+            Some(q) => Ok(Some(q.dequantize(&self.device)?)),
+            None => Ok(None),
+        }
+    }
+    fn get_quantized(&mut self, name: &str) -> Result<Option<QTensor>> {
+        self.take(name)
+    }
+    fn stored_q4_1(&self, name: &str) -> bool {
+        self.ct.tensor_infos.get(name).is_some_and(|i| i.ggml_dtype == GgmlDType::Q4_1)
+    }
+}
+
+/// Safetensors tensors, read up front ([`load`]); each is handed out once.
+struct SafetensorsSource {
+    tensors: HashMap<String, Tensor>,
+}
+
+impl TensorSource for SafetensorsSource {
+    fn get(&mut self, name: &str) -> Result<Tensor> {
+        self.get_opt(name)?.with_context(|| format!("safetensors have no tensor {name}"))
+    }
+    fn get_opt(&mut self, name: &str) -> Result<Option<Tensor>> {
+        match self.tensors.remove(name) {
+            Some(t) => Ok(Some(t.to_dtype(DType::F32)?)),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Model {
+    /// Loads a GGUF file.
+    pub fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        Ok(Self::load_gguf_timed(path, opts)?.0)
+    }
+
+    fn load_gguf_timed(path: &Path, opts: &LoadOptions) -> Result<(Self, LoadStats)> {
+        let w = match &opts.loader {
+            Loader::Parallel(r) => {
+                load::read_gguf(path, &opts.device, &ReadOptions { fingerprint: true, ..r.clone() })?
+            }
+            Loader::Naive => load::naive_gguf(path, &opts.device, true)?,
+        };
+        let load::GgufWeights { content: ct, tensors, stats } = w;
+        let cfg = ModelConfig::from_gguf(&ct)?;
+        check_gguf_types(&ct)?;
+        let fingerprint = stats.fingerprint.clone().context("the loader computed no fingerprint")?;
+        let started = Instant::now();
+        let mut src = GgufSource { ct: &ct, tensors, path, device: opts.device.clone() };
+        let names = |i: usize, n: &str| format!("blk.{i}.{n}");
+        let model = Self::build(cfg, &mut src, opts, fingerprint, path, |i, part| match part {
+            Part::Embed => "token_embd.weight".into(),
+            Part::Norm => "output_norm.weight".into(),
+            Part::LmHead => "output.weight".into(),
+            Part::AttnNorm => names(i, "attn_norm.weight"),
+            Part::Q => names(i, "attn_q"),
+            Part::K => names(i, "attn_k"),
+            Part::V => names(i, "attn_v"),
+            Part::Qkv => names(i, "attn_qkv"),
+            Part::QNorm => names(i, "attn_q_norm.weight"),
+            Part::KNorm => names(i, "attn_k_norm.weight"),
+            Part::O => names(i, "attn_output"),
+            Part::AttnPostNorm => names(i, "post_attention_norm.weight"),
+            Part::FfnNorm => names(i, "ffn_norm.weight"),
+            Part::Gate => names(i, "ffn_gate"),
+            Part::Up => names(i, "ffn_up"),
+            // gate|up of Phi-3 is stored as one `ffn_up` twice as tall.
+            Part::GateUp => names(i, "ffn_up"),
+            Part::Down => names(i, "ffn_down"),
+            Part::FfnPostNorm => names(i, "post_ffw_norm.weight"),
+            Part::RopeFreqs => "rope_freqs.weight".into(),
+        })?;
+        Ok((model, LoadStats { read: stats, convert: started.elapsed() }))
+    }
+
+    /// Loads a Hugging Face directory: `config.json` and `*.safetensors`.
+    pub fn load_safetensors_dir(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        Ok(Self::load_safetensors_dir_timed(dir, opts)?.0)
+    }
+
+    fn load_safetensors_dir_timed(dir: &Path, opts: &LoadOptions) -> Result<(Self, LoadStats)> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("read {}", cfg_path.display()))?;
+        let cfg = ModelConfig::from_hf_json(&text)?;
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("{} has no .safetensors files", dir.display());
+        }
+        // The fingerprint covers config.json, then the weight files in order.
+        let w = match &opts.loader {
+            Loader::Parallel(r) => load::read_safetensors(
+                &files,
+                text.as_bytes(),
+                &opts.device,
+                &ReadOptions { fingerprint: true, ..r.clone() },
+            )?,
+            Loader::Naive => load::naive_safetensors(&files, text.as_bytes(), &opts.device, true)?,
+        };
+        let fingerprint = w.stats.fingerprint.clone().context("the loader computed no fingerprint")?;
+        let started = Instant::now();
+        let mut src = SafetensorsSource { tensors: w.tensors };
+        let names = |i: usize, n: &str| format!("model.layers.{i}.{n}");
+        let post_norms = cfg.arch.post_norms;
+        if cfg.arch.hf_norm_offset {
+            // Gemma checkpoints store norm weights as `w` for `x * (1 + w)`.
+            for (name, t) in src.tensors.iter_mut() {
+                if name.ends_with("norm.weight") {
+                    *t = (t.to_dtype(DType::F32)? + 1.0)?;
+                }
+            }
+        }
+        let model = Self::build(cfg, &mut src, opts, fingerprint, dir, |i, part| match part {
+            Part::Embed => "model.embed_tokens.weight".into(),
+            Part::Norm => "model.norm.weight".into(),
+            Part::LmHead => "lm_head.weight".into(),
+            Part::AttnNorm => names(i, "input_layernorm.weight"),
+            Part::Q => names(i, "self_attn.q_proj"),
+            Part::K => names(i, "self_attn.k_proj"),
+            Part::V => names(i, "self_attn.v_proj"),
+            Part::Qkv => names(i, "self_attn.qkv_proj"),
+            Part::QNorm => names(i, "self_attn.q_norm.weight"),
+            Part::KNorm => names(i, "self_attn.k_norm.weight"),
+            Part::O => names(i, "self_attn.o_proj"),
+            // Gemma's `post_attention_layernorm` follows attention; the
+            // norm before its feed-forward block is `pre_feedforward_layernorm`.
+            Part::AttnPostNorm => names(i, "post_attention_layernorm.weight"),
+            Part::FfnNorm if post_norms => names(i, "pre_feedforward_layernorm.weight"),
+            Part::FfnNorm => names(i, "post_attention_layernorm.weight"),
+            Part::Gate => names(i, "mlp.gate_proj"),
+            Part::Up => names(i, "mlp.up_proj"),
+            Part::GateUp => names(i, "mlp.gate_up_proj"),
+            Part::Down => names(i, "mlp.down_proj"),
+            Part::FfnPostNorm => names(i, "post_feedforward_layernorm.weight"),
+            Part::RopeFreqs => "rope_freqs.weight".into(),
+        })?;
+        Ok((model, LoadStats { read: w.stats, convert: started.elapsed() }))
+    }
+
+    /// A GGUF file, or a directory with `config.json` and safetensors.
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        Ok(Self::load_timed(path, opts)?.0)
+    }
+
+    /// [`Model::load`], with where the time went.
+    pub fn load_timed(path: &Path, opts: &LoadOptions) -> Result<(Self, LoadStats)> {
+        if path.is_dir() {
+            Self::load_safetensors_dir_timed(path, opts)
+        } else {
+            Self::load_gguf_timed(path, opts)
+        }
+    }
+
+    fn build(
+        cfg: ModelConfig,
+        src: &mut dyn TensorSource,
+        opts: &LoadOptions,
+        fingerprint: String,
+        source: &Path,
+        name: impl Fn(usize, Part) -> String,
+    ) -> Result<Self> {
+        let host = opts.device.is_cpu() && !opts.tensor_ops;
+        let quantize = opts.quantized_decode && host;
+        // Linear weights: `name` gives the stem, ".weight"/".bias" follow.
+        let native = opts.native_quant;
+        let linear = |src: &mut dyn TensorSource, base: String, bias: bool, quantize: bool| -> Result<Linear> {
+            let b = if bias { src.get_opt(&format!("{base}.bias"))? } else { None };
+            if native {
+                if let Some(q) = src.get_quantized(&format!("{base}.weight"))? {
+                    return Linear::native(q, b);
+                }
+            }
+            let name = format!("{base}.weight");
+            let four_bit = src.stored_q4_1(&name);
+            let w = src.get(&name)?;
+            Linear::new(w, b, quantize, four_bit)
+        };
+        // Weights of several projections stacked into one matrix (dense), or
+        // kept apart when multiplying the stored quantized tensors.
+        let proj = |src: &mut dyn TensorSource, bases: Vec<String>, bias: bool| -> Result<Proj> {
+            if native {
+                return Ok(Proj::Split(
+                    bases.into_iter().map(|b| linear(src, b, bias, quantize)).collect::<Result<Vec<_>>>()?,
+                ));
+            }
+            let four_bit = bases.iter().all(|b| src.stored_q4_1(&format!("{b}.weight")));
+            let mut ws = Vec::new();
+            let mut bs = Vec::new();
+            for b in &bases {
+                let w = src.get(&format!("{b}.weight"))?;
+                let bv = if bias { src.get_opt(&format!("{b}.bias"))? } else { None };
+                bs.push((w.dim(0)?, bv));
+                ws.push(w);
+            }
+            let bias = if bs.iter().any(|(_, b)| b.is_some()) {
+                let parts = bs
+                    .into_iter()
+                    .map(|(n, b)| match b {
+                        Some(b) => Ok(b),
+                        None => Tensor::zeros(n, DType::F32, &opts.device),
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Some(Tensor::cat(&parts, 0)?)
+            } else {
+                None
+            };
+            Ok(Proj::Fused(Linear::new(Tensor::cat(&ws, 0)?, bias, quantize, four_bit)?))
+        };
+        let mut cfg = cfg;
+        if let config::RopeScaling::Factors(f) = &cfg.rope_scaling {
+            if f.is_empty() {
+                let t = src.get(&name(0, Part::RopeFreqs))?;
+                cfg.rope_scaling = config::RopeScaling::Factors(t.flatten_all()?.to_vec1::<f32>()?);
+            }
+        }
+        cfg.validate()?;
+        let context_len = opts.max_context.map_or(cfg.context_len, |m| m.min(cfg.context_len));
+        let mut rope_keys: Vec<(u32, u32)> = Vec::new();
+        let mut ropes = Vec::new();
+        let half = cfg.head_dim / 2;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        let head_norm = |src: &mut dyn TensorSource, part: Part, i: usize| -> Result<Option<Vec<f32>>> {
+            if !cfg.arch.qk_norm {
+                return Ok(None);
+            }
+            let w = src.get(&name(i, part))?.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            ensure!(w.len() == cfg.head_dim, "{} has {} values for a head of {}", name(i, part), w.len(), cfg.head_dim);
+            Ok(Some(w))
+        };
+        for i in 0..cfg.layers {
+            let qkv = if cfg.arch.fused {
+                Proj::Fused(linear(src, name(i, Part::Qkv), cfg.qkv_bias, quantize)?)
+            } else {
+                proj(src, vec![name(i, Part::Q), name(i, Part::K), name(i, Part::V)], cfg.qkv_bias)?
+            };
+            let wo = linear(src, name(i, Part::O), false, quantize)?;
+            let gate_up = if cfg.arch.fused {
+                Proj::Fused(linear(src, name(i, Part::GateUp), false, quantize)?)
+            } else {
+                proj(src, vec![name(i, Part::Gate), name(i, Part::Up)], false)?
+            };
+            let down = linear(src, name(i, Part::Down), false, quantize)?;
+            let (base, scale) = cfg.rope_of(i);
+            let key = (base.to_bits(), scale.to_bits());
+            let rope = match rope_keys.iter().position(|k| *k == key) {
+                Some(r) => r,
+                None => {
+                    let (cos_host, sin_host) = rope_tables(&cfg, base, scale, context_len);
+                    let cos = Tensor::from_slice(&cos_host, (context_len, half), &opts.device)?;
+                    let sin = Tensor::from_slice(&sin_host, (context_len, half), &opts.device)?;
+                    ropes.push(Rope { cos, sin, cos_host, sin_host });
+                    rope_keys.push(key);
+                    ropes.len() - 1
+                }
+            };
+            let post = |src: &mut dyn TensorSource, part: Part| -> Result<Option<Tensor>> {
+                if cfg.arch.post_norms {
+                    Ok(Some(src.get(&name(i, part))?))
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(Layer {
+                attn_norm: src.get(&name(i, Part::AttnNorm))?,
+                ffn_norm: src.get(&name(i, Part::FfnNorm))?,
+                q_norm: head_norm(src, Part::QNorm, i)?,
+                k_norm: head_norm(src, Part::KNorm, i)?,
+                attn_post_norm: post(src, Part::AttnPostNorm)?,
+                ffn_post_norm: post(src, Part::FfnPostNorm)?,
+                qkv,
+                wo,
+                gate_up,
+                down,
+                rope,
+                window: if cfg.is_sliding(i) { cfg.sliding_window } else { None },
+            });
+        }
+        let embed = src.get(&name(0, Part::Embed))?;
+        if embed.dims() != [cfg.vocab_size, cfg.hidden_size] {
+            bail!(
+                "embedding shape {:?} does not match vocab {} x hidden {}",
+                embed.dims(),
+                cfg.vocab_size,
+                cfg.hidden_size
+            );
+        }
+        let head = name(0, Part::LmHead);
+        let head_q4 = src.stored_q4_1(&head);
+        let embed_q4 = src.stored_q4_1(&name(0, Part::Embed));
+        let head_native = if native { src.get_quantized(&head)? } else { None };
+        let lm_head = match (head_native, src.get_opt(&head)?) {
+            (Some(q), _) => Linear::native(q, None)?,
+            (None, Some(w)) => Linear::new(w, None, quantize, head_q4)?,
+            (None, None) if native => match src.get_quantized(&name(0, Part::Embed))? {
+                Some(q) => Linear::native(q, None)?,
+                None => Linear::new(embed.clone(), None, quantize, embed_q4)?,
+            },
+            (None, None) => Linear::new(embed.clone(), None, quantize, embed_q4)?,
+        };
+        let norm = src.get(&name(0, Part::Norm))?;
+        Ok(Model {
+            cfg,
+            device: opts.device.clone(),
+            host,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            ropes,
+            context_len,
+            fingerprint,
+            source: source.to_path_buf(),
+        })
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Part {
+    Embed,
+    Norm,
+    LmHead,
+    AttnNorm,
+    Q,
+    K,
+    V,
+    /// Q|K|V in one tensor (Phi-3).
+    Qkv,
+    QNorm,
+    KNorm,
+    O,
+    AttnPostNorm,
+    FfnNorm,
+    Gate,
+    Up,
+    /// gate|up in one tensor (Phi-3).
+    GateUp,
+    Down,
+    FfnPostNorm,
+    /// Llama 3's rotary frequency factors (GGUF).
+    RopeFreqs,
+}
+
+/// cos and sin of every position's rotation angles, `[len, head_dim / 2]`,
+/// for rotary base `base` and linear position scale `scale`, with Llama 3's
+/// frequency factors when the model has them.
+fn rope_tables(cfg: &ModelConfig, base: f32, scale: f32, len: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = cfg.head_dim / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| {
+            let f = 1.0 / base.powf(2.0 * i as f32 / cfg.head_dim as f32);
+            match &cfg.rope_scaling {
+                config::RopeScaling::Factors(factors) => f / factors[i],
+                _ => f,
+            }
+        })
+        .collect();
+    let mut cos = Vec::with_capacity(len * half);
+    let mut sin = Vec::with_capacity(len * half);
+    for p in 0..len {
+        for f in &inv {
+            let a = p as f32 * scale * f;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    (cos, sin)
+}
+
+/// Tensor types the loader can take, as llama.cpp's CPU builds ship them.
+fn check_gguf_types(ct: &gguf_file::Content) -> Result<()> {
+    const SUPPORTED: &[GgmlDType] = &[
+        GgmlDType::F32,
+        GgmlDType::F16,
+        GgmlDType::BF16,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+    for (name, info) in &ct.tensor_infos {
+        if !SUPPORTED.contains(&info.ggml_dtype) {
+            bail!(
+                "tensor {name} has type {:?}, which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)",
+                info.ggml_dtype
+            );
+        }
+    }
+    Ok(())
+}
