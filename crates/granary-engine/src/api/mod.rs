@@ -27,7 +27,8 @@
 //!   ([`crate::SamplingDefaults`]: its `generation_config.json`, else
 //!   llama.cpp server's); vLLM's `top_k`, `min_p` and `repetition_penalty`
 //!   are accepted too;
-//! - `n` and `best_of` only as 1; `echo` and `suffix` are refused, and so
+//! - `echo` puts the prompt's text before the answer (not with `logprobs`);
+//! - `n` and `best_of` only as 1; `suffix` is refused, and so
 //!   are tools, `response_format` other than `text` and other servers'
 //!   structured-output fields; `user` and unknown fields are ignored;
 //! - a `developer` message is given to the chat template as `system`;
@@ -226,6 +227,11 @@ async fn generate(st: &AppState, namespace: String, v: Validated, endpoint: Endp
     let model = st.model(&v.model)?;
     let prompt_param = v.prompt_param();
     let tokenizer = model.tokenizer.clone();
+    let echoed = match (&v.input, v.echo) {
+        (Input::Text(t), true) => Some(t.clone()),
+        (Input::Tokens(ids), true) => Some(tokenizer.decode(ids, false).map_err(|e| ApiError::internal(&e))?),
+        _ => None,
+    };
     let (prompt, stop_token_ids) = tokenize(tokenizer.clone(), v.input).await?;
     let max_tokens = budget(prompt.len(), model.context_len, v.max_tokens, prompt_param)?;
     let prompt_tokens = prompt.len();
@@ -242,8 +248,10 @@ async fn generate(st: &AppState, namespace: String, v: Validated, endpoint: Endp
     let rx = st.backend.submit(&model.id, req).map_err(|e| submit_error(e, prompt_param))?;
     let header = Header::new(endpoint, model.id);
     if v.stream {
-        let data = sse_data(rx, tokenizer, v.stop, header.chunker(v.include_usage), prompt_tokens);
-        let events = data.map(|d| Ok::<_, Infallible>(SseEvent::default().data(d)));
+        let chunker = header.chunker(v.include_usage);
+        let first = echoed.filter(|t| !t.is_empty()).map(|t| chunker.text_with(&t, None));
+        let data = sse_data(rx, tokenizer, v.stop, chunker, prompt_tokens);
+        let events = futures::stream::iter(first).chain(data).map(|d| Ok::<_, Infallible>(SseEvent::default().data(d)));
         return Ok(Sse::new(events).into_response());
     }
     let mut decoder = tokenizer.decode_stream(true);
@@ -256,7 +264,11 @@ async fn generate(st: &AppState, namespace: String, v: Validated, endpoint: Endp
         let name = |id: u32| generate::DecoderSource::token_text(&tokenizer, id);
         response::logprobs_json(endpoint, &out.logprobs, &name, 0)
     });
-    Ok(Json(header.complete_with(&out.text, out.reason, usage, logprobs)).into_response())
+    let text = match echoed {
+        Some(prompt) => prompt + &out.text,
+        None => out.text,
+    };
+    Ok(Json(header.complete_with(&text, out.reason, usage, logprobs)).into_response())
 }
 
 /// The prompt's tokens and the tokens that end generation. Runs on the

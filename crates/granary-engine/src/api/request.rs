@@ -473,6 +473,8 @@ pub(crate) struct Validated {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Completions: the answer starts with the prompt (OpenAI's `echo`).
+    pub echo: bool,
 }
 
 impl Validated {
@@ -614,8 +616,12 @@ impl CompletionRequest {
             }
             other => other.map(|n| n as usize),
         };
-        if self.echo == Some(true) {
-            return Err(unsupported("echo", "`echo` is not supported: the prompt is never echoed."));
+        let echo = self.echo == Some(true);
+        if echo && logprobs.is_some() {
+            return Err(unsupported(
+                "echo",
+                "`echo` with `logprobs` is not supported: log probabilities of the prompt are not computed.",
+            ));
         }
         if self.best_of.is_some_and(|b| b != 1) {
             return Err(unsupported("best_of", "Only `best_of` = 1 is supported."));
@@ -653,7 +659,9 @@ impl CompletionRequest {
             logprobs,
             extra,
         };
-        shared.validate(self.model, input)
+        let mut v = shared.validate(self.model, input)?;
+        v.echo = echo;
+        Ok(v)
     }
 }
 
@@ -747,6 +755,7 @@ impl Shared {
             stop,
             stream: self.stream.unwrap_or(false),
             include_usage: self.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+            echo: false,
         })
     }
 }
@@ -1073,7 +1082,8 @@ mod tests {
         };
         assert_eq!(with(json!({"logprobs": 2})).unwrap().sampling.logprobs, Some(2));
         assert_field_error(with(json!({"logprobs": 6})), "logprobs", "between 0 and 5");
-        assert_field_error(with(json!({"echo": true})), "echo", "not supported");
+        assert!(with(json!({"echo": true})).unwrap().echo);
+        assert_field_error(with(json!({"echo": true, "logprobs": 1})), "echo", "not supported");
         assert_field_error(with(json!({"best_of": 3})), "best_of", "best_of");
         assert_field_error(with(json!({"suffix": "tail"})), "suffix", "not supported");
         assert_field_error(with(json!({"n": 3})), "n", "n");

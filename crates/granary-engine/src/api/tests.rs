@@ -639,3 +639,24 @@ async fn tokenize_and_detokenize_use_the_models_tokenizer() {
     let (status, body) = send_json(&app, post("/tokenize", json!({"model": "nope", "prompt": "a"}).to_string())).await;
     assert_error(status, &body, StatusCode::NOT_FOUND, Some("model"));
 }
+
+#[tokio::test]
+async fn echo_puts_the_prompt_before_the_answer() {
+    let Some((_, app)) = scripted() else { return };
+    let req = json!({"model": MODEL, "prompt": "Say hi:", "echo": true, "max_tokens": 50});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["choices"][0]["text"], format!("Say hi:{REPLY}"));
+    // Streamed: the prompt comes first, then the answer.
+    let req = json!({"model": MODEL, "prompt": "Say hi:", "echo": true, "max_tokens": 50, "stream": true});
+    let (status, headers, bytes) = send(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK);
+    let chunks = sse_payloads(&headers, &bytes);
+    assert_eq!(chunks[0]["choices"][0]["text"], "Say hi:");
+    let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?["text"].as_str()).collect();
+    assert_eq!(text, format!("Say hi:{REPLY}"));
+    // Without echo, the answer alone.
+    let req = json!({"model": MODEL, "prompt": "Say hi:", "max_tokens": 50});
+    let (_, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(body["choices"][0]["text"], REPLY);
+}
