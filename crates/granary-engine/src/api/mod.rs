@@ -28,7 +28,8 @@
 //!   llama.cpp server's); vLLM's `top_k`, `min_p` and `repetition_penalty`
 //!   are accepted too;
 //! - `echo` puts the prompt's text before the answer (not with `logprobs`);
-//! - `n` and `best_of` only as 1; `suffix` is refused, and so
+//! - `n` up to 8, not streamed (see [`generate_n`]); `best_of` only as 1;
+//!   `suffix` is refused, and so
 //!   are tools, `response_format` other than `text` and other servers'
 //!   structured-output fields; `user` and unknown fields are ignored;
 //! - a `developer` message is given to the chat template as `system`;
@@ -245,6 +246,18 @@ async fn generate(st: &AppState, namespace: String, v: Validated, endpoint: Endp
     }
     let sampling = v.sampling.resolve(&model.sampling);
     let req = GenerateRequest { namespace, prompt, max_tokens, sampling, stop_token_ids };
+    if v.n > 1 {
+        let how = Choices {
+            n: v.n,
+            stop: v.stop,
+            logprobs: v.sampling.logprobs.is_some(),
+            prompt_param,
+            endpoint,
+            echoed,
+            prompt_tokens,
+        };
+        return generate_n(st, &model.id, req, how).await;
+    }
     let rx = st.backend.submit(&model.id, req).map_err(|e| submit_error(e, prompt_param))?;
     let header = Header::new(endpoint, model.id);
     if v.stream {
@@ -269,6 +282,89 @@ async fn generate(st: &AppState, namespace: String, v: Validated, endpoint: Endp
         None => out.text,
     };
     Ok(Json(header.complete_with(&text, out.reason, usage, logprobs)).into_response())
+}
+
+/// What [`generate_n`] needs of a validated request.
+struct Choices {
+    n: usize,
+    stop: Vec<String>,
+    logprobs: bool,
+    prompt_param: &'static str,
+    endpoint: Endpoint,
+    echoed: Option<String>,
+    prompt_tokens: usize,
+}
+
+/// `n` choices of one prompt, answered in one body. The first choice is
+/// submitted alone; the others once it has produced its first token, so its
+/// prompt's full blocks are in engine memory and theirs are loaded, not
+/// computed (each choice computes only the prompt's unaligned tail). With
+/// a `seed`, choice `i` samples with `seed + i`.
+async fn generate_n(st: &AppState, model: &str, req: GenerateRequest, how: Choices) -> Result<Response, ApiError> {
+    let Choices { n, stop, logprobs: want_logprobs, prompt_param, endpoint, echoed, prompt_tokens } = how;
+    let tokenizer = st.model(model)?.tokenizer;
+    let submit = |i: usize| {
+        let mut r = req.clone();
+        r.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
+        st.backend.submit(model, r).map_err(|e| submit_error(e, prompt_param))
+    };
+    let mut first = submit(0)?;
+    // Forward the first choice's events, noting when its first token (or its
+    // end) has come: its prompt has been computed by then.
+    let (tx, rx0) = tokio::sync::mpsc::unbounded_channel();
+    loop {
+        let Some(ev) = first.recv().await else { break };
+        let started = !matches!(ev, crate::Event::Started { .. });
+        let _ = tx.send(ev);
+        if started {
+            break;
+        }
+    }
+    tokio::spawn(async move {
+        while let Some(ev) = first.recv().await {
+            if tx.send(ev).is_err() {
+                break;
+            }
+        }
+    });
+    let mut receivers = vec![rx0];
+    for i in 1..n {
+        receivers.push(submit(i)?);
+    }
+    let runs = receivers.into_iter().map(|rx| {
+        let tokenizer = tokenizer.clone();
+        let stop = stop.clone();
+        async move {
+            let mut decoder = tokenizer.decode_stream(true);
+            collect(rx, &mut decoder, stop).await
+        }
+    });
+    let outcomes = futures::future::join_all(runs).await;
+    let header = Header::new(endpoint, model.to_string());
+    let mut answers = Vec::with_capacity(outcomes.len());
+    let (mut completion, mut cached) = (0, 0);
+    for (i, out) in outcomes.into_iter().enumerate() {
+        let out = out.map_err(|msg| {
+            tracing::warn!(error = %msg, "generation failed");
+            ApiError::generation_failed(&msg)
+        })?;
+        completion += out.completion_tokens;
+        if i == 0 {
+            cached = out.cached_tokens;
+        }
+        let logprobs = want_logprobs.then(|| {
+            let name = |id: u32| generate::DecoderSource::token_text(&tokenizer, id);
+            response::logprobs_json(endpoint, &out.logprobs, &name, 0)
+        });
+        let text = match &echoed {
+            Some(prompt) => format!("{prompt}{}", out.text),
+            None => out.text,
+        };
+        answers.push((text, out.reason, logprobs));
+    }
+    // The prompt is counted once, as OpenAI counts it.
+    let usage = UsageBody::new(prompt_tokens, completion, cached);
+    Ok(Json(header.complete_choices(answers, usage)).into_response())
 }
 
 /// The prompt's tokens and the tokens that end generation. Runs on the

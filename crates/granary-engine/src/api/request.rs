@@ -475,7 +475,12 @@ pub(crate) struct Validated {
     pub include_usage: bool,
     /// Completions: the answer starts with the prompt (OpenAI's `echo`).
     pub echo: bool,
+    /// Choices to generate (`n`), 1 to [`MAX_N`].
+    pub n: usize,
 }
+
+/// Most choices one request may ask for.
+pub const MAX_N: u64 = 8;
 
 impl Validated {
     /// The field the prompt came in: where a too-long prompt is blamed.
@@ -670,10 +675,15 @@ impl Shared {
         for (param, set) in &self.extra.refused {
             refuse_if(*set, param, "structured outputs are not available; the request was not run.")?;
         }
-        if let Some(n) = self.n {
-            if n != 1 {
-                return Err(unsupported("n", format!("Only `n` = 1 is supported, got {n}.")));
-            }
+        let n = self.n.unwrap_or(1);
+        if !(1..=MAX_N).contains(&n) {
+            return Err(out_of_range("n", n as f64, "between 1 and 8"));
+        }
+        if n > 1 && self.stream == Some(true) {
+            return Err(unsupported(
+                "n",
+                "`n` greater than 1 is not supported with `stream`; send n requests instead.",
+            ));
         }
         if let Some(t) = self.temperature {
             if !(0.0..=2.0).contains(&t) {
@@ -756,6 +766,7 @@ impl Shared {
             stream: self.stream.unwrap_or(false),
             include_usage: self.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
             echo: false,
+            n: n as usize,
         })
     }
 }
@@ -974,7 +985,9 @@ mod tests {
 
     #[test]
     fn unsupported_parameters() {
-        assert_field_error(chat_with(json!({"n": 2})), "n", "Only `n` = 1");
+        assert_eq!(chat_with(json!({"n": 8})).unwrap().n, 8);
+        assert_field_error(chat_with(json!({"n": 9})), "n", "between 1 and 8");
+        assert_field_error(chat_with(json!({"n": 2, "stream": true})), "n", "stream");
         assert_field_error(chat_with(json!({"n": 0})), "n", "got 0");
         assert_field_error(chat_with(json!({"top_logprobs": 3})), "top_logprobs", "must be true");
         assert_field_error(
@@ -1086,7 +1099,7 @@ mod tests {
         assert_field_error(with(json!({"echo": true, "logprobs": 1})), "echo", "not supported");
         assert_field_error(with(json!({"best_of": 3})), "best_of", "best_of");
         assert_field_error(with(json!({"suffix": "tail"})), "suffix", "not supported");
-        assert_field_error(with(json!({"n": 3})), "n", "n");
+        assert_field_error(with(json!({"n": 30})), "n", "between 1 and 8");
         assert_field_error(with(json!({"temperature": 5})), "temperature", "between 0 and 2");
         assert_field_error(with(json!({"max_tokens": 0})), "max_tokens", "at least 1");
     }

@@ -78,21 +78,39 @@ impl Header {
         usage: UsageBody,
         logprobs: Option<serde_json::Value>,
     ) -> serde_json::Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => Choice::Message {
-                index: 0,
-                message: AssistantMessage { role: "assistant", content: text },
-                logprobs,
-                finish_reason: reason.as_str(),
-            },
-            Endpoint::Completion => Choice::Text { index: 0, text, logprobs, finish_reason: Some(reason.as_str()) },
-        };
+        self.complete_choices(vec![(text.to_string(), reason, logprobs)], usage)
+    }
+
+    /// The whole answer with several choices (`n`), indexed in order.
+    pub fn complete_choices(
+        &self,
+        answers: Vec<(String, FinishReason, Option<serde_json::Value>)>,
+        usage: UsageBody,
+    ) -> serde_json::Value {
+        let choices = answers
+            .iter()
+            .enumerate()
+            .map(|(i, (text, reason, logprobs))| match self.endpoint {
+                Endpoint::Chat => Choice::Message {
+                    index: i as u32,
+                    message: AssistantMessage { role: "assistant", content: text },
+                    logprobs: logprobs.clone(),
+                    finish_reason: reason.as_str(),
+                },
+                Endpoint::Completion => Choice::Text {
+                    index: i as u32,
+                    text,
+                    logprobs: logprobs.clone(),
+                    finish_reason: Some(reason.as_str()),
+                },
+            })
+            .collect();
         let body = Object {
             id: &self.id,
             object: self.object(false),
             created: self.created,
             model: &self.model,
-            choices: vec![choice],
+            choices,
             usage: Some(Some(usage)),
         };
         serde_json::to_value(body).expect("response objects serialize")

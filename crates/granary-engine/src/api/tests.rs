@@ -220,7 +220,7 @@ async fn field_errors_name_the_field() {
             "messages[1].content",
         ),
         (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 5}), "temperature"),
-        (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2}), "n"),
+        (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 9}), "n"),
         (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}), "top_logprobs"),
         (
             json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}),
@@ -659,4 +659,33 @@ async fn echo_puts_the_prompt_before_the_answer() {
     let req = json!({"model": MODEL, "prompt": "Say hi:", "max_tokens": 50});
     let (_, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
     assert_eq!(body["choices"][0]["text"], REPLY);
+}
+
+#[tokio::test]
+async fn n_choices_in_one_body() {
+    let Some((backend, app)) = scripted() else { return };
+    let (status, body) =
+        send_json(&app, post("/v1/chat/completions", chat_body(json!({"n": 3, "seed": 40, "temperature": 1})))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["content"], REPLY);
+    }
+    let reqs: Vec<GenerateRequest> = backend.submitted.lock().iter().rev().take(3).cloned().collect();
+    let mut seeds: Vec<Option<u64>> = reqs.iter().map(|r| r.sampling.seed).collect();
+    seeds.sort();
+    assert_eq!(seeds, [Some(40), Some(41), Some(42)], "each choice samples with its own seed");
+    let n = backend.reply.len();
+    assert_eq!(body["usage"]["completion_tokens"], 3 * n);
+    assert_eq!(body["usage"]["prompt_tokens"], reqs[0].prompt.len(), "the prompt is counted once");
+    // Completions too; streaming several choices is refused by name.
+    let req = json!({"model": MODEL, "prompt": "a", "n": 2, "max_tokens": 4});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["choices"].as_array().unwrap().len(), 2);
+    let (status, body) =
+        send_json(&app, post("/v1/chat/completions", chat_body(json!({"n": 2, "stream": true})))).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("n"));
 }

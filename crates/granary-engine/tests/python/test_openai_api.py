@@ -262,6 +262,13 @@ def check_embeddings():
     assert cos(v[0], v[1]) > cos(v[0], v[2]), (cos(v[0], v[1]), cos(v[0], v[2]))
 
 
+def check_n_choices():
+    r = chat(n=3, temperature=1.0, seed=7, max_tokens=8)
+    assert [c.index for c in r.choices] == [0, 1, 2], r.choices
+    assert all(c.message.content for c in r.choices)
+    assert r.usage.completion_tokens <= 3 * 8
+
+
 def check_unsupported_fields_are_refused():
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
     for kw, param in [({"tools": [tool]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format")]:
@@ -290,6 +297,7 @@ CHECKS = [
     check_bad_content_part,
     check_logprobs,
     check_embeddings,
+    check_n_choices,
     check_unsupported_fields_are_refused,
 ]
 
