@@ -28,7 +28,7 @@
 //!   llama.cpp server's); vLLM's `top_k`, `min_p` and `repetition_penalty`
 //!   are accepted too;
 //! - `echo` puts the prompt's text before the answer (not with `logprobs`);
-//! - `n` up to 8, not streamed (see [`generate_n`]); `best_of` only as 1;
+//! - `n` up to 8, not streamed (see `generate_n`); `best_of` only as 1;
 //!   `suffix` is refused, and so
 //!   are tools, `response_format` other than `text` and other servers'
 //!   structured-output fields; `user` and unknown fields are ignored;
