@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod connector;
+pub mod constraint;
 pub mod types;
 
 pub use types::*;

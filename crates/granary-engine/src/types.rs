@@ -164,6 +164,8 @@ pub struct GenerateRequest {
     /// Token ids that end generation (EOS, end of turn); the stop token is
     /// not returned.
     pub stop_token_ids: Vec<u32>,
+    /// A grammar the output must follow (structured outputs, tool calls).
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +174,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` reached.
     Length,
+    /// The answer is tool calls (decided by the API layer).
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -179,6 +183,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }

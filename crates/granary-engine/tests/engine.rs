@@ -26,6 +26,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         max_tokens,
         sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
+        constraint: None,
     }
 }
 

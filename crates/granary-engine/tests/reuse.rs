@@ -63,6 +63,7 @@ async fn run(engine: &Engine, prompt: Vec<u32>) -> (Vec<u32>, usize) {
         max_tokens: 8,
         sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
+        constraint: None,
     };
     let mut rx = engine.generate(req).unwrap();
     let mut toks = Vec::new();

@@ -11,11 +11,13 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+mod bytes;
 mod gguf;
 mod hf;
 mod template;
 pub mod testing;
 
+pub use bytes::TokenBytes;
 pub use template::CHATML_TEMPLATE;
 use template::{ChatTemplate, TemplateTokens};
 
@@ -38,11 +40,22 @@ pub type Result<T> = std::result::Result<T, TokenizerError>;
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls, as templates read them:
+    /// `[{"id", "type": "function", "function": {"name", "arguments": {...}}}]`
+    /// with the arguments as an object (transformers' convention).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool result's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool result's function name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None, name: None }
     }
 }
 
@@ -322,11 +335,24 @@ impl Tokenizer {
     /// The prompt text for `messages` under the model's chat template
     /// (ChatML when the model has none).
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Like [`Tokenizer::apply_chat_template`], with `tools` (OpenAI's
+    /// array of `{"type": "function", "function": {...}}`) given to the
+    /// template as transformers gives them.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         fn text(t: &Option<SpecialToken>) -> Option<&str> {
             t.as_ref().map(|t| t.text.as_str())
         }
         self.template.render(
             messages,
+            tools,
             add_generation_prompt,
             TemplateTokens {
                 bos: text(&self.special.bos),
@@ -343,8 +369,24 @@ impl Tokenizer {
     /// where the model wants one (so a template that starts with
     /// `{{ bos_token }}` never yields two).
     pub fn encode_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>> {
-        let text = self.apply_chat_template(messages, add_generation_prompt)?;
+        self.encode_chat_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Tokenizer::encode_chat`] with `tools` given to the template.
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text = self.apply_chat_template_with_tools(messages, tools, add_generation_prompt)?;
         self.encode(&text, false)
+    }
+
+    /// Whether the model's chat template renders `tools` itself (otherwise
+    /// a caller describes them in a system message).
+    pub fn template_renders_tools(&self) -> bool {
+        !self.template.is_fallback() && self.template.source().contains("tools")
     }
 
     /// Incremental detokenizer for streaming: push ids, get the newly

@@ -37,7 +37,7 @@ struct Context<'a> {
     eos_token: &'a str,
     unk_token: Option<&'a str>,
     pad_token: Option<&'a str>,
-    tools: Option<()>,
+    tools: Option<&'a serde_json::Value>,
     documents: Option<()>,
 }
 
@@ -73,6 +73,7 @@ impl ChatTemplate {
     pub(crate) fn render(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
         tokens: TemplateTokens<'_>,
     ) -> Result<String> {
@@ -87,7 +88,7 @@ impl ChatTemplate {
             eos_token: tokens.eos.unwrap_or(""),
             unk_token: tokens.unk,
             pad_token: tokens.pad,
-            tools: None,
+            tools,
             documents: None,
         };
         tmpl.render(ctx).map_err(|e| TokenizerError::Template(error_message(&e)))

@@ -17,6 +17,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::error::ApiError;
 use super::response::{Chunker, UsageBody};
 use super::stop::{Matched, StopMatcher};
+use super::tools::{ToolEvent, ToolParser};
 use crate::types::{Event, FinishReason, TokenLogprobs};
 
 /// Turns token ids into text as characters complete.
@@ -41,6 +42,11 @@ impl Detokenize for DecodeStream<'_> {
 /// source, so the detokenizer may borrow it).
 pub(crate) trait DecoderSource: Send + 'static {
     fn decoder(&self) -> Box<dyn Detokenize + '_>;
+    /// A detokenizer that keeps special tokens (tool-call markers may be
+    /// special tokens).
+    fn raw_decoder(&self) -> Box<dyn Detokenize + '_> {
+        self.decoder()
+    }
     /// One token's text, as log probabilities name it.
     fn token_text(&self, id: u32) -> String;
 }
@@ -48,6 +54,9 @@ pub(crate) trait DecoderSource: Send + 'static {
 impl DecoderSource for Arc<Tokenizer> {
     fn decoder(&self) -> Box<dyn Detokenize + '_> {
         Box::new(self.decode_stream(true))
+    }
+    fn raw_decoder(&self) -> Box<dyn Detokenize + '_> {
+        Box::new(self.decode_stream(false))
     }
     fn token_text(&self, id: u32) -> String {
         self.decode(&[id], false).unwrap_or_default()
@@ -200,9 +209,11 @@ pub(crate) fn sse_data<S: DecoderSource>(
     stop: Vec<String>,
     chunker: Chunker,
     prompt_tokens: usize,
+    mut tools: Option<ToolParser>,
 ) -> impl Stream<Item = String> + Send {
     async_stream::stream! {
-        let mut decoder = source.decoder();
+        let mut decoder = if tools.is_some() { source.raw_decoder() } else { source.decoder() };
+        let mut calls_sent = 0usize;
         let mut gen = Generation::new(stop);
         let mut offset = 0usize;
         let mut lp_json = |gen: &mut Generation, decoder: &S| {
@@ -220,7 +231,45 @@ pub(crate) fn sse_data<S: DecoderSource>(
         }
         loop {
             let event = rx.recv().await;
-            match gen.step(event, &mut *decoder) {
+            let step = gen.step(event, &mut *decoder);
+            if let Some(parser) = tools.as_mut() {
+                // Tool calls are found in the text; content streams as it
+                // is known not to start a call.
+                let (text, done) = match step {
+                    Step::Text(t) => (t, None),
+                    Step::Done { text, reason, cached_tokens } => (text, Some((reason, cached_tokens))),
+                    Step::Failed(msg) => {
+                        drop(rx);
+                        tracing::warn!(error = %msg, "generation failed while streaming");
+                        yield serde_json::to_string(&ApiError::generation_failed(&msg).body()).expect("errors serialize");
+                        break;
+                    }
+                };
+                let mut events = parser.push(&text);
+                if done.is_some() {
+                    events.extend(parser.finish());
+                }
+                for e in events {
+                    match e {
+                        ToolEvent::Content(c) => yield chunker.text_with(&c, None),
+                        ToolEvent::Call(call) => {
+                            yield chunker.tool_call(calls_sent, &call.to_json());
+                            calls_sent += 1;
+                        }
+                    }
+                }
+                if let Some((reason, cached_tokens)) = done {
+                    drop(rx);
+                    let reason = if calls_sent > 0 && reason != FinishReason::Length { FinishReason::ToolCalls } else { reason };
+                    yield chunker.finish(reason);
+                    if let Some(usage) = chunker.usage(UsageBody::new(prompt_tokens, gen.completion_tokens, cached_tokens)) {
+                        yield usage;
+                    }
+                    break;
+                }
+                continue;
+            }
+            match step {
                 Step::Text(t) => {
                     if !t.is_empty() {
                         let lp = lp_json(&mut gen, &source);
@@ -377,7 +426,7 @@ pub(crate) mod tests {
         let (_tx, rx) = scripted(events);
         let chunker = Header { endpoint, id: "x".into(), created: 1, model: "m".into() }.chunker(include_usage);
         let stop = stop.iter().map(|s| s.to_string()).collect();
-        sse_data(rx, BytesSource(VOCAB), stop, chunker, 3).collect().await
+        sse_data(rx, BytesSource(VOCAB), stop, chunker, 3, None).collect().await
     }
 
     fn json_chunks(data: &[String]) -> Vec<Value> {
@@ -426,7 +475,7 @@ pub(crate) mod tests {
         let (tx, rx) = scripted(vec![Event::Token(0), Event::Token(6), Event::Token(7), Event::Token(8)]);
         let chunker =
             Header { endpoint: Endpoint::Completion, id: "x".into(), created: 1, model: "m".into() }.chunker(true);
-        let data: Vec<String> = sse_data(rx, BytesSource(VOCAB), vec!["</s>".into()], chunker, 3).collect().await;
+        let data: Vec<String> = sse_data(rx, BytesSource(VOCAB), vec!["</s>".into()], chunker, 3, None).collect().await;
         assert!(tx.is_closed());
         let chunks = json_chunks(&data);
         let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?["text"].as_str()).collect();
@@ -460,7 +509,7 @@ pub(crate) mod tests {
     async fn dropping_the_stream_cancels_the_generation() {
         let (tx, rx) = mpsc::unbounded_channel();
         let chunker = Header { endpoint: Endpoint::Chat, id: "x".into(), created: 1, model: "m".into() }.chunker(false);
-        let mut stream = Box::pin(sse_data(rx, BytesSource(VOCAB), vec![], chunker, 3));
+        let mut stream = Box::pin(sse_data(rx, BytesSource(VOCAB), vec![], chunker, 3, None));
         tx.send(Event::Token(0)).unwrap();
         assert!(stream.next().await.is_some()); // role
         assert!(stream.next().await.is_some()); // "Hello"

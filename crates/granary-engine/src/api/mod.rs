@@ -28,16 +28,20 @@
 //!   llama.cpp server's); vLLM's `top_k`, `min_p` and `repetition_penalty`
 //!   are accepted too;
 //! - `echo` puts the prompt's text before the answer (not with `logprobs`);
-//! - `n` up to 8, not streamed (see `generate_n`); `best_of` only as 1;
-//!   `suffix` is refused, and so
-//!   are tools, `response_format` other than `text` and other servers'
-//!   structured-output fields; `user` and unknown fields are ignored;
+//! - `n` up to 8, not streamed (see `answer::generate_n`); `best_of` only
+//!   as 1; `suffix` is refused; `user` and unknown fields are ignored;
+//! - structured outputs (`response_format`, vLLM's `guided_*`) are enforced
+//!   by constrained decoding ([`crate::constraint`]); tools are rendered
+//!   through the model's chat template and calls parsed from its output in
+//!   the model's own syntax (see `tools`); `tool_choice` `required` or a
+//!   named function forces a call by grammar;
 //! - a `developer` message is given to the chat template as `system`;
 //!   text content parts are joined with newlines;
 //! - `usage.prompt_tokens_details.cached_tokens` is the backend's count
 //!   when it finishes the request; it is 0 when a stop string ended the
 //!   answer first (the backend reports it only at the end).
 
+mod answer;
 mod body;
 mod embeddings;
 pub mod error;
@@ -45,28 +49,25 @@ mod generate;
 mod request;
 mod response;
 mod stop;
+mod structured;
 mod tokenize;
+mod tools;
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, Request, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderName};
-use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures::StreamExt;
-use granary_tokenizer::Tokenizer;
 use serde_json::json;
 
-use crate::types::{Backend, GenerateRequest, ModelInfo, SubmitError};
+use crate::types::{Backend, ModelInfo};
 use body::JsonBody;
 pub use error::{ApiError, ErrorType};
-use generate::{collect, sse_data};
-use request::{ChatRequest, CompletionRequest, Input, MaxTokens, Validated};
-use response::{Endpoint, Header, UsageBody};
+use request::{ChatRequest, CompletionRequest};
+use response::Endpoint;
 
 /// The header a trusted gateway may use to pick a request's namespace
 /// (enabled through [`ApiOptions::namespace_header`]).
@@ -111,6 +112,8 @@ pub struct Namespace(pub String);
 pub(crate) struct AppState {
     backend: Arc<dyn Backend>,
     opts: Arc<ApiOptions>,
+    /// Grammar compilers, one per model, built on first use.
+    grammars: Arc<answer::GrammarCache>,
 }
 
 impl AppState {
@@ -122,7 +125,7 @@ impl AppState {
 /// The OpenAI API over `backend`.
 pub fn router(backend: Arc<dyn Backend>, opts: ApiOptions) -> Router {
     let body_limit = opts.max_body_bytes;
-    let state = AppState { backend, opts: Arc::new(opts) };
+    let state = AppState { backend, opts: Arc::new(opts), grammars: Default::default() };
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -212,7 +215,7 @@ async fn chat_completions(
     RequestNamespace(ns): RequestNamespace,
     JsonBody(req): JsonBody<ChatRequest>,
 ) -> Result<Response, ApiError> {
-    generate(&st, ns, req.validate()?, Endpoint::Chat).await
+    answer::generate(&st, ns, req.validate()?, Endpoint::Chat).await
 }
 
 async fn completions(
@@ -220,238 +223,7 @@ async fn completions(
     RequestNamespace(ns): RequestNamespace,
     JsonBody(req): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    generate(&st, ns, req.validate()?, Endpoint::Completion).await
-}
-
-/// Tokenizes, checks the context, submits, and answers.
-async fn generate(st: &AppState, namespace: String, v: Validated, endpoint: Endpoint) -> Result<Response, ApiError> {
-    let model = st.model(&v.model)?;
-    let prompt_param = v.prompt_param();
-    let tokenizer = model.tokenizer.clone();
-    let echoed = match (&v.input, v.echo) {
-        (Input::Text(t), true) => Some(t.clone()),
-        (Input::Tokens(ids), true) => Some(tokenizer.decode(ids, false).map_err(|e| ApiError::internal(&e))?),
-        _ => None,
-    };
-    let (prompt, stop_token_ids) = tokenize(tokenizer.clone(), v.input).await?;
-    let max_tokens = budget(prompt.len(), model.context_len, v.max_tokens, prompt_param)?;
-    let prompt_tokens = prompt.len();
-    let vocab = tokenizer.vocab_size();
-    if let Some(&(id, _)) = v.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
-        return Err(ApiError::invalid(
-            format!("logit_bias.{id}"),
-            "invalid_value",
-            format!("Invalid value for `logit_bias`: token id {id} is outside the vocabulary of {vocab} tokens."),
-        ));
-    }
-    let sampling = v.sampling.resolve(&model.sampling);
-    let req = GenerateRequest { namespace, prompt, max_tokens, sampling, stop_token_ids };
-    if v.n > 1 {
-        let how = Choices {
-            n: v.n,
-            stop: v.stop,
-            logprobs: v.sampling.logprobs.is_some(),
-            prompt_param,
-            endpoint,
-            echoed,
-            prompt_tokens,
-        };
-        return generate_n(st, &model.id, req, how).await;
-    }
-    let rx = st.backend.submit(&model.id, req).map_err(|e| submit_error(e, prompt_param))?;
-    let header = Header::new(endpoint, model.id);
-    if v.stream {
-        let chunker = header.chunker(v.include_usage);
-        let first = echoed.filter(|t| !t.is_empty()).map(|t| chunker.text_with(&t, None));
-        let data = sse_data(rx, tokenizer, v.stop, chunker, prompt_tokens);
-        let events = futures::stream::iter(first).chain(data).map(|d| Ok::<_, Infallible>(SseEvent::default().data(d)));
-        return Ok(Sse::new(events).into_response());
-    }
-    let mut decoder = tokenizer.decode_stream(true);
-    let out = collect(rx, &mut decoder, v.stop).await.map_err(|msg| {
-        tracing::warn!(error = %msg, "generation failed");
-        ApiError::generation_failed(&msg)
-    })?;
-    let usage = UsageBody::new(prompt_tokens, out.completion_tokens, out.cached_tokens);
-    let logprobs = v.sampling.logprobs.map(|_| {
-        let name = |id: u32| generate::DecoderSource::token_text(&tokenizer, id);
-        response::logprobs_json(endpoint, &out.logprobs, &name, 0)
-    });
-    let text = match echoed {
-        Some(prompt) => prompt + &out.text,
-        None => out.text,
-    };
-    Ok(Json(header.complete_with(&text, out.reason, usage, logprobs)).into_response())
-}
-
-/// What [`generate_n`] needs of a validated request.
-struct Choices {
-    n: usize,
-    stop: Vec<String>,
-    logprobs: bool,
-    prompt_param: &'static str,
-    endpoint: Endpoint,
-    echoed: Option<String>,
-    prompt_tokens: usize,
-}
-
-/// `n` choices of one prompt, answered in one body. The first choice is
-/// submitted alone; the others once it has produced its first token, so its
-/// prompt's full blocks are in engine memory and theirs are loaded, not
-/// computed (each choice computes only the prompt's unaligned tail). With
-/// a `seed`, choice `i` samples with `seed + i`.
-async fn generate_n(st: &AppState, model: &str, req: GenerateRequest, how: Choices) -> Result<Response, ApiError> {
-    let Choices { n, stop, logprobs: want_logprobs, prompt_param, endpoint, echoed, prompt_tokens } = how;
-    let tokenizer = st.model(model)?.tokenizer;
-    let submit = |i: usize| {
-        let mut r = req.clone();
-        r.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
-        st.backend.submit(model, r).map_err(|e| submit_error(e, prompt_param))
-    };
-    let mut first = submit(0)?;
-    // Forward the first choice's events, noting when its first token (or its
-    // end) has come: its prompt has been computed by then.
-    let (tx, rx0) = tokio::sync::mpsc::unbounded_channel();
-    loop {
-        let Some(ev) = first.recv().await else { break };
-        let started = !matches!(ev, crate::Event::Started { .. });
-        let _ = tx.send(ev);
-        if started {
-            break;
-        }
-    }
-    tokio::spawn(async move {
-        while let Some(ev) = first.recv().await {
-            if tx.send(ev).is_err() {
-                break;
-            }
-        }
-    });
-    let mut receivers = vec![rx0];
-    for i in 1..n {
-        receivers.push(submit(i)?);
-    }
-    let runs = receivers.into_iter().map(|rx| {
-        let tokenizer = tokenizer.clone();
-        let stop = stop.clone();
-        async move {
-            let mut decoder = tokenizer.decode_stream(true);
-            collect(rx, &mut decoder, stop).await
-        }
-    });
-    let outcomes = futures::future::join_all(runs).await;
-    let header = Header::new(endpoint, model.to_string());
-    let mut answers = Vec::with_capacity(outcomes.len());
-    let (mut completion, mut cached) = (0, 0);
-    for (i, out) in outcomes.into_iter().enumerate() {
-        let out = out.map_err(|msg| {
-            tracing::warn!(error = %msg, "generation failed");
-            ApiError::generation_failed(&msg)
-        })?;
-        completion += out.completion_tokens;
-        if i == 0 {
-            cached = out.cached_tokens;
-        }
-        let logprobs = want_logprobs.then(|| {
-            let name = |id: u32| generate::DecoderSource::token_text(&tokenizer, id);
-            response::logprobs_json(endpoint, &out.logprobs, &name, 0)
-        });
-        let text = match &echoed {
-            Some(prompt) => format!("{prompt}{}", out.text),
-            None => out.text,
-        };
-        answers.push((text, out.reason, logprobs));
-    }
-    // The prompt is counted once, as OpenAI counts it.
-    let usage = UsageBody::new(prompt_tokens, completion, cached);
-    Ok(Json(header.complete_choices(answers, usage)).into_response())
-}
-
-/// The prompt's tokens and the tokens that end generation. Runs on the
-/// blocking pool: templates and long prompts cost CPU time.
-async fn tokenize(tokenizer: Arc<Tokenizer>, input: Input) -> Result<(Vec<u32>, Vec<u32>), ApiError> {
-    tokio::task::spawn_blocking(move || {
-        let tok = &*tokenizer;
-        let prompt = match input {
-            Input::Chat(messages) => {
-                tok.encode_chat(&messages, true).map_err(|e| match e {
-                    granary_tokenizer::TokenizerError::Template(_) => {
-                        ApiError::invalid("messages", "invalid_value", format!("Invalid value for `messages`: {e}."))
-                    }
-                    other => ApiError::internal(&other),
-                })?
-            }
-            Input::Text(text) => tok.encode(&text, true).map_err(|e| ApiError::internal(&e))?,
-            Input::Tokens(ids) => {
-                let vocab = tok.vocab_size();
-                if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-                    return Err(ApiError::invalid(
-                        "prompt",
-                        "invalid_value",
-                        format!(
-                            "Invalid value for `prompt`: token id {id} at position {i} is outside the vocabulary of {vocab} tokens."
-                        ),
-                    ));
-                }
-                ids
-            }
-        };
-        Ok((prompt, tok.eos_token_ids().to_vec()))
-    })
-    .await
-    .map_err(|e| ApiError::internal(&e))?
-}
-
-/// The completion budget: the request's, or all the context left.
-fn budget(
-    prompt: usize,
-    context: usize,
-    requested: Option<MaxTokens>,
-    prompt_param: &'static str,
-) -> Result<usize, ApiError> {
-    if prompt >= context {
-        return Err(prompt_too_long(context, prompt, prompt_param));
-    }
-    let room = context - prompt;
-    match requested {
-        None => Ok(room),
-        Some(m) if m.value <= room => Ok(m.value),
-        Some(m) => Err(ApiError::invalid(
-            m.param,
-            "context_length_exceeded",
-            format!(
-                "This model's maximum context length is {context} tokens. However, you requested {} tokens \
-                 ({prompt} in the {prompt_param}, {} in the completion). Please reduce the length of the \
-                 {prompt_param} or `{}`.",
-                prompt.saturating_add(m.value),
-                m.value,
-                m.param
-            ),
-        )),
-    }
-}
-
-fn prompt_too_long(context: usize, prompt: usize, prompt_param: &'static str) -> ApiError {
-    ApiError::invalid(
-        prompt_param,
-        "context_length_exceeded",
-        format!(
-            "This model's maximum context length is {context} tokens. However, your {prompt_param} resulted in {prompt} \
-             tokens, leaving no room for the completion. Please reduce the length of the {prompt_param}."
-        ),
-    )
-}
-
-fn submit_error(e: SubmitError, prompt_param: &'static str) -> ApiError {
-    match e {
-        SubmitError::ContextExceeded { limit, prompt } => prompt_too_long(limit, prompt, prompt_param),
-        SubmitError::EmptyPrompt => ApiError::invalid(
-            prompt_param,
-            "empty_prompt",
-            format!("Invalid value for `{prompt_param}`: it encodes to no tokens."),
-        ),
-        SubmitError::ShuttingDown => ApiError::unavailable("The server is shutting down; retry on another."),
-    }
+    answer::generate(&st, ns, req.validate()?, Endpoint::Completion).await
 }
 
 #[cfg(test)]

@@ -5,8 +5,9 @@
 //! support checks happen in [`ChatRequest::validate`] and
 //! [`CompletionRequest::validate`]. Fields this server does not know are
 //! ignored, as OpenAI does (`user`, `metadata`, `store`...); fields it knows
-//! and cannot honour (`tools`, `response_format` other than text, vLLM's
-//! `guided_*`...) are refused with a 400 naming them, never ignored.
+//! and cannot honour (llama.cpp's GBNF `grammar`, `functions`, audio...)
+//! are refused with a 400 naming them, never ignored. Structured outputs
+//! and tools are read in [`super::structured`].
 
 use std::fmt;
 
@@ -15,6 +16,7 @@ use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use super::error::ApiError;
+use super::structured::{tools_spec, FormatFields, OutputGrammar, ToolsSpec};
 use crate::types::{SamplingDefaults, SamplingParams};
 
 /// Most stop sequences per request (OpenAI's limit).
@@ -60,7 +62,7 @@ pub(crate) struct ChatRequest {
     /// Token id (as a string) to a bias in [-100, 100].
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
-    /// vLLM's and llama.cpp's structured-output fields: refused by name.
+    /// vLLM's and llama.cpp's structured-output fields.
     #[serde(default)]
     pub guided_json: Option<serde_json::Value>,
     #[serde(default)]
@@ -103,8 +105,8 @@ struct ExtraSampling {
     min_p: Option<f64>,
     repetition_penalty: Option<f64>,
     logit_bias: Option<std::collections::BTreeMap<String, f64>>,
-    /// (name, set): fields refused when set.
-    refused: Vec<(&'static str, bool)>,
+    /// Structured-output fields.
+    format: FormatFields,
 }
 
 macro_rules! extra_of {
@@ -114,14 +116,15 @@ macro_rules! extra_of {
             min_p: $r.min_p,
             repetition_penalty: $r.repetition_penalty,
             logit_bias: $r.logit_bias,
-            refused: vec![
-                ("guided_json", is_set(&$r.guided_json)),
-                ("guided_regex", is_set(&$r.guided_regex)),
-                ("guided_choice", is_set(&$r.guided_choice)),
-                ("guided_grammar", is_set(&$r.guided_grammar)),
-                ("grammar", is_set(&$r.grammar)),
-                ("json_schema", is_set(&$r.json_schema)),
-            ],
+            format: FormatFields {
+                response_format: $r.response_format,
+                guided_json: $r.guided_json,
+                guided_regex: $r.guided_regex,
+                guided_choice: $r.guided_choice,
+                guided_grammar: $r.guided_grammar,
+                json_schema: $r.json_schema,
+                grammar: $r.grammar,
+            },
         }
     };
 }
@@ -172,7 +175,7 @@ pub(crate) struct CompletionRequest {
     /// Token id (as a string) to a bias in [-100, 100].
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
-    /// vLLM's and llama.cpp's structured-output fields: refused by name.
+    /// vLLM's and llama.cpp's structured-output fields.
     #[serde(default)]
     pub guided_json: Option<serde_json::Value>,
     #[serde(default)]
@@ -185,6 +188,9 @@ pub(crate) struct CompletionRequest {
     pub grammar: Option<serde_json::Value>,
     #[serde(default)]
     pub json_schema: Option<serde_json::Value>,
+    /// OpenAI's chat field, taken here too as vLLM does.
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -193,6 +199,31 @@ pub(crate) struct Message {
     /// Optional only for `assistant` messages.
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant turn's tool calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// The call a `tool` message answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// One tool call of an earlier assistant turn.
+#[derive(Debug, Deserialize)]
+pub(crate) struct MessageToolCall {
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
+    pub function: MessageFunction,
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct MessageFunction {
+    pub name: String,
+    /// JSON text, as OpenAI sends it.
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -477,6 +508,10 @@ pub(crate) struct Validated {
     pub echo: bool,
     /// Choices to generate (`n`), 1 to [`MAX_N`].
     pub n: usize,
+    /// A grammar the output must match (structured outputs).
+    pub grammar: Option<OutputGrammar>,
+    /// Tools the model may call (chat only).
+    pub tools: Option<ToolsSpec>,
 }
 
 /// Most choices one request may ask for.
@@ -523,31 +558,17 @@ fn refuse_if(set: bool, param: &str, why: &str) -> Result<(), ApiError> {
 
 impl ChatRequest {
     pub fn validate(self) -> Result<Validated, ApiError> {
-        let structured = "structured outputs and tool calls are not available; the request was not run.";
         refuse_if(
-            self.tools.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())),
-            "tools",
-            structured,
+            is_set(&self.functions),
+            "functions",
+            "the deprecated `functions` are not supported; send them as `tools`.",
         )?;
-        refuse_if(self.tool_choice.as_ref().is_some_and(|t| !t.is_null() && t != "none"), "tool_choice", structured)?;
-        refuse_if(is_set(&self.functions), "functions", structured)?;
         refuse_if(
             self.function_call.as_ref().is_some_and(|t| !t.is_null() && t != "none"),
             "function_call",
-            structured,
+            "the deprecated `function_call` is not supported; use `tool_choice`.",
         )?;
-        if let Some(rf) = self.response_format.as_ref().filter(|v| !v.is_null()) {
-            let kind = rf.get("type").and_then(|t| t.as_str()).unwrap_or("");
-            if kind != "text" {
-                return Err(unsupported(
-                    "response_format",
-                    format!(
-                        "`response_format` of type `{kind}` is not supported by this server: only `text` is; \
-                         the request was not run."
-                    ),
-                ));
-            }
-        }
+        let tools = tools_spec(self.tools.as_ref(), self.tool_choice.as_ref(), self.parallel_tool_calls)?;
         refuse_if(
             self.modalities.as_ref().is_some_and(|m| m.iter().any(|m| m != "text")),
             "modalities",
@@ -556,7 +577,6 @@ impl ChatRequest {
         refuse_if(is_set(&self.audio), "audio", "only text output is produced.")?;
         refuse_if(is_set(&self.prediction), "prediction", "predicted outputs are not used.")?;
         refuse_if(is_set(&self.web_search_options), "web_search_options", "there is no web search.")?;
-        let _ = self.parallel_tool_calls;
         let logprobs = match (self.logprobs, self.top_logprobs) {
             (Some(true), top) => {
                 let top = top.unwrap_or(0);
@@ -606,7 +626,28 @@ impl ChatRequest {
             logprobs,
             extra,
         };
-        shared.validate(self.model, Input::Chat(messages))
+        let mut v = shared.validate(self.model, Input::Chat(messages))?;
+        if let (Some(g), Some(t)) = (&v.grammar, &tools) {
+            if t.active() {
+                return Err(ApiError::invalid(
+                    g.param,
+                    "invalid_value",
+                    format!(
+                        "Invalid value for `{}`: an output format cannot be combined with tools; \
+                         set `tool_choice` to `none` or leave the format out.",
+                        g.param
+                    ),
+                ));
+            }
+        }
+        if tools.as_ref().is_some_and(|t| t.active()) && v.sampling.logprobs.is_some() {
+            return Err(unsupported(
+                "logprobs",
+                "`logprobs` with `tools` is not supported: log probabilities are not split between content and calls.",
+            ));
+        }
+        v.tools = tools;
+        Ok(v)
     }
 }
 
@@ -672,9 +713,7 @@ impl CompletionRequest {
 
 impl Shared {
     fn validate(self, model: String, input: Input) -> Result<Validated, ApiError> {
-        for (param, set) in &self.extra.refused {
-            refuse_if(*set, param, "structured outputs are not available; the request was not run.")?;
-        }
+        let grammar = self.extra.format.validate()?;
         let n = self.n.unwrap_or(1);
         if !(1..=MAX_N).contains(&n) {
             return Err(out_of_range("n", n as f64, "between 1 and 8"));
@@ -767,6 +806,8 @@ impl Shared {
             include_usage: self.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
             echo: false,
             n: n as usize,
+            grammar,
+            tools: None,
         })
     }
 }
@@ -783,8 +824,48 @@ fn max_tokens_value(param: &'static str, v: u64) -> Result<MaxTokens, ApiError> 
 }
 
 /// Message `i` as the chat template sees it.
-pub(crate) fn chat_message(i: usize, m: Message) -> Result<ChatMessage, ApiError> {
-    Ok(ChatMessage { role: m.role.template_role().to_string(), content: message_text(i, m)? })
+pub(crate) fn chat_message(i: usize, mut m: Message) -> Result<ChatMessage, ApiError> {
+    let role = m.role.template_role().to_string();
+    let calls = m.tool_calls.take();
+    let (tool_call_id, name) = (m.tool_call_id.take(), m.name.take());
+    if m.role == Role::Tool && tool_call_id.is_none() {
+        let param = format!("messages[{i}].tool_call_id");
+        return Err(ApiError::invalid(
+            &param,
+            "missing_required_parameter",
+            format!("Missing required parameter: `{param}`."),
+        ));
+    }
+    let has_calls = calls.as_ref().is_some_and(|c| !c.is_empty());
+    let content = if has_calls && m.content.is_none() { String::new() } else { message_text(i, m)? };
+    let tool_calls = match calls {
+        Some(calls) if !calls.is_empty() => {
+            let mut out = Vec::with_capacity(calls.len());
+            for (j, c) in calls.into_iter().enumerate() {
+                // Templates take the arguments as an object (transformers' convention).
+                let args: serde_json::Value = serde_json::from_str(&c.function.arguments).map_err(|e| {
+                    let param = format!("messages[{i}].tool_calls[{j}].function.arguments");
+                    ApiError::invalid(&param, "invalid_value", format!("Invalid value for `{param}`: not JSON ({e})."))
+                })?;
+                if c.kind.as_deref().is_some_and(|k| k != "function") {
+                    let param = format!("messages[{i}].tool_calls[{j}].type");
+                    return Err(ApiError::invalid(
+                        &param,
+                        "invalid_value",
+                        format!("Invalid value for `{param}`: only `function` calls are supported."),
+                    ));
+                }
+                out.push(serde_json::json!({
+                    "id": c.id.unwrap_or_default(),
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": args},
+                }));
+            }
+            Some(serde_json::Value::Array(out))
+        }
+        _ => None,
+    };
+    Ok(ChatMessage { role, content, tool_calls, tool_call_id, name })
 }
 
 /// The text of message `i`; content parts are joined with newlines.
@@ -838,269 +919,4 @@ fn out_of_range(param: &str, value: f64, range: &str) -> ApiError {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::api::body::parse_json;
-    use axum::http::StatusCode;
-    use serde_json::{json, Value};
-
-    fn chat(body: Value) -> Result<Validated, ApiError> {
-        parse_json::<ChatRequest>(body.to_string().as_bytes())?.validate()
-    }
-
-    fn completion(body: Value) -> Result<Validated, ApiError> {
-        parse_json::<CompletionRequest>(body.to_string().as_bytes())?.validate()
-    }
-
-    fn chat_with(extra: Value) -> Result<Validated, ApiError> {
-        let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
-        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        chat(body)
-    }
-
-    /// Asserts a 400 whose `param` is `param` and whose message names it
-    /// (and `also`, when given).
-    #[track_caller]
-    fn assert_field_error<T: std::fmt::Debug>(r: Result<T, ApiError>, param: &str, also: &str) {
-        let e = r.expect_err("expected an error");
-        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{e:?}");
-        assert_eq!(e.param.as_deref(), Some(param), "{e:?}");
-        assert!(e.message.contains(param), "message does not name {param}: {}", e.message);
-        assert!(e.message.contains(also), "message does not say {also}: {}", e.message);
-    }
-
-    #[test]
-    fn a_minimal_chat_request_gets_the_defaults() {
-        let v = chat_with(json!({})).unwrap();
-        assert_eq!(v.model, "m");
-        assert_eq!(v.input, Input::Chat(vec![ChatMessage { role: "user".into(), content: "hi".into() }]));
-        assert_eq!(v.max_tokens, None);
-        assert_eq!(v.sampling, SamplingRequest::default());
-        let d = SamplingDefaults::default();
-        assert_eq!(v.sampling.resolve(&d).temperature, d.temperature, "left-out fields take the defaults");
-        assert!(v.stop.is_empty());
-        assert!(!v.stream && !v.include_usage);
-        assert_eq!(v.prompt_param(), "messages");
-    }
-
-    #[test]
-    fn chat_fields_are_read() {
-        let v = chat(json!({
-            "model": "m",
-            "messages": [
-                {"role": "developer", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                {"role": "assistant", "content": null},
-                {"role": "tool", "content": "42", "tool_call_id": "x"},
-            ],
-            "max_tokens": 9, "temperature": 0, "top_p": 0.5, "n": 1, "seed": -1,
-            "stop": "\n\n", "stream": true, "stream_options": {"include_usage": true},
-            "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": false,
-            "user": "someone", "tools": [], "some_future_field": {"x": 1},
-        }))
-        .unwrap();
-        let Input::Chat(msgs) = &v.input else { panic!() };
-        let got: Vec<(&str, &str)> = msgs.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
-        assert_eq!(got, [("system", "be brief"), ("user", "a\nb"), ("assistant", ""), ("tool", "42")]);
-        assert_eq!(v.max_tokens, Some(MaxTokens { value: 9, param: "max_tokens" }));
-        assert_eq!(
-            v.sampling,
-            SamplingRequest { temperature: Some(0.0), top_p: Some(0.5), seed: Some(u64::MAX), ..Default::default() }
-        );
-        assert_eq!(v.stop, ["\n\n"]);
-        assert!(v.stream && v.include_usage);
-    }
-
-    #[test]
-    fn max_completion_tokens_wins_over_max_tokens() {
-        let v = chat_with(json!({"max_tokens": 5, "max_completion_tokens": 7})).unwrap();
-        assert_eq!(v.max_tokens, Some(MaxTokens { value: 7, param: "max_completion_tokens" }));
-        assert_field_error(chat_with(json!({"max_completion_tokens": 0})), "max_completion_tokens", "at least 1");
-        assert_field_error(chat_with(json!({"max_tokens": 0})), "max_tokens", "at least 1");
-        assert_field_error(chat_with(json!({"max_tokens": -3})), "max_tokens", "-3");
-        assert_field_error(chat_with(json!({"max_tokens": "5"})), "max_tokens", "invalid type");
-    }
-
-    #[test]
-    fn missing_and_mistyped_top_level_fields() {
-        assert_field_error(chat(json!({"messages": []})), "model", "Missing");
-        assert_field_error(chat(json!({"model": "m"})), "messages", "Missing");
-        assert_field_error(chat(json!({"model": 5, "messages": []})), "model", "invalid type");
-        assert_field_error(chat(json!({"model": "m", "messages": "hi"})), "messages", "invalid type");
-        assert_field_error(chat(json!({"model": "m", "messages": []})), "messages", "at least one");
-        assert_field_error(chat_with(json!({"stream": "yes"})), "stream", "invalid type");
-        assert_field_error(
-            chat_with(json!({"stream_options": {"include_usage": 1}})),
-            "stream_options.include_usage",
-            "invalid type",
-        );
-    }
-
-    #[test]
-    fn message_errors_name_the_message() {
-        let with = |m: Value| chat(json!({"model": "m", "messages": [{"role": "user", "content": "ok"}, m]}));
-        assert_field_error(
-            with(json!({"role": "user", "content": 5})),
-            "messages[1].content",
-            "a string or an array of content parts",
-        );
-        assert_field_error(with(json!({"role": "user"})), "messages[1].content", "Missing");
-        assert_field_error(with(json!({"role": "user", "content": null})), "messages[1].content", "Missing");
-        assert_field_error(with(json!({"content": "x"})), "messages[1].role", "Missing");
-        assert_field_error(with(json!({"role": "robot", "content": "x"})), "messages[1].role", "robot");
-        assert_field_error(
-            with(
-                json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}),
-            ),
-            "messages[1].content[1].type",
-            "image_url",
-        );
-        assert_field_error(
-            with(json!({"role": "user", "content": [{"type": "text"}]})),
-            "messages[1].content[0].text",
-            "Missing",
-        );
-        assert_field_error(
-            with(json!({"role": "user", "content": [{"type": "text", "text": 3}]})),
-            "messages[1].content[0].text",
-            "invalid type",
-        );
-        assert_field_error(with(json!({"role": "user", "content": ["a"]})), "messages[1].content[0]", "invalid type");
-        assert_field_error(with(json!("just text")), "messages[1]", "invalid type");
-    }
-
-    #[test]
-    fn sampling_ranges() {
-        assert_field_error(chat_with(json!({"temperature": 5})), "temperature", "between 0 and 2");
-        assert_field_error(chat_with(json!({"temperature": -0.1})), "temperature", "between 0 and 2");
-        assert_field_error(chat_with(json!({"temperature": "hot"})), "temperature", "invalid type");
-        assert!(chat_with(json!({"temperature": 2})).is_ok());
-        assert_field_error(chat_with(json!({"top_p": 0})), "top_p", "greater than 0");
-        assert_field_error(chat_with(json!({"top_p": 1.5})), "top_p", "at most 1");
-        assert!(chat_with(json!({"top_p": 1})).is_ok());
-        assert!(chat_with(json!({"temperature": null, "top_p": null, "seed": null, "stop": null})).is_ok());
-        assert_field_error(chat_with(json!({"seed": 1.5})), "seed", "an integer");
-        assert_eq!(chat_with(json!({"seed": 7})).unwrap().sampling.seed, Some(7));
-    }
-
-    #[test]
-    fn unsupported_parameters() {
-        assert_eq!(chat_with(json!({"n": 8})).unwrap().n, 8);
-        assert_field_error(chat_with(json!({"n": 9})), "n", "between 1 and 8");
-        assert_field_error(chat_with(json!({"n": 2, "stream": true})), "n", "stream");
-        assert_field_error(chat_with(json!({"n": 0})), "n", "got 0");
-        assert_field_error(chat_with(json!({"top_logprobs": 3})), "top_logprobs", "must be true");
-        assert_field_error(
-            chat_with(json!({"logprobs": true, "top_logprobs": 21})),
-            "top_logprobs",
-            "between 0 and 20",
-        );
-        assert_field_error(chat_with(json!({"frequency_penalty": 3})), "frequency_penalty", "between -2 and 2");
-        // Known fields that cannot be honoured are refused by name, never ignored.
-        let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
-        assert_field_error(chat_with(json!({"tools": tool})), "tools", "not supported");
-        assert_field_error(chat_with(json!({"tool_choice": "required"})), "tool_choice", "not supported");
-        assert_field_error(
-            chat_with(json!({"response_format": {"type": "json_object"}})),
-            "response_format",
-            "json_object",
-        );
-        assert_field_error(chat_with(json!({"guided_json": {"type": "object"}})), "guided_json", "not supported");
-        assert_field_error(chat_with(json!({"modalities": ["audio"]})), "modalities", "not supported");
-        assert!(chat_with(json!({"response_format": {"type": "text"}, "tool_choice": "none", "tools": []})).is_ok());
-    }
-
-    #[test]
-    fn sampling_fields_are_read_and_checked() {
-        let v = chat_with(json!({
-            "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": 0.5,
-            "frequency_penalty": -1, "logit_bias": {"15": -100, "7": 2.5}, "logprobs": true, "top_logprobs": 3,
-        }))
-        .unwrap();
-        assert_eq!(
-            v.sampling,
-            SamplingRequest {
-                top_k: Some(20),
-                min_p: Some(0.1),
-                repetition_penalty: Some(1.1),
-                presence_penalty: 0.5,
-                frequency_penalty: -1.0,
-                logit_bias: vec![(15, -100.0), (7, 2.5)],
-                logprobs: Some(3),
-                ..Default::default()
-            }
-        );
-        assert_eq!(chat_with(json!({"top_k": -1})).unwrap().sampling.top_k, Some(0));
-        assert_eq!(chat_with(json!({"logprobs": true})).unwrap().sampling.logprobs, Some(0));
-        assert_field_error(chat_with(json!({"top_k": -2})), "top_k", "positive count");
-        assert_field_error(chat_with(json!({"min_p": 1.5})), "min_p", "between 0 and 1");
-        assert_field_error(chat_with(json!({"repetition_penalty": 0})), "repetition_penalty", "greater than 0");
-        assert_field_error(chat_with(json!({"logit_bias": {"x": 1}})), "logit_bias.x", "not a token id");
-        assert_field_error(chat_with(json!({"logit_bias": {"5": 101}})), "logit_bias.5", "between -100 and 100");
-        // Request fields win over the model's defaults; the rest come from them.
-        let d = SamplingDefaults { temperature: 0.3, top_p: 0.9, top_k: 50, min_p: 0.0, repetition_penalty: 1.05 };
-        let p = chat_with(json!({"temperature": 1.2, "min_p": 0.2})).unwrap().sampling.resolve(&d);
-        assert_eq!((p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty), (1.2, 0.9, 50, 0.2, 1.05));
-    }
-
-    #[test]
-    fn stop_sequences() {
-        assert_eq!(chat_with(json!({"stop": ["a", "", "bc"]})).unwrap().stop, ["a", "bc"]);
-        assert_eq!(chat_with(json!({"stop": []})).unwrap().stop, Vec::<String>::new());
-        assert_field_error(chat_with(json!({"stop": ["a", "b", "c", "d", "e"]})), "stop", "at most 4");
-        assert_field_error(chat_with(json!({"stop": 4})), "stop", "a string or an array of strings");
-        assert_field_error(chat_with(json!({"stop": ["a", 4]})), "stop[1]", "invalid type");
-    }
-
-    #[test]
-    fn completion_prompt_forms() {
-        let prompt = |p: Value| completion(json!({"model": "m", "prompt": p})).map(|v| v.input);
-        assert_eq!(prompt(json!("hi")).unwrap(), Input::Text("hi".into()));
-        assert_eq!(prompt(json!(["hi"])).unwrap(), Input::Text("hi".into()));
-        assert_eq!(prompt(json!([1, 2, 3])).unwrap(), Input::Tokens(vec![1, 2, 3]));
-        assert_eq!(prompt(json!([[1, 2, 3]])).unwrap(), Input::Tokens(vec![1, 2, 3]));
-        assert_eq!(prompt(json!("")).unwrap(), Input::Text(String::new()));
-
-        assert_field_error(prompt(json!(["a", "b"])), "prompt", "batched prompts are not supported");
-        assert_field_error(prompt(json!([[1], [2]])), "prompt", "batched prompts are not supported");
-        assert_field_error(prompt(json!([1, "a"])), "prompt", "not a mix");
-        assert_field_error(prompt(json!([])), "prompt", "array of one string");
-        assert_field_error(prompt(json!([[]])), "prompt", "empty");
-        assert_field_error(prompt(json!(5)), "prompt", "array of token ids");
-        assert_field_error(prompt(json!([1, -2])), "prompt[1]", "-2");
-        assert_field_error(prompt(json!([1, 5_000_000_000u64])), "prompt[1]", "5000000000");
-        assert_field_error(prompt(json!([[1, 2.5]])), "prompt[0][1]", "invalid type");
-        assert_field_error(completion(json!({"model": "m"})), "prompt", "Missing");
-    }
-
-    #[test]
-    fn completion_fields() {
-        let v = completion(json!({
-            "model": "m", "prompt": "x", "max_tokens": 8, "temperature": 0.8, "seed": 3,
-            "stop": ["\n"], "stream": true, "echo": false, "best_of": 1, "suffix": null, "logprobs": null,
-        }))
-        .unwrap();
-        assert_eq!(v.max_tokens, Some(MaxTokens { value: 8, param: "max_tokens" }));
-        assert_eq!(v.sampling, SamplingRequest { temperature: Some(0.8), seed: Some(3), ..Default::default() });
-        assert_eq!(v.stop, ["\n"]);
-        assert!(v.stream && !v.include_usage);
-        assert_eq!(v.prompt_param(), "prompt");
-        let v = completion(json!({"model": "m", "prompt": "x"})).unwrap();
-        assert_eq!(v.max_tokens, Some(MaxTokens { value: 16, param: "max_tokens" }), "OpenAI's default of 16");
-
-        let with = |extra: Value| {
-            let mut body = json!({"model": "m", "prompt": "x"});
-            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-            completion(body)
-        };
-        assert_eq!(with(json!({"logprobs": 2})).unwrap().sampling.logprobs, Some(2));
-        assert_field_error(with(json!({"logprobs": 6})), "logprobs", "between 0 and 5");
-        assert!(with(json!({"echo": true})).unwrap().echo);
-        assert_field_error(with(json!({"echo": true, "logprobs": 1})), "echo", "not supported");
-        assert_field_error(with(json!({"best_of": 3})), "best_of", "best_of");
-        assert_field_error(with(json!({"suffix": "tail"})), "suffix", "not supported");
-        assert_field_error(with(json!({"n": 30})), "n", "between 1 and 8");
-        assert_field_error(with(json!({"temperature": 5})), "temperature", "between 0 and 2");
-        assert_field_error(with(json!({"max_tokens": 0})), "max_tokens", "at least 1");
-    }
-}
+mod tests;

@@ -71,6 +71,7 @@ impl Header {
     }
 
     /// The whole answer, with its `logprobs` object when asked for.
+    #[cfg(test)]
     pub fn complete_with(
         &self,
         text: &str,
@@ -78,30 +79,30 @@ impl Header {
         usage: UsageBody,
         logprobs: Option<serde_json::Value>,
     ) -> serde_json::Value {
-        self.complete_choices(vec![(text.to_string(), reason, logprobs)], usage)
+        self.complete_choices(vec![Answer::text(text.to_string(), reason, logprobs)], usage)
     }
 
     /// The whole answer with several choices (`n`), indexed in order.
-    pub fn complete_choices(
-        &self,
-        answers: Vec<(String, FinishReason, Option<serde_json::Value>)>,
-        usage: UsageBody,
-    ) -> serde_json::Value {
+    pub fn complete_choices(&self, answers: Vec<Answer>, usage: UsageBody) -> serde_json::Value {
         let choices = answers
             .iter()
             .enumerate()
-            .map(|(i, (text, reason, logprobs))| match self.endpoint {
+            .map(|(i, a)| match self.endpoint {
                 Endpoint::Chat => Choice::Message {
                     index: i as u32,
-                    message: AssistantMessage { role: "assistant", content: text },
-                    logprobs: logprobs.clone(),
-                    finish_reason: reason.as_str(),
+                    message: AssistantMessage {
+                        role: "assistant",
+                        content: a.content.as_deref(),
+                        tool_calls: a.tool_calls.clone(),
+                    },
+                    logprobs: a.logprobs.clone(),
+                    finish_reason: a.reason.as_str(),
                 },
                 Endpoint::Completion => Choice::Text {
                     index: i as u32,
-                    text,
-                    logprobs: logprobs.clone(),
-                    finish_reason: Some(reason.as_str()),
+                    text: a.content.as_deref().unwrap_or(""),
+                    logprobs: a.logprobs.clone(),
+                    finish_reason: Some(a.reason.as_str()),
                 },
             })
             .collect();
@@ -122,6 +123,23 @@ impl Header {
     }
 }
 
+/// One choice of a whole answer.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Answer {
+    /// `None`: a chat answer that is only tool calls (`"content": null`).
+    pub content: Option<String>,
+    pub reason: FinishReason,
+    pub logprobs: Option<serde_json::Value>,
+    /// OpenAI's `tool_calls` objects.
+    pub tool_calls: Vec<serde_json::Value>,
+}
+
+impl Answer {
+    pub fn text(text: String, reason: FinishReason, logprobs: Option<serde_json::Value>) -> Self {
+        Answer { content: Some(text), reason, logprobs, tool_calls: Vec::new() }
+    }
+}
+
 /// Formats the `data:` payloads of one streamed request.
 #[derive(Debug, Clone)]
 pub(crate) struct Chunker {
@@ -135,7 +153,7 @@ impl Chunker {
         match self.header.endpoint {
             Endpoint::Chat => Some(self.chunk(vec![Choice::Delta {
                 index: 0,
-                delta: Delta { role: Some("assistant"), content: Some("") },
+                delta: Delta { role: Some("assistant"), content: Some(""), tool_calls: None },
                 logprobs: None,
                 finish_reason: None,
             }])),
@@ -159,6 +177,19 @@ impl Chunker {
         self.chunk(vec![choice])
     }
 
+    /// A chat chunk carrying tool call number `index` whole (its id,
+    /// name and arguments in one delta).
+    pub fn tool_call(&self, index: usize, call: &serde_json::Value) -> String {
+        let mut call = call.clone();
+        call["index"] = serde_json::json!(index);
+        self.chunk(vec![Choice::Delta {
+            index: 0,
+            delta: Delta { role: None, content: None, tool_calls: Some(vec![call]) },
+            logprobs: None,
+            finish_reason: None,
+        }])
+    }
+
     pub fn endpoint(&self) -> Endpoint {
         self.header.endpoint
     }
@@ -179,9 +210,12 @@ impl Chunker {
 
     fn choice<'a>(&self, text: Option<&'a str>, finish_reason: Option<&'static str>) -> Choice<'a> {
         match self.header.endpoint {
-            Endpoint::Chat => {
-                Choice::Delta { index: 0, delta: Delta { role: None, content: text }, logprobs: None, finish_reason }
-            }
+            Endpoint::Chat => Choice::Delta {
+                index: 0,
+                delta: Delta { role: None, content: text, tool_calls: None },
+                logprobs: None,
+                finish_reason,
+            },
             Endpoint::Completion => Choice::Text { index: 0, text: text.unwrap_or(""), logprobs: None, finish_reason },
         }
     }
@@ -237,7 +271,9 @@ enum Choice<'a> {
 #[derive(Serialize)]
 struct AssistantMessage<'a> {
     role: &'static str,
-    content: &'a str,
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<serde_json::Value>,
 }
 
 #[derive(Serialize)]
@@ -246,6 +282,8 @@ struct Delta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<serde_json::Value>>,
 }
 
 /// The `logprobs` object of `tokens` (each id with its log probabilities)

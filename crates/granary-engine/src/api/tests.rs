@@ -17,8 +17,12 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tower::ServiceExt;
 
+use super::answer::{budget, submit_error};
+use super::request::MaxTokens;
 use super::*;
 use crate::types::{Event, FinishReason, GenerateRequest, ModelInfo, SubmitError, Usage};
+use futures::StreamExt;
+use std::convert::Infallible;
 
 const MODEL: &str = "smollm2";
 const CONTEXT: usize = 64;
@@ -224,11 +228,11 @@ async fn field_errors_name_the_field() {
         (json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}), "top_logprobs"),
         (
             json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}),
-            "tools",
+            "tools[0].function",
         ),
         (
-            json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}}),
-            "response_format",
+            json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "yaml"}}),
+            "response_format.type",
         ),
         (
             json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": ["a", "b", "c", "d", "e"]}),
@@ -387,10 +391,7 @@ async fn chat_completion_in_one_body() {
     // What the backend was asked: the templated prompt, EOS as stop tokens.
     let Some(tok) = tokenizer() else { return };
     let req = backend.last_request();
-    let messages = [
-        ChatMessage { role: "system".into(), content: "Be brief.".into() },
-        ChatMessage { role: "user".into(), content: "Hi!".into() },
-    ];
+    let messages = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi!")];
     let text = tok.apply_chat_template(&messages, true).unwrap();
     assert_eq!(req.prompt, tok.encode(&text, false).unwrap());
     assert_eq!(req.stop_token_ids, tok.eos_token_ids());

@@ -687,6 +687,8 @@ impl StepLoop {
         // Apply results; remember which sequences end.
         let mut rows = rows.into_iter();
         let mut finished: Vec<usize> = Vec::new();
+        // Sequences whose grammar failed (their error is sent already).
+        let mut failed: Vec<usize> = Vec::new();
         let mut prefill_done: Vec<usize> = Vec::new();
         for &(i, _, len, want) in &plan {
             let s = &mut self.running[i];
@@ -700,8 +702,15 @@ impl StepLoop {
             if !want {
                 continue;
             }
-            let row = rows.next().expect("a logits row per chunk that asked");
+            let mut row = rows.next().expect("a logits row per chunk that asked");
             let now = Instant::now();
+            if let Some(c) = s.req.constraint.as_mut() {
+                if let Err(e) = c.mask(&mut row) {
+                    let _ = s.tx.send(Event::Failed(format!("the output grammar failed: {e}")));
+                    failed.push(i);
+                    continue;
+                }
+            }
             let tok = sampler::sample(&row, &s.req.sampling, &s.history, &mut s.rng);
             if s.last_token.is_none() {
                 self.sh.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());
@@ -719,6 +728,13 @@ impl StepLoop {
                 finished.push(i);
                 continue;
             }
+            if let Some(c) = s.req.constraint.as_mut() {
+                if let Err(e) = c.accept(tok) {
+                    let _ = s.tx.send(Event::Failed(format!("the output grammar failed: {e}")));
+                    failed.push(i);
+                    continue;
+                }
+            }
             s.generated += 1;
             s.output.push(tok);
             s.history.push(tok);
@@ -729,7 +745,11 @@ impl StepLoop {
             let _ = s.tx.send(Event::Token(tok));
             s.input = [tok];
             let out_of_room = s.kv.len() + 1 > self.sh.model.context_len();
-            if s.generated >= s.req.max_tokens || out_of_room {
+            if s.req.constraint.as_ref().is_some_and(|c| c.is_finished()) {
+                // The grammar is complete: nothing but an end may follow.
+                let _ = s.tx.send(Event::Finished { reason: FinishReason::Stop, usage: Self::usage(s) });
+                finished.push(i);
+            } else if s.generated >= s.req.max_tokens || out_of_room {
                 let _ = s.tx.send(Event::Finished { reason: FinishReason::Length, usage: Self::usage(s) });
                 finished.push(i);
             }
@@ -758,6 +778,7 @@ impl StepLoop {
         }
         // Remove ended sequences (highest index first keeps indices valid).
         let mut ended: Vec<usize> = finished;
+        ended.extend(failed.iter().copied());
         if self.sh.cfg.role == Role::Prefill {
             ended.extend(prefill_done.iter().copied());
         }
@@ -767,6 +788,8 @@ impl StepLoop {
             let s = self.running.swap_remove(i);
             if self.sh.cfg.role == Role::Prefill {
                 self.finish_prefill_role(s);
+            } else if failed.contains(&i) {
+                self.sh.metrics.outcome("failed");
             } else {
                 self.sh.metrics.outcome("finished");
                 self.sh.metrics.request_seconds.observe(s.arrived.elapsed().as_secs_f64());

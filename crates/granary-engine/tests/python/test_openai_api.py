@@ -271,13 +271,185 @@ def check_n_choices():
 
 def check_unsupported_fields_are_refused():
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
-    for kw, param in [({"tools": [tool]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format")]:
+    for kw, param in [
+        ({"functions": [tool["function"]]}, "functions"),
+        ({"extra_body": {"grammar": 'root ::= "a"'}}, "grammar"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [tool], "response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+         "response_format.json_schema.schema"),
+    ]:
         try:
             chat(max_tokens=4, **kw)
         except openai.BadRequestError as e:
             assert e.param == param, (e.param, param)
             continue
         raise AssertionError(f"{param} was accepted and ignored")
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def check_structured_parse():
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        continent: Literal["Africa", "America", "Asia", "Europe", "Oceania"]
+        coastal: bool
+
+    r = client.chat.completions.parse(
+        model=model_id(),
+        messages=[{"role": "user", "content": "Describe the city of Paris."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=120,
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c
+    assert isinstance(c.message.parsed, City), c.message
+    print(f"    parsed: {c.message.parsed!r}")
+
+
+def check_json_schema_always_parses():
+    """100 samples at temperature 1 all parse and follow the schema."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+            "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+            "reason": {"type": "string", "maxLength": 16},
+        },
+        "required": ["answer", "confidence", "reason"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}}
+    samples = []
+    while len(samples) < 100:
+        r = chat(
+            messages=[{"role": "user", "content": "Is the sea salty? Answer in JSON."}],
+            response_format=fmt,
+            temperature=1.0,
+            n=8,
+            max_tokens=64,
+        )
+        for c in r.choices:
+            assert c.finish_reason == "stop", c
+            samples.append(c.message.content)
+    for text in samples[:100]:
+        v = json.loads(text)
+        assert set(v) == {"answer", "confidence", "reason"}, text
+        assert v["answer"] in ("yes", "no", "maybe"), text
+        assert isinstance(v["confidence"], int) and 0 <= v["confidence"] <= 100, text
+        assert isinstance(v["reason"], str) and len(v["reason"]) <= 16, text
+    print(f"    {len(samples[:100])} samples parsed, e.g. {samples[0]}")
+
+
+def check_json_object_mode_streamed():
+    import json
+
+    stream = client.chat.completions.create(
+        model=model_id(),
+        messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=200,
+        stream=True,
+    )
+    text, finish = "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert finish == "stop", (finish, text)
+    assert isinstance(json.loads(text), dict), text
+
+
+def check_guided_choice():
+    r = chat(
+        messages=[{"role": "user", "content": "Is water wet?"}],
+        extra_body={"guided_choice": ["yes", "no"]},
+        temperature=1.0,
+        n=4,
+        max_tokens=8,
+    )
+    assert all(c.message.content in ("yes", "no") for c in r.choices), [c.message.content for c in r.choices]
+
+
+def check_tool_call_round_trip():
+    import json
+
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice=forced, temperature=0, max_tokens=60)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    calls = c.message.tool_calls
+    assert calls and len(calls) == 1, c.message
+    call = calls[0]
+    assert call.type == "function" and call.id.startswith("call_"), call
+    assert call.function.name == "get_weather", call
+    args = json.loads(call.function.arguments)
+    assert isinstance(args.get("city"), str) and args["city"], args
+    print(f"    call: {call.function.name}({call.function.arguments})")
+    # The result goes back as a `tool` message; the model answers in text.
+    messages = WEATHER_QUESTION + [
+        c.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": args["city"], "weather": "sunny, 24 C"})},
+    ]
+    r2 = chat(messages=messages, tools=[WEATHER_TOOL], tool_choice="none", temperature=0, max_tokens=60)
+    c2 = r2.choices[0]
+    assert c2.message.content and not c2.message.tool_calls, c2.message
+    assert c2.finish_reason in ("stop", "length"), c2
+    print(f"    answer: {c2.message.content!r}")
+
+
+def check_tool_call_streamed():
+    import json
+
+    stream = client.chat.completions.create(
+        model=model_id(),
+        messages=WEATHER_QUESTION,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=60,
+        stream=True,
+    )
+    calls, finish, content = {}, None, ""
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                slot = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = d.id or slot["id"]
+                if d.function:
+                    slot["name"] += d.function.name or ""
+                    slot["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls", (finish, content, calls)
+    assert calls and all(v["name"] == "get_weather" and v["id"] for v in calls.values()), calls
+    for v in calls.values():
+        assert isinstance(json.loads(v["arguments"]).get("city"), str), v
+    assert not content.strip(), content
 
 
 CHECKS = [
@@ -299,6 +471,12 @@ CHECKS = [
     check_embeddings,
     check_n_choices,
     check_unsupported_fields_are_refused,
+    check_structured_parse,
+    check_json_schema_always_parses,
+    check_json_object_mode_streamed,
+    check_guided_choice,
+    check_tool_call_round_trip,
+    check_tool_call_streamed,
 ]
 
 

@@ -1,0 +1,382 @@
+//! One generation request from validated body to answer: tokenizing
+//! (with the tools, when there are some), the context budget, the output
+//! grammar, submitting, and answering in one body or as a stream, with
+//! tool calls parsed out of the text.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::StreamExt;
+use granary_tokenizer::{ChatMessage, Tokenizer};
+
+use super::error::ApiError;
+use super::generate::{self, collect, sse_data, Outcome};
+use super::request::{Input, MaxTokens, Validated};
+use super::response::{self, Answer, Endpoint, Header, UsageBody};
+use super::structured::{ToolChoice, ToolsSpec};
+use super::tools::{parse_output, ToolFormat, ToolParser};
+use super::AppState;
+use crate::constraint::{Constraint, Grammars};
+use crate::types::{FinishReason, GenerateRequest, ModelInfo, SubmitError};
+
+/// Grammar compilers by model (id and tokenizer instance).
+#[derive(Default)]
+pub(crate) struct GrammarCache {
+    by_model: parking_lot::Mutex<HashMap<(String, usize), Arc<Grammars>>>,
+}
+
+impl GrammarCache {
+    /// The compiler of `model`, built off the async threads on first use.
+    async fn get(&self, model: &ModelInfo, param: &str) -> Result<Arc<Grammars>, ApiError> {
+        let key = (model.id.clone(), Arc::as_ptr(&model.tokenizer) as usize);
+        if let Some(g) = self.by_model.lock().get(&key) {
+            return Ok(g.clone());
+        }
+        let tokenizer = model.tokenizer.clone();
+        let built = tokio::task::spawn_blocking(move || Grammars::new(tokenizer))
+            .await
+            .map_err(|e| ApiError::internal(&e))?
+            .map_err(|e| {
+                ApiError::invalid(
+                    param,
+                    "unsupported_parameter",
+                    format!(
+                        "`{param}` is not available for model `{}`: its vocabulary cannot be constrained ({e}).",
+                        model.id
+                    ),
+                )
+            })?;
+        let g = Arc::new(built);
+        self.by_model.lock().insert(key, g.clone());
+        Ok(g)
+    }
+}
+
+/// The tools of a chat request, with the model's call syntax.
+#[derive(Clone)]
+struct ToolUse {
+    spec: ToolsSpec,
+    format: ToolFormat,
+}
+
+impl ToolUse {
+    fn parser(&self) -> Option<ToolParser> {
+        self.spec.active().then(|| ToolParser::new(self.format, &self.spec))
+    }
+}
+
+/// The constraint of a request: its output grammar, or the grammar that
+/// forces a tool call.
+async fn constraint(
+    st: &AppState,
+    model: &ModelInfo,
+    v: &Validated,
+    tools: Option<&ToolUse>,
+) -> Result<Option<Constraint>, ApiError> {
+    let forced = tools.filter(|t| matches!(t.spec.choice, ToolChoice::Required | ToolChoice::Named(_)));
+    let (param, grammar): (&str, llguidance::api::TopLevelGrammar) = if let Some(g) = &v.grammar {
+        (g.param, g.top_level())
+    } else if let Some(t) = forced {
+        let grammars = st.grammars.get(model, "tool_choice").await?;
+        let lark = t.format.forced_grammar(&t.spec, &|name| grammars.special_token(name));
+        ("tools", llguidance::api::TopLevelGrammar::from_lark(lark))
+    } else {
+        return Ok(None);
+    };
+    let grammars = st.grammars.get(model, param).await?;
+    let compiled =
+        tokio::task::spawn_blocking(move || grammars.compile(grammar)).await.map_err(|e| ApiError::internal(&e))?;
+    compiled.map(Some).map_err(|e| {
+        ApiError::invalid(
+            param,
+            "invalid_value",
+            format!("Invalid value for `{param}`: the grammar does not compile: {e}"),
+        )
+    })
+}
+
+/// Tokenizes, checks the context, submits, and answers.
+pub(crate) async fn generate(
+    st: &AppState,
+    namespace: String,
+    mut v: Validated,
+    endpoint: Endpoint,
+) -> Result<Response, ApiError> {
+    let model = st.model(&v.model)?;
+    let prompt_param = v.prompt_param();
+    let tokenizer = model.tokenizer.clone();
+    let echoed = match (&v.input, v.echo) {
+        (Input::Text(t), true) => Some(t.clone()),
+        (Input::Tokens(ids), true) => Some(tokenizer.decode(ids, false).map_err(|e| ApiError::internal(&e))?),
+        _ => None,
+    };
+    let tools = v.tools.take().map(|spec| ToolUse { format: ToolFormat::of(&tokenizer), spec });
+    let input = std::mem::replace(&mut v.input, Input::Tokens(Vec::new()));
+    let (prompt, stop_token_ids) = tokenize(tokenizer.clone(), input, tools.clone()).await?;
+    let max_tokens = budget(prompt.len(), model.context_len, v.max_tokens, prompt_param)?;
+    let prompt_tokens = prompt.len();
+    let vocab = tokenizer.vocab_size();
+    if let Some(&(id, _)) = v.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+        return Err(ApiError::invalid(
+            format!("logit_bias.{id}"),
+            "invalid_value",
+            format!("Invalid value for `logit_bias`: token id {id} is outside the vocabulary of {vocab} tokens."),
+        ));
+    }
+    let constraint = constraint(st, &model, &v, tools.as_ref()).await?;
+    let sampling = v.sampling.resolve(&model.sampling);
+    let req = GenerateRequest { namespace, prompt, max_tokens, sampling, stop_token_ids, constraint };
+    if v.n > 1 {
+        let how = Choices {
+            n: v.n,
+            stop: v.stop,
+            logprobs: v.sampling.logprobs.is_some(),
+            prompt_param,
+            endpoint,
+            echoed,
+            prompt_tokens,
+            tools,
+        };
+        return generate_n(st, &model.id, req, how).await;
+    }
+    let rx = st.backend.submit(&model.id, req).map_err(|e| submit_error(e, prompt_param))?;
+    let header = Header::new(endpoint, model.id);
+    let parser = tools.as_ref().and_then(ToolUse::parser);
+    if v.stream {
+        let chunker = header.chunker(v.include_usage);
+        let first = echoed.filter(|t| !t.is_empty()).map(|t| chunker.text_with(&t, None));
+        let data = sse_data(rx, tokenizer, v.stop, chunker, prompt_tokens, parser);
+        let events = futures::stream::iter(first).chain(data).map(|d| Ok::<_, Infallible>(SseEvent::default().data(d)));
+        return Ok(Sse::new(events).into_response());
+    }
+    // Tool-call markers may be special tokens: keep them in the text.
+    let mut decoder = tokenizer.decode_stream(parser.is_none());
+    let out = collect(rx, &mut decoder, v.stop).await.map_err(|msg| {
+        tracing::warn!(error = %msg, "generation failed");
+        ApiError::generation_failed(&msg)
+    })?;
+    let usage = UsageBody::new(prompt_tokens, out.completion_tokens, out.cached_tokens);
+    let answer = answer_of(out, &tokenizer, endpoint, v.sampling.logprobs.is_some(), echoed.as_deref(), parser);
+    Ok(Json(header.complete_choices(vec![answer], usage)).into_response())
+}
+
+/// One finished generation as a choice: log probabilities, the echoed
+/// prompt, tool calls split from the text.
+fn answer_of(
+    out: Outcome,
+    tokenizer: &Arc<Tokenizer>,
+    endpoint: Endpoint,
+    want_logprobs: bool,
+    echoed: Option<&str>,
+    parser: Option<ToolParser>,
+) -> Answer {
+    let logprobs = want_logprobs.then(|| {
+        let name = |id: u32| generate::DecoderSource::token_text(tokenizer, id);
+        response::logprobs_json(endpoint, &out.logprobs, &name, 0)
+    });
+    if let Some(mut p) = parser {
+        let (content, calls) = parse_output(&mut p, &out.text);
+        let reason =
+            if !calls.is_empty() && out.reason != FinishReason::Length { FinishReason::ToolCalls } else { out.reason };
+        return Answer { content, reason, logprobs, tool_calls: calls.iter().map(|c| c.to_json()).collect() };
+    }
+    let text = match echoed {
+        Some(prompt) => format!("{prompt}{}", out.text),
+        None => out.text,
+    };
+    Answer::text(text, out.reason, logprobs)
+}
+
+/// What [`generate_n`] needs of a validated request.
+struct Choices {
+    n: usize,
+    stop: Vec<String>,
+    logprobs: bool,
+    prompt_param: &'static str,
+    endpoint: Endpoint,
+    echoed: Option<String>,
+    prompt_tokens: usize,
+    tools: Option<ToolUse>,
+}
+
+/// `n` choices of one prompt, answered in one body. The first choice is
+/// submitted alone; the others once it has produced its first token, so its
+/// prompt's full blocks are in engine memory and theirs are loaded, not
+/// computed (each choice computes only the prompt's unaligned tail). With
+/// a `seed`, choice `i` samples with `seed + i`; each choice has its own
+/// copy of the output grammar.
+async fn generate_n(st: &AppState, model: &str, req: GenerateRequest, how: Choices) -> Result<Response, ApiError> {
+    let Choices { n, stop, logprobs: want_logprobs, prompt_param, endpoint, echoed, prompt_tokens, tools } = how;
+    let tokenizer = st.model(model)?.tokenizer;
+    let submit = |i: usize| {
+        let mut r = req.clone();
+        r.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
+        st.backend.submit(model, r).map_err(|e| submit_error(e, prompt_param))
+    };
+    let mut first = submit(0)?;
+    // Forward the first choice's events, noting when its first token (or its
+    // end) has come: its prompt has been computed by then.
+    let (tx, rx0) = tokio::sync::mpsc::unbounded_channel();
+    loop {
+        let Some(ev) = first.recv().await else { break };
+        let started = !matches!(ev, crate::Event::Started { .. });
+        let _ = tx.send(ev);
+        if started {
+            break;
+        }
+    }
+    tokio::spawn(async move {
+        while let Some(ev) = first.recv().await {
+            if tx.send(ev).is_err() {
+                break;
+            }
+        }
+    });
+    let mut receivers = vec![rx0];
+    for i in 1..n {
+        receivers.push(submit(i)?);
+    }
+    let skip_special = tools.as_ref().and_then(ToolUse::parser).is_none();
+    let runs = receivers.into_iter().map(|rx| {
+        let tokenizer = tokenizer.clone();
+        let stop = stop.clone();
+        async move {
+            let mut decoder = tokenizer.decode_stream(skip_special);
+            collect(rx, &mut decoder, stop).await
+        }
+    });
+    let outcomes = futures::future::join_all(runs).await;
+    let header = Header::new(endpoint, model.to_string());
+    let mut answers = Vec::with_capacity(outcomes.len());
+    let (mut completion, mut cached) = (0, 0);
+    for (i, out) in outcomes.into_iter().enumerate() {
+        let out = out.map_err(|msg| {
+            tracing::warn!(error = %msg, "generation failed");
+            ApiError::generation_failed(&msg)
+        })?;
+        completion += out.completion_tokens;
+        if i == 0 {
+            cached = out.cached_tokens;
+        }
+        let parser = tools.as_ref().and_then(ToolUse::parser);
+        answers.push(answer_of(out, &tokenizer, endpoint, want_logprobs, echoed.as_deref(), parser));
+    }
+    // The prompt is counted once, as OpenAI counts it.
+    let usage = UsageBody::new(prompt_tokens, completion, cached);
+    Ok(Json(header.complete_choices(answers, usage)).into_response())
+}
+
+/// The prompt's tokens and the tokens that end generation. Runs on the
+/// blocking pool: templates and long prompts cost CPU time.
+async fn tokenize(
+    tokenizer: Arc<Tokenizer>,
+    input: Input,
+    tools: Option<ToolUse>,
+) -> Result<(Vec<u32>, Vec<u32>), ApiError> {
+    tokio::task::spawn_blocking(move || {
+        let tok = &*tokenizer;
+        let template_error = |e: granary_tokenizer::TokenizerError| match e {
+            granary_tokenizer::TokenizerError::Template(_) => {
+                ApiError::invalid("messages", "invalid_value", format!("Invalid value for `messages`: {e}."))
+            }
+            other => ApiError::internal(&other),
+        };
+        let prompt = match input {
+            Input::Chat(messages) => match &tools {
+                None => tok.encode_chat(&messages, true).map_err(template_error)?,
+                Some(t) => encode_with_tools(tok, messages, t).map_err(template_error)?,
+            },
+            Input::Text(text) => tok.encode(&text, true).map_err(|e| ApiError::internal(&e))?,
+            Input::Tokens(ids) => {
+                let vocab = tok.vocab_size();
+                if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        "invalid_value",
+                        format!(
+                            "Invalid value for `prompt`: token id {id} at position {i} is outside the vocabulary of {vocab} tokens."
+                        ),
+                    ));
+                }
+                ids
+            }
+        };
+        Ok((prompt, tok.eos_token_ids().to_vec()))
+    })
+    .await
+    .map_err(|e| ApiError::internal(&e))?
+}
+
+/// A chat with tools. A template that refuses a system message (Gemma 2)
+/// gets the tool description at the start of the first user message.
+fn encode_with_tools(tok: &Tokenizer, messages: Vec<ChatMessage>, t: &ToolUse) -> granary_tokenizer::Result<Vec<u32>> {
+    let (msgs, tools) = super::tools::prompt_messages(tok, t.format, messages, &t.spec);
+    match tok.encode_chat_with_tools(&msgs, tools.as_ref(), true) {
+        Err(e) if tools.is_none() && msgs.first().is_some_and(|m| m.role == "system") && msgs.len() > 1 => {
+            let mut msgs = msgs;
+            let system = msgs.remove(0);
+            match msgs.iter_mut().find(|m| m.role == "user") {
+                Some(user) => user.content = format!("{}\n\n{}", system.content, user.content),
+                None => return Err(e),
+            }
+            tok.encode_chat_with_tools(&msgs, None, true)
+        }
+        other => other,
+    }
+}
+
+/// The completion budget: the request's, or all the context left.
+pub(crate) fn budget(
+    prompt: usize,
+    context: usize,
+    requested: Option<MaxTokens>,
+    prompt_param: &'static str,
+) -> Result<usize, ApiError> {
+    if prompt >= context {
+        return Err(prompt_too_long(context, prompt, prompt_param));
+    }
+    let room = context - prompt;
+    match requested {
+        None => Ok(room),
+        Some(m) if m.value <= room => Ok(m.value),
+        Some(m) => Err(ApiError::invalid(
+            m.param,
+            "context_length_exceeded",
+            format!(
+                "This model's maximum context length is {context} tokens. However, you requested {} tokens \
+                 ({prompt} in the {prompt_param}, {} in the completion). Please reduce the length of the \
+                 {prompt_param} or `{}`.",
+                prompt.saturating_add(m.value),
+                m.value,
+                m.param
+            ),
+        )),
+    }
+}
+
+fn prompt_too_long(context: usize, prompt: usize, prompt_param: &'static str) -> ApiError {
+    ApiError::invalid(
+        prompt_param,
+        "context_length_exceeded",
+        format!(
+            "This model's maximum context length is {context} tokens. However, your {prompt_param} resulted in {prompt} \
+             tokens, leaving no room for the completion. Please reduce the length of the {prompt_param}."
+        ),
+    )
+}
+
+pub(crate) fn submit_error(e: SubmitError, prompt_param: &'static str) -> ApiError {
+    match e {
+        SubmitError::ContextExceeded { limit, prompt } => prompt_too_long(limit, prompt, prompt_param),
+        SubmitError::EmptyPrompt => ApiError::invalid(
+            prompt_param,
+            "empty_prompt",
+            format!("Invalid value for `{prompt_param}`: it encodes to no tokens."),
+        ),
+        SubmitError::ShuttingDown => ApiError::unavailable("The server is shutting down; retry on another."),
+    }
+}

@@ -1,0 +1,293 @@
+//! Validation of request bodies: fields read, defaults, and errors that
+//! name the field.
+
+use super::*;
+use crate::api::body::parse_json;
+use axum::http::StatusCode;
+use serde_json::{json, Value};
+
+fn chat(body: Value) -> Result<Validated, ApiError> {
+    parse_json::<ChatRequest>(body.to_string().as_bytes())?.validate()
+}
+
+fn completion(body: Value) -> Result<Validated, ApiError> {
+    parse_json::<CompletionRequest>(body.to_string().as_bytes())?.validate()
+}
+
+fn chat_with(extra: Value) -> Result<Validated, ApiError> {
+    let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    chat(body)
+}
+
+/// Asserts a 400 whose `param` is `param` and whose message names it
+/// (and `also`, when given).
+#[track_caller]
+fn assert_field_error<T: std::fmt::Debug>(r: Result<T, ApiError>, param: &str, also: &str) {
+    let e = r.expect_err("expected an error");
+    assert_eq!(e.status, StatusCode::BAD_REQUEST, "{e:?}");
+    assert_eq!(e.param.as_deref(), Some(param), "{e:?}");
+    assert!(e.message.contains(param), "message does not name {param}: {}", e.message);
+    assert!(e.message.contains(also), "message does not say {also}: {}", e.message);
+}
+
+#[test]
+fn a_minimal_chat_request_gets_the_defaults() {
+    let v = chat_with(json!({})).unwrap();
+    assert_eq!(v.model, "m");
+    assert_eq!(v.input, Input::Chat(vec![ChatMessage::new("user", "hi")]));
+    assert_eq!(v.max_tokens, None);
+    assert_eq!(v.sampling, SamplingRequest::default());
+    let d = SamplingDefaults::default();
+    assert_eq!(v.sampling.resolve(&d).temperature, d.temperature, "left-out fields take the defaults");
+    assert!(v.stop.is_empty());
+    assert!(!v.stream && !v.include_usage);
+    assert_eq!(v.prompt_param(), "messages");
+}
+
+#[test]
+fn chat_fields_are_read() {
+    let v = chat(json!({
+        "model": "m",
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": null},
+            {"role": "tool", "content": "42", "tool_call_id": "x"},
+        ],
+        "max_tokens": 9, "temperature": 0, "top_p": 0.5, "n": 1, "seed": -1,
+        "stop": "\n\n", "stream": true, "stream_options": {"include_usage": true},
+        "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": false,
+        "user": "someone", "tools": [], "some_future_field": {"x": 1},
+    }))
+    .unwrap();
+    let Input::Chat(msgs) = &v.input else { panic!() };
+    let got: Vec<(&str, &str)> = msgs.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
+    assert_eq!(got, [("system", "be brief"), ("user", "a\nb"), ("assistant", ""), ("tool", "42")]);
+    assert_eq!(v.max_tokens, Some(MaxTokens { value: 9, param: "max_tokens" }));
+    assert_eq!(
+        v.sampling,
+        SamplingRequest { temperature: Some(0.0), top_p: Some(0.5), seed: Some(u64::MAX), ..Default::default() }
+    );
+    assert_eq!(v.stop, ["\n\n"]);
+    assert!(v.stream && v.include_usage);
+}
+
+#[test]
+fn max_completion_tokens_wins_over_max_tokens() {
+    let v = chat_with(json!({"max_tokens": 5, "max_completion_tokens": 7})).unwrap();
+    assert_eq!(v.max_tokens, Some(MaxTokens { value: 7, param: "max_completion_tokens" }));
+    assert_field_error(chat_with(json!({"max_completion_tokens": 0})), "max_completion_tokens", "at least 1");
+    assert_field_error(chat_with(json!({"max_tokens": 0})), "max_tokens", "at least 1");
+    assert_field_error(chat_with(json!({"max_tokens": -3})), "max_tokens", "-3");
+    assert_field_error(chat_with(json!({"max_tokens": "5"})), "max_tokens", "invalid type");
+}
+
+#[test]
+fn missing_and_mistyped_top_level_fields() {
+    assert_field_error(chat(json!({"messages": []})), "model", "Missing");
+    assert_field_error(chat(json!({"model": "m"})), "messages", "Missing");
+    assert_field_error(chat(json!({"model": 5, "messages": []})), "model", "invalid type");
+    assert_field_error(chat(json!({"model": "m", "messages": "hi"})), "messages", "invalid type");
+    assert_field_error(chat(json!({"model": "m", "messages": []})), "messages", "at least one");
+    assert_field_error(chat_with(json!({"stream": "yes"})), "stream", "invalid type");
+    assert_field_error(
+        chat_with(json!({"stream_options": {"include_usage": 1}})),
+        "stream_options.include_usage",
+        "invalid type",
+    );
+}
+
+#[test]
+fn message_errors_name_the_message() {
+    let with = |m: Value| chat(json!({"model": "m", "messages": [{"role": "user", "content": "ok"}, m]}));
+    assert_field_error(
+        with(json!({"role": "user", "content": 5})),
+        "messages[1].content",
+        "a string or an array of content parts",
+    );
+    assert_field_error(with(json!({"role": "user"})), "messages[1].content", "Missing");
+    assert_field_error(with(json!({"role": "user", "content": null})), "messages[1].content", "Missing");
+    assert_field_error(with(json!({"content": "x"})), "messages[1].role", "Missing");
+    assert_field_error(with(json!({"role": "robot", "content": "x"})), "messages[1].role", "robot");
+    assert_field_error(
+        with(
+            json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}),
+        ),
+        "messages[1].content[1].type",
+        "image_url",
+    );
+    assert_field_error(
+        with(json!({"role": "user", "content": [{"type": "text"}]})),
+        "messages[1].content[0].text",
+        "Missing",
+    );
+    assert_field_error(
+        with(json!({"role": "user", "content": [{"type": "text", "text": 3}]})),
+        "messages[1].content[0].text",
+        "invalid type",
+    );
+    assert_field_error(with(json!({"role": "user", "content": ["a"]})), "messages[1].content[0]", "invalid type");
+    assert_field_error(with(json!("just text")), "messages[1]", "invalid type");
+}
+
+#[test]
+fn sampling_ranges() {
+    assert_field_error(chat_with(json!({"temperature": 5})), "temperature", "between 0 and 2");
+    assert_field_error(chat_with(json!({"temperature": -0.1})), "temperature", "between 0 and 2");
+    assert_field_error(chat_with(json!({"temperature": "hot"})), "temperature", "invalid type");
+    assert!(chat_with(json!({"temperature": 2})).is_ok());
+    assert_field_error(chat_with(json!({"top_p": 0})), "top_p", "greater than 0");
+    assert_field_error(chat_with(json!({"top_p": 1.5})), "top_p", "at most 1");
+    assert!(chat_with(json!({"top_p": 1})).is_ok());
+    assert!(chat_with(json!({"temperature": null, "top_p": null, "seed": null, "stop": null})).is_ok());
+    assert_field_error(chat_with(json!({"seed": 1.5})), "seed", "an integer");
+    assert_eq!(chat_with(json!({"seed": 7})).unwrap().sampling.seed, Some(7));
+}
+
+#[test]
+fn unsupported_parameters() {
+    assert_eq!(chat_with(json!({"n": 8})).unwrap().n, 8);
+    assert_field_error(chat_with(json!({"n": 9})), "n", "between 1 and 8");
+    assert_field_error(chat_with(json!({"n": 2, "stream": true})), "n", "stream");
+    assert_field_error(chat_with(json!({"n": 0})), "n", "got 0");
+    assert_field_error(chat_with(json!({"top_logprobs": 3})), "top_logprobs", "must be true");
+    assert_field_error(chat_with(json!({"logprobs": true, "top_logprobs": 21})), "top_logprobs", "between 0 and 20");
+    assert_field_error(chat_with(json!({"frequency_penalty": 3})), "frequency_penalty", "between -2 and 2");
+    // Known fields that cannot be honoured are refused by name, never ignored.
+    assert_field_error(chat_with(json!({"functions": [{"name": "f"}]})), "functions", "tools");
+    assert_field_error(chat_with(json!({"grammar": "root ::= \"a\""})), "grammar", "GBNF");
+    assert_field_error(chat_with(json!({"modalities": ["audio"]})), "modalities", "not supported");
+    // Tools and structured outputs are read.
+    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let v = chat_with(json!({"tools": tool, "tool_choice": "required"})).unwrap();
+    assert_eq!(v.tools.unwrap().choice, crate::api::structured::ToolChoice::Required);
+    assert_field_error(chat_with(json!({"tool_choice": "required"})), "tool_choice", "only allowed when `tools`");
+    let v = chat_with(json!({"response_format": {"type": "json_object"}})).unwrap();
+    assert_eq!(v.grammar.unwrap().param, "response_format");
+    assert_field_error(
+        chat_with(json!({"tools": tool, "response_format": {"type": "json_object"}})),
+        "response_format",
+        "cannot be combined with tools",
+    );
+    assert!(
+        chat_with(json!({"tools": tool, "tool_choice": "none", "response_format": {"type": "json_object"}})).is_ok()
+    );
+    // Earlier calls and their results are messages too.
+    let v = chat_with(json!({"messages": [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"}
+    ]}))
+    .unwrap();
+    let Input::Chat(m) = v.input else { panic!() };
+    assert_eq!(m[1].tool_calls.as_ref().unwrap()[0]["function"]["arguments"], json!({"a": 2, "b": 3}));
+    assert_eq!(m[2].tool_call_id.as_deref(), Some("call_1"));
+    assert_field_error(
+        chat_with(
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}),
+        ),
+        "messages[0].tool_calls[0].function.arguments",
+        "not JSON",
+    );
+    assert_field_error(
+        chat_with(json!({"messages": [{"role": "tool", "content": "5"}]})),
+        "messages[0].tool_call_id",
+        "Missing",
+    );
+    assert!(chat_with(json!({"response_format": {"type": "text"}, "tool_choice": "none", "tools": []})).is_ok());
+}
+
+#[test]
+fn sampling_fields_are_read_and_checked() {
+    let v = chat_with(json!({
+        "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+        "frequency_penalty": -1, "logit_bias": {"15": -100, "7": 2.5}, "logprobs": true, "top_logprobs": 3,
+    }))
+    .unwrap();
+    assert_eq!(
+        v.sampling,
+        SamplingRequest {
+            top_k: Some(20),
+            min_p: Some(0.1),
+            repetition_penalty: Some(1.1),
+            presence_penalty: 0.5,
+            frequency_penalty: -1.0,
+            logit_bias: vec![(15, -100.0), (7, 2.5)],
+            logprobs: Some(3),
+            ..Default::default()
+        }
+    );
+    assert_eq!(chat_with(json!({"top_k": -1})).unwrap().sampling.top_k, Some(0));
+    assert_eq!(chat_with(json!({"logprobs": true})).unwrap().sampling.logprobs, Some(0));
+    assert_field_error(chat_with(json!({"top_k": -2})), "top_k", "positive count");
+    assert_field_error(chat_with(json!({"min_p": 1.5})), "min_p", "between 0 and 1");
+    assert_field_error(chat_with(json!({"repetition_penalty": 0})), "repetition_penalty", "greater than 0");
+    assert_field_error(chat_with(json!({"logit_bias": {"x": 1}})), "logit_bias.x", "not a token id");
+    assert_field_error(chat_with(json!({"logit_bias": {"5": 101}})), "logit_bias.5", "between -100 and 100");
+    // Request fields win over the model's defaults; the rest come from them.
+    let d = SamplingDefaults { temperature: 0.3, top_p: 0.9, top_k: 50, min_p: 0.0, repetition_penalty: 1.05 };
+    let p = chat_with(json!({"temperature": 1.2, "min_p": 0.2})).unwrap().sampling.resolve(&d);
+    assert_eq!((p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty), (1.2, 0.9, 50, 0.2, 1.05));
+}
+
+#[test]
+fn stop_sequences() {
+    assert_eq!(chat_with(json!({"stop": ["a", "", "bc"]})).unwrap().stop, ["a", "bc"]);
+    assert_eq!(chat_with(json!({"stop": []})).unwrap().stop, Vec::<String>::new());
+    assert_field_error(chat_with(json!({"stop": ["a", "b", "c", "d", "e"]})), "stop", "at most 4");
+    assert_field_error(chat_with(json!({"stop": 4})), "stop", "a string or an array of strings");
+    assert_field_error(chat_with(json!({"stop": ["a", 4]})), "stop[1]", "invalid type");
+}
+
+#[test]
+fn completion_prompt_forms() {
+    let prompt = |p: Value| completion(json!({"model": "m", "prompt": p})).map(|v| v.input);
+    assert_eq!(prompt(json!("hi")).unwrap(), Input::Text("hi".into()));
+    assert_eq!(prompt(json!(["hi"])).unwrap(), Input::Text("hi".into()));
+    assert_eq!(prompt(json!([1, 2, 3])).unwrap(), Input::Tokens(vec![1, 2, 3]));
+    assert_eq!(prompt(json!([[1, 2, 3]])).unwrap(), Input::Tokens(vec![1, 2, 3]));
+    assert_eq!(prompt(json!("")).unwrap(), Input::Text(String::new()));
+
+    assert_field_error(prompt(json!(["a", "b"])), "prompt", "batched prompts are not supported");
+    assert_field_error(prompt(json!([[1], [2]])), "prompt", "batched prompts are not supported");
+    assert_field_error(prompt(json!([1, "a"])), "prompt", "not a mix");
+    assert_field_error(prompt(json!([])), "prompt", "array of one string");
+    assert_field_error(prompt(json!([[]])), "prompt", "empty");
+    assert_field_error(prompt(json!(5)), "prompt", "array of token ids");
+    assert_field_error(prompt(json!([1, -2])), "prompt[1]", "-2");
+    assert_field_error(prompt(json!([1, 5_000_000_000u64])), "prompt[1]", "5000000000");
+    assert_field_error(prompt(json!([[1, 2.5]])), "prompt[0][1]", "invalid type");
+    assert_field_error(completion(json!({"model": "m"})), "prompt", "Missing");
+}
+
+#[test]
+fn completion_fields() {
+    let v = completion(json!({
+        "model": "m", "prompt": "x", "max_tokens": 8, "temperature": 0.8, "seed": 3,
+        "stop": ["\n"], "stream": true, "echo": false, "best_of": 1, "suffix": null, "logprobs": null,
+    }))
+    .unwrap();
+    assert_eq!(v.max_tokens, Some(MaxTokens { value: 8, param: "max_tokens" }));
+    assert_eq!(v.sampling, SamplingRequest { temperature: Some(0.8), seed: Some(3), ..Default::default() });
+    assert_eq!(v.stop, ["\n"]);
+    assert!(v.stream && !v.include_usage);
+    assert_eq!(v.prompt_param(), "prompt");
+    let v = completion(json!({"model": "m", "prompt": "x"})).unwrap();
+    assert_eq!(v.max_tokens, Some(MaxTokens { value: 16, param: "max_tokens" }), "OpenAI's default of 16");
+
+    let with = |extra: Value| {
+        let mut body = json!({"model": "m", "prompt": "x"});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        completion(body)
+    };
+    assert_eq!(with(json!({"logprobs": 2})).unwrap().sampling.logprobs, Some(2));
+    assert_field_error(with(json!({"logprobs": 6})), "logprobs", "between 0 and 5");
+    assert!(with(json!({"echo": true})).unwrap().echo);
+    assert_field_error(with(json!({"echo": true, "logprobs": 1})), "echo", "not supported");
+    assert_field_error(with(json!({"best_of": 3})), "best_of", "best_of");
+    assert_field_error(with(json!({"suffix": "tail"})), "suffix", "not supported");
+    assert_field_error(with(json!({"n": 30})), "n", "between 1 and 8");
+    assert_field_error(with(json!({"temperature": 5})), "temperature", "between 0 and 2");
+    assert_field_error(with(json!({"max_tokens": 0})), "max_tokens", "at least 1");
+}
