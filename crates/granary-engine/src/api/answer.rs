@@ -130,9 +130,10 @@ pub(crate) async fn generate(
     let constraint = constraint(st, &model, &v, tools.as_ref()).await?;
     let sampling = v.sampling.resolve(&model.sampling);
     let req = GenerateRequest { namespace, prompt, max_tokens, sampling, stop_token_ids, constraint };
-    if v.n > 1 {
+    if v.best_of > 1 {
         let how = Choices {
             n: v.n,
+            best_of: v.best_of,
             stop: v.stop,
             logprobs: v.sampling.logprobs.is_some(),
             prompt_param,
@@ -194,6 +195,7 @@ fn answer_of(
 /// What [`generate_n`] needs of a validated request.
 struct Choices {
     n: usize,
+    best_of: usize,
     stop: Vec<String>,
     logprobs: bool,
     prompt_param: &'static str,
@@ -208,10 +210,17 @@ struct Choices {
 /// prompt's full blocks are in engine memory and theirs are loaded, not
 /// computed (each choice computes only the prompt's unaligned tail). With
 /// a `seed`, choice `i` samples with `seed + i`; each choice has its own
-/// copy of the output grammar.
-async fn generate_n(st: &AppState, model: &str, req: GenerateRequest, how: Choices) -> Result<Response, ApiError> {
-    let Choices { n, stop, logprobs: want_logprobs, prompt_param, endpoint, echoed, prompt_tokens, tools } = how;
+/// copy of the output grammar. With `best_of` above `n`, `best_of` choices
+/// run and the `n` with the highest mean token log probability are
+/// returned, best first (usage counts every generated token).
+async fn generate_n(st: &AppState, model: &str, mut req: GenerateRequest, how: Choices) -> Result<Response, ApiError> {
+    let Choices { n, best_of, stop, logprobs: want_logprobs, prompt_param, endpoint, echoed, prompt_tokens, tools } =
+        how;
     let tokenizer = st.model(model)?.tokenizer;
+    let ranked = best_of > n;
+    if ranked && req.sampling.logprobs.is_none() {
+        req.sampling.logprobs = Some(0);
+    }
     let submit = |i: usize| {
         let mut r = req.clone();
         r.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
@@ -237,7 +246,7 @@ async fn generate_n(st: &AppState, model: &str, req: GenerateRequest, how: Choic
         }
     });
     let mut receivers = vec![rx0];
-    for i in 1..n {
+    for i in 1..best_of {
         receivers.push(submit(i)?);
     }
     let skip_special = tools.as_ref().and_then(ToolUse::parser).is_none();
@@ -253,6 +262,7 @@ async fn generate_n(st: &AppState, model: &str, req: GenerateRequest, how: Choic
     let header = Header::new(endpoint, model.to_string());
     let mut answers = Vec::with_capacity(outcomes.len());
     let (mut completion, mut cached) = (0, 0);
+    let mut finished = Vec::with_capacity(outcomes.len());
     for (i, out) in outcomes.into_iter().enumerate() {
         let out = out.map_err(|msg| {
             tracing::warn!(error = %msg, "generation failed");
@@ -262,6 +272,21 @@ async fn generate_n(st: &AppState, model: &str, req: GenerateRequest, how: Choic
         if i == 0 {
             cached = out.cached_tokens;
         }
+        finished.push(out);
+    }
+    if ranked {
+        let mean = |o: &Outcome| {
+            let lps: Vec<f32> = o.logprobs.iter().map(|(_, lp)| lp.logprob).collect();
+            if lps.is_empty() {
+                f32::NEG_INFINITY
+            } else {
+                lps.iter().sum::<f32>() / lps.len() as f32
+            }
+        };
+        finished.sort_by(|a, b| mean(b).total_cmp(&mean(a)));
+        finished.truncate(n);
+    }
+    for out in finished {
         let parser = tools.as_ref().and_then(ToolUse::parser);
         answers.push(answer_of(out, &tokenizer, endpoint, want_logprobs, echoed.as_deref(), parser));
     }

@@ -28,8 +28,9 @@
 //!   llama.cpp server's); vLLM's `top_k`, `min_p` and `repetition_penalty`
 //!   are accepted too;
 //! - `echo` puts the prompt's text before the answer (not with `logprobs`);
-//! - `n` up to 8, not streamed (see `answer::generate_n`); `best_of` only
-//!   as 1; `suffix` is refused; `user` and unknown fields are ignored;
+//! - `n` and completions' `best_of` up to 8, not streamed (see
+//!   `answer::generate_n`); `suffix` is refused; `user` and unknown fields
+//!   are ignored;
 //! - structured outputs (`response_format`, vLLM's `guided_*`) are enforced
 //!   by constrained decoding ([`crate::constraint`]); tools are rendered
 //!   through the model's chat template and calls parsed from its output in

@@ -506,8 +506,11 @@ pub(crate) struct Validated {
     pub include_usage: bool,
     /// Completions: the answer starts with the prompt (OpenAI's `echo`).
     pub echo: bool,
-    /// Choices to generate (`n`), 1 to [`MAX_N`].
+    /// Choices to return (`n`), 1 to [`MAX_N`].
     pub n: usize,
+    /// Choices to generate, of which the `n` with the highest mean token
+    /// log probability are returned (completions' `best_of`); at least `n`.
+    pub best_of: usize,
     /// A grammar the output must match (structured outputs).
     pub grammar: Option<OutputGrammar>,
     /// Tools the model may call (chat only).
@@ -669,9 +672,6 @@ impl CompletionRequest {
                 "`echo` with `logprobs` is not supported: log probabilities of the prompt are not computed.",
             ));
         }
-        if self.best_of.is_some_and(|b| b != 1) {
-            return Err(unsupported("best_of", "Only `best_of` = 1 is supported."));
-        }
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(unsupported("suffix", "`suffix` is not supported: there is no insertion mode."));
         }
@@ -707,6 +707,22 @@ impl CompletionRequest {
         };
         let mut v = shared.validate(self.model, input)?;
         v.echo = echo;
+        if let Some(b) = self.best_of {
+            if !(1..=MAX_N).contains(&b) {
+                return Err(out_of_range("best_of", b as f64, "between 1 and 8"));
+            }
+            if (b as usize) < v.n {
+                return Err(ApiError::invalid(
+                    "best_of",
+                    "invalid_value",
+                    format!("Invalid value for `best_of`: it must be at least `n` ({}), got {b}.", v.n),
+                ));
+            }
+            if b > 1 && v.stream {
+                return Err(unsupported("best_of", "`best_of` greater than 1 is not supported with `stream`."));
+            }
+            v.best_of = b as usize;
+        }
         Ok(v)
     }
 }
@@ -806,6 +822,7 @@ impl Shared {
             include_usage: self.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
             echo: false,
             n: n as usize,
+            best_of: n as usize,
             grammar,
             tools: None,
         })

@@ -287,6 +287,20 @@ def check_unsupported_fields_are_refused():
         raise AssertionError(f"{param} was accepted and ignored")
 
 
+def check_best_of():
+    """best_of returns the candidate with the highest mean token log probability."""
+    kw = dict(model=model_id(), prompt=STORY, max_tokens=8, temperature=1.0, seed=7)
+    four = client.completions.create(n=4, logprobs=0, **kw)
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in four.choices]
+    best = client.completions.create(n=1, best_of=4, **kw)
+    assert len(best.choices) == 1, best
+    want = four.choices[means.index(max(means))].text
+    assert best.choices[0].text == want, (best.choices[0].text, want, means)
+    assert best.choices[0].logprobs is None, best.choices[0]
+    # Every candidate's tokens are counted.
+    assert best.usage.completion_tokens == four.usage.completion_tokens, (best.usage, four.usage)
+
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -470,6 +484,7 @@ CHECKS = [
     check_logprobs,
     check_embeddings,
     check_n_choices,
+    check_best_of,
     check_unsupported_fields_are_refused,
     check_structured_parse,
     check_json_schema_always_parses,

@@ -285,7 +285,10 @@ fn completion_fields() {
     assert_field_error(with(json!({"logprobs": 6})), "logprobs", "between 0 and 5");
     assert!(with(json!({"echo": true})).unwrap().echo);
     assert_field_error(with(json!({"echo": true, "logprobs": 1})), "echo", "not supported");
-    assert_field_error(with(json!({"best_of": 3})), "best_of", "best_of");
+    assert_eq!(with(json!({"best_of": 3, "n": 2})).unwrap().best_of, 3);
+    assert_field_error(with(json!({"best_of": 1, "n": 2})), "best_of", "at least `n`");
+    assert_field_error(with(json!({"best_of": 9})), "best_of", "between 1 and 8");
+    assert_field_error(with(json!({"best_of": 2, "stream": true})), "best_of", "stream");
     assert_field_error(with(json!({"suffix": "tail"})), "suffix", "not supported");
     assert_field_error(with(json!({"n": 30})), "n", "between 1 and 8");
     assert_field_error(with(json!({"temperature": 5})), "temperature", "between 0 and 2");
