@@ -1,0 +1,463 @@
+//! The step loop: one OS thread that admits sequences, runs one forward
+//! pass per step over every running sequence (a token for each decoding
+//! one, prefill chunks up to the token budget), samples, and saves the
+//! blocks that steps complete.
+
+use std::collections::VecDeque;
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use bytes::Bytes;
+use granary_core::hash::{BlockHash, HashChain};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tokio::sync::mpsc;
+
+use super::{sampler, Admitted, KvEvent, Role, SaveJob, Shared, Source};
+use crate::model::{Chunk, KvCache};
+use crate::{Event, FinishReason, GenerateRequest, Usage};
+
+/// Blocks of `s` from `s.blocks_known` up to its computed prompt, exported.
+fn export_new_blocks(bt: usize, s: &mut Seq) -> Vec<(BlockHash, Bytes)> {
+    let full = (s.prompt_done / bt).min(s.hashes.len());
+    let mut out = Vec::new();
+    for i in s.blocks_known..full {
+        match s.kv.export_block(i, bt) {
+            Ok(b) => out.push((s.hashes[i], b)),
+            Err(e) => {
+                tracing::warn!(error = %e, block = i, "exporting a KV block failed");
+                break;
+            }
+        }
+    }
+    s.blocks_known = full;
+    out
+}
+
+struct Seq {
+    req: GenerateRequest,
+    tx: mpsc::UnboundedSender<Event>,
+    hashes: Vec<BlockHash>,
+    kv: KvCache,
+    /// Prompt tokens whose KV is in `kv`.
+    prompt_done: usize,
+    /// Prompt tokens to compute before the sequence is done with its prompt.
+    prompt_target: usize,
+    /// Blocks already held by the engine cache or the warehouse.
+    blocks_known: usize,
+    cached_tokens: usize,
+    generated: usize,
+    input: [u32; 1],
+    /// Generated tokens, in order (their KV follows the prompt's).
+    output: Vec<u32>,
+    rng: StdRng,
+    /// Tokens seen, for the penalties.
+    history: sampler::History,
+    arrived: Instant,
+    last_token: Option<Instant>,
+}
+
+pub(super) struct StepLoop {
+    sh: Arc<Shared>,
+    rx: std_mpsc::Receiver<Admitted>,
+    saver: mpsc::Sender<SaveJob>,
+    waiting: VecDeque<Admitted>,
+    running: Vec<Seq>,
+}
+
+impl StepLoop {
+    pub(super) fn new(sh: Arc<Shared>, rx: std_mpsc::Receiver<Admitted>, saver: mpsc::Sender<SaveJob>) -> Self {
+        StepLoop { sh, rx, saver, waiting: VecDeque::new(), running: Vec::new() }
+    }
+
+    pub(super) fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv() {
+                    Ok(a) => self.waiting.push_back(a),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(a) = self.rx.try_recv() {
+                self.waiting.push_back(a);
+            }
+            self.drop_cancelled();
+            while self.running.len() < self.sh.cfg.max_running {
+                let Some(a) = self.waiting.pop_front() else { break };
+                self.sh.metrics.waiting.dec();
+                if let Some(seq) = self.start(a) {
+                    self.running.push(seq);
+                }
+            }
+            self.sh.metrics.running.set(self.running.len() as i64);
+            if let Err(e) = self.step() {
+                tracing::error!(error = %e, "forward step failed; failing its requests");
+                for s in self.running.drain(..) {
+                    let _ = s.tx.send(Event::Failed(format!("engine step failed: {e}")));
+                    self.sh.metrics.outcome("failed");
+                }
+            }
+            self.update_gauges();
+        }
+    }
+
+    fn update_gauges(&self) {
+        let bt = self.sh.cfg.block_tokens;
+        let in_seqs: usize = self.running.iter().map(|s| s.kv.len().div_ceil(bt)).sum();
+        self.sh.metrics.resident.get_or_create(&vec![("holder", "sequences")]).set(in_seqs as i64);
+        self.sh.metrics.resident.get_or_create(&vec![("holder", "cache")]).set(self.sh.cache.len() as i64);
+        self.sh.metrics.running.set(self.running.len() as i64);
+    }
+
+    fn drop_cancelled(&mut self) {
+        let m = &self.sh.metrics;
+        self.running.retain(|s| {
+            let keep = !s.tx.is_closed();
+            if !keep {
+                m.outcome("cancelled");
+            }
+            keep
+        });
+        self.waiting.retain(|a| {
+            let keep = !a.tx.is_closed();
+            if !keep {
+                m.waiting.dec();
+                m.outcome("cancelled");
+            }
+            keep
+        });
+    }
+
+    /// Imports the fetched prefix and decides what is left to compute.
+    fn start(&mut self, a: Admitted) -> Option<Seq> {
+        let sh = self.sh.clone();
+        let bt = sh.cfg.block_tokens;
+        let layers = sh.model.config().layers;
+        let mut kv = sh.model.new_kv(bt);
+        let prompt_len = a.req.prompt.len();
+        let mut sources = Vec::new();
+        for (i, (bytes, source)) in a.loaded.iter().enumerate() {
+            if let Err(e) = kv.import_block(layers, i, bt, bytes.clone()) {
+                tracing::warn!(error = %e, block = i, "unusable KV block; computing from here");
+                break;
+            }
+            sources.push(*source);
+        }
+        let role = sh.cfg.role;
+        // Logits need at least one computed token: a fully cached prompt
+        // recomputes its last token only.
+        if role != Role::Prefill && kv.len() >= prompt_len {
+            kv.truncate(prompt_len - 1);
+        }
+        let cached = kv.len();
+        for (i, src) in sources.iter().enumerate() {
+            let n = bt.min(cached.saturating_sub(i * bt));
+            sh.metrics.add_prompt_tokens(*src, n);
+        }
+        // Blocks taken from the warehouse are kept in engine memory too.
+        let from_store: Vec<(BlockHash, Bytes)> = a
+            .loaded
+            .iter()
+            .zip(&a.hashes)
+            .take(sources.len())
+            .filter(|((_, s), _)| *s != Source::Engine)
+            .map(|((b, _), h)| (*h, b.clone()))
+            .collect();
+        sh.cache.insert(&a.req.namespace, from_store);
+        let prompt_target = if role == Role::Prefill { prompt_len / bt * bt } else { prompt_len };
+        sh.metrics.add_prompt_tokens(Source::Computed, prompt_target.saturating_sub(cached));
+        let _ = a.tx.send(Event::Started { cached_tokens: cached });
+        let seed = a.req.sampling.seed.unwrap_or_else(rand::random);
+        let seq = Seq {
+            hashes: a.hashes,
+            kv,
+            prompt_done: cached,
+            prompt_target,
+            blocks_known: sources.len(),
+            cached_tokens: cached,
+            generated: 0,
+            input: [0],
+            output: Vec::new(),
+            rng: StdRng::seed_from_u64(seed),
+            history: sampler::History::new(&a.req.sampling, &a.req.prompt),
+            arrived: a.arrived,
+            last_token: None,
+            tx: a.tx,
+            req: a.req,
+        };
+        if role == Role::Prefill && seq.prompt_done >= seq.prompt_target {
+            self.finish_prefill_role(seq);
+            return None;
+        }
+        Some(seq)
+    }
+
+    fn usage(s: &Seq) -> Usage {
+        Usage { prompt_tokens: s.req.prompt.len(), completion_tokens: s.generated, cached_tokens: s.cached_tokens }
+    }
+
+    /// Queues a save; a full queue drops it (saving never delays a step).
+    fn queue_save(&mut self, job: SaveJob) {
+        let n = job.blocks.len() as u64;
+        if self.saver.try_send(job).is_err() {
+            self.sh.metrics.save("dropped", n);
+        }
+    }
+
+    /// A prefill-role request is answered once its blocks are written.
+    fn finish_prefill_role(&mut self, mut s: Seq) {
+        let blocks = export_new_blocks(self.sh.cfg.block_tokens, &mut s);
+        self.cache_blocks(&s.req.namespace, &blocks);
+        let usage = Self::usage(&s);
+        self.sh.metrics.outcome("finished");
+        self.sh.metrics.request_seconds.observe(s.arrived.elapsed().as_secs_f64());
+        if self.sh.store.is_none() || blocks.is_empty() {
+            let _ = s.tx.send(Event::Finished { reason: FinishReason::Length, usage });
+            return;
+        }
+        // Awaited, not queued: the caller relies on the blocks being there.
+        let sh = self.sh.clone();
+        let ns = s.req.namespace.clone();
+        let tx = s.tx.clone();
+        self.sh.runtime.spawn(async move {
+            let n = blocks.len() as u64;
+            let hashes: Vec<String> = blocks.iter().map(|(h, _)| h.to_hex()).collect();
+            let store = sh.store.as_ref().expect("checked above");
+            match store.put_many(blocks).await {
+                Ok(()) => {
+                    sh.metrics.save("saved", n);
+                    sh.cache.publish(KvEvent { kind: "stored", namespace: ns, tier: "warehouse", hashes });
+                    let _ = tx.send(Event::Finished { reason: FinishReason::Length, usage });
+                }
+                Err(e) => {
+                    sh.metrics.save("failed", n);
+                    sh.metrics.warehouse_errors.inc();
+                    let _ = tx.send(Event::Failed(format!("writing KV blocks to the warehouse failed: {e}")));
+                }
+            }
+        });
+    }
+
+    /// Names, keeps and saves the full blocks of sequence `i` past its
+    /// prompt: prompt and generated tokens whose KV is computed (the last
+    /// sampled token's is not yet).
+    fn save_generated_blocks(&mut self, i: usize) {
+        let bt = self.sh.cfg.block_tokens;
+        let s = &mut self.running[i];
+        if s.prompt_done < s.prompt_target || s.kv.len() / bt <= s.blocks_known {
+            return;
+        }
+        let full = s.kv.len() / bt;
+        if s.hashes.len() < full {
+            let tokens: Vec<u32> = s.req.prompt.iter().chain(&s.output).copied().take(full * bt).collect();
+            let chain =
+                HashChain::for_layout(&s.req.namespace, self.sh.model.fingerprint().as_bytes(), &self.sh.layout);
+            s.hashes = chain.hashes(&tokens);
+        }
+        let mut blocks = Vec::new();
+        for b in s.blocks_known..full {
+            match s.kv.export_block(b, bt) {
+                Ok(payload) => blocks.push((s.hashes[b], payload)),
+                Err(e) => {
+                    tracing::warn!(error = %e, block = b, "exporting a KV block failed");
+                    break;
+                }
+            }
+        }
+        s.blocks_known = full;
+        if blocks.is_empty() {
+            return;
+        }
+        let ns = s.req.namespace.clone();
+        self.cache_blocks(&ns, &blocks);
+        if self.sh.store.is_some() {
+            self.queue_save(SaveJob { namespace: ns, blocks });
+        }
+    }
+
+    fn cache_blocks(&self, namespace: &str, blocks: &[(BlockHash, Bytes)]) {
+        self.sh.cache.insert(namespace, blocks.to_vec());
+    }
+
+    fn step(&mut self) -> Result<()> {
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut budget = self.sh.cfg.max_batch_tokens;
+        // (index, start, len, wants logits)
+        let mut plan: Vec<(usize, usize, usize, bool)> = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            if s.prompt_done >= s.prompt_target {
+                plan.push((i, 0, 1, true));
+                budget = budget.saturating_sub(1);
+            }
+        }
+        for (i, s) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if s.prompt_done < s.prompt_target {
+                let take = (s.prompt_target - s.prompt_done).min(budget);
+                let completes = s.prompt_done + take == s.prompt_target;
+                let logits = completes && self.sh.cfg.role != Role::Prefill;
+                plan.push((i, s.prompt_done, take, logits));
+                budget -= take;
+            }
+        }
+        plan.sort_by_key(|p| p.0);
+        let (mut prefill_tokens, mut decode_tokens) = (0usize, 0usize);
+        let logits = {
+            let mut chunks = Vec::with_capacity(plan.len());
+            let mut pi = 0;
+            for (i, s) in self.running.iter_mut().enumerate() {
+                if pi < plan.len() && plan[pi].0 == i {
+                    let (_, start, len, want) = plan[pi];
+                    let tokens: &[u32] = if s.prompt_done < s.prompt_target {
+                        prefill_tokens += len;
+                        &s.req.prompt[start..start + len]
+                    } else {
+                        decode_tokens += 1;
+                        &s.input
+                    };
+                    chunks.push(Chunk { tokens, kv: &mut s.kv, logits: want });
+                    pi += 1;
+                }
+            }
+            self.sh.model.forward(&mut chunks)?
+        };
+        let rows = match logits {
+            Some(t) => t.to_vec2::<f32>()?,
+            None => Vec::new(),
+        };
+        let elapsed = started.elapsed().as_secs_f64().max(1e-9);
+        if prefill_tokens > 0 {
+            self.sh
+                .metrics
+                .tokens_per_second
+                .get_or_create(&vec![("phase", "prefill")])
+                .set(prefill_tokens as f64 / elapsed);
+        }
+        if decode_tokens > 0 {
+            self.sh
+                .metrics
+                .tokens_per_second
+                .get_or_create(&vec![("phase", "decode")])
+                .set(decode_tokens as f64 / elapsed);
+        }
+        // Apply results; remember which sequences end.
+        let mut rows = rows.into_iter();
+        let mut finished: Vec<usize> = Vec::new();
+        // Sequences whose grammar failed (their error is sent already).
+        let mut failed: Vec<usize> = Vec::new();
+        let mut prefill_done: Vec<usize> = Vec::new();
+        for &(i, _, len, want) in &plan {
+            let s = &mut self.running[i];
+            let was_prefill = s.prompt_done < s.prompt_target;
+            if was_prefill {
+                s.prompt_done += len;
+                if s.prompt_done >= s.prompt_target {
+                    prefill_done.push(i);
+                }
+            }
+            if !want {
+                continue;
+            }
+            let mut row = rows.next().expect("a logits row per chunk that asked");
+            let now = Instant::now();
+            if let Some(c) = s.req.constraint.as_mut() {
+                if let Err(e) = c.mask(&mut row) {
+                    let _ = s.tx.send(Event::Failed(format!("the output grammar failed: {e}")));
+                    failed.push(i);
+                    continue;
+                }
+            }
+            let tok = sampler::sample(&row, &s.req.sampling, &s.history, &mut s.rng);
+            if s.last_token.is_none() {
+                self.sh.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());
+            } else if let Some(prev) = s.last_token {
+                self.sh.metrics.tpot.observe(now.duration_since(prev).as_secs_f64());
+            }
+            s.last_token = Some(now);
+            if s.req.stop_token_ids.contains(&tok) {
+                let _ = s.tx.send(Event::Finished { reason: FinishReason::Stop, usage: Self::usage(s) });
+                finished.push(i);
+                continue;
+            }
+            if s.generated >= s.req.max_tokens {
+                let _ = s.tx.send(Event::Finished { reason: FinishReason::Length, usage: Self::usage(s) });
+                finished.push(i);
+                continue;
+            }
+            if let Some(c) = s.req.constraint.as_mut() {
+                if let Err(e) = c.accept(tok) {
+                    let _ = s.tx.send(Event::Failed(format!("the output grammar failed: {e}")));
+                    failed.push(i);
+                    continue;
+                }
+            }
+            s.generated += 1;
+            s.output.push(tok);
+            s.history.push(tok);
+            self.sh.metrics.generated.inc();
+            if let Some(top) = s.req.sampling.logprobs {
+                let _ = s.tx.send(Event::Logprobs(Box::new(sampler::logprobs(&row, tok, top))));
+            }
+            let _ = s.tx.send(Event::Token(tok));
+            s.input = [tok];
+            let out_of_room = s.kv.len() + 1 > self.sh.model.context_len();
+            if s.req.constraint.as_ref().is_some_and(|c| c.is_finished()) {
+                // The grammar is complete: nothing but an end may follow.
+                let _ = s.tx.send(Event::Finished { reason: FinishReason::Stop, usage: Self::usage(s) });
+                finished.push(i);
+            } else if s.generated >= s.req.max_tokens || out_of_room {
+                let _ = s.tx.send(Event::Finished { reason: FinishReason::Length, usage: Self::usage(s) });
+                finished.push(i);
+            }
+        }
+        // Save the blocks of prompts that completed this step.
+        for &i in &prefill_done {
+            if self.sh.cfg.role == Role::Prefill {
+                continue;
+            }
+            let blocks = export_new_blocks(self.sh.cfg.block_tokens, &mut self.running[i]);
+            if blocks.is_empty() {
+                continue;
+            }
+            let ns = self.running[i].req.namespace.clone();
+            self.cache_blocks(&ns, &blocks);
+            if self.sh.store.is_some() {
+                self.queue_save(SaveJob { namespace: ns, blocks });
+            }
+        }
+        // Save blocks that generated tokens completed, so that a chat's
+        // next turn reuses the answer's KV too.
+        if self.sh.cfg.role != Role::Prefill {
+            for &(i, _, _, _) in &plan {
+                self.save_generated_blocks(i);
+            }
+        }
+        // Remove ended sequences (highest index first keeps indices valid).
+        let mut ended: Vec<usize> = finished;
+        ended.extend(failed.iter().copied());
+        if self.sh.cfg.role == Role::Prefill {
+            ended.extend(prefill_done.iter().copied());
+        }
+        ended.sort_unstable();
+        ended.dedup();
+        for &i in ended.iter().rev() {
+            let s = self.running.swap_remove(i);
+            if self.sh.cfg.role == Role::Prefill {
+                self.finish_prefill_role(s);
+            } else if failed.contains(&i) {
+                self.sh.metrics.outcome("failed");
+            } else {
+                self.sh.metrics.outcome("finished");
+                self.sh.metrics.request_seconds.observe(s.arrived.elapsed().as_secs_f64());
+            }
+        }
+        Ok(())
+    }
+}
