@@ -227,6 +227,9 @@ pub enum SubmitError {
     EmptyPrompt,
     #[error("the engine is shutting down")]
     ShuttingDown,
+    /// The engine cannot serve (its step thread stopped).
+    #[error("the engine is unavailable: {0}")]
+    Unavailable(String),
 }
 
 /// A model the backend serves.
@@ -249,6 +252,11 @@ pub trait Backend: Send + Sync + 'static {
     fn submit(&self, model: &str, req: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, SubmitError>;
     /// Prometheus text exposition of the backend's metrics.
     fn metrics_text(&self) -> String;
+    /// `Err` with the reason when the backend cannot serve (a dead or
+    /// stalled step thread, a wedged KV loader).
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
     /// The embedding of `tokens` under model `model` (blocking CPU work:
     /// callers run it off the async threads); `None` when this backend
     /// serves no embeddings.

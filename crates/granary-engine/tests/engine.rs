@@ -147,3 +147,69 @@ async fn the_next_turn_reuses_the_previous_answer() {
     assert!(matches!(end, Event::Finished { usage, .. } if usage.cached_tokens == 0));
     assert_eq!(second, alone, "reusing the answer's KV changed the output");
 }
+
+/// A token id the fixture's prompts and greedy answers never hold.
+const FAULT_TOKEN: u32 = 49_000;
+
+async fn only_the_faulty_request_fails(fault: granary_engine::engine::Fault) {
+    let cfg = EngineConfig { max_batch_tokens: 64, fault: Some(fault), ..Default::default() };
+    let Some(engine) = start(cfg) else { return };
+    let fx = common::fixture();
+    let mut alone = Vec::new();
+    for c in &fx.generate[..2] {
+        alone.push(collect(engine.generate(greedy(c.prompt_ids.clone(), 8)).unwrap()).await.0);
+    }
+    // Three together in one batch; the third's prompt holds the fault token.
+    let mut bad = fx.generate[2].prompt_ids.clone();
+    bad.insert(bad.len() / 2, FAULT_TOKEN);
+    let mut rxs: Vec<_> =
+        fx.generate[..2].iter().map(|c| engine.generate(greedy(c.prompt_ids.clone(), 8)).unwrap()).collect();
+    rxs.push(engine.generate(greedy(bad, 8)).unwrap());
+    let ends = futures::future::join_all(rxs.into_iter().map(collect)).await;
+    for ((toks, end), want) in ends[..2].iter().zip(&alone) {
+        assert!(matches!(end, Event::Finished { .. }), "{end:?}");
+        assert_eq!(toks, want, "a neighbour's failure changed the output");
+    }
+    assert!(matches!(&ends[2].1, Event::Failed(m) if m.contains("injected fault")), "{:?}", ends[2].1);
+    assert_eq!(metric(&engine, "granary_engine_requests_total{outcome=\"failed\"}"), 1.0);
+    assert_eq!(granary_engine::Backend::health(&engine), Ok(()));
+    // And the engine goes on serving.
+    let (toks, _) = collect(engine.generate(greedy(fx.generate[0].prompt_ids.clone(), 8)).unwrap()).await;
+    assert_eq!(toks, alone[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_error_fails_only_its_request() {
+    only_the_faulty_request_fails(granary_engine::engine::Fault::StepError(FAULT_TOKEN)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_panic_fails_only_its_request() {
+    only_the_faulty_request_fails(granary_engine::engine::Fault::StepPanic(FAULT_TOKEN)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_step_thread_shows_in_health_and_refuses_requests() {
+    let cfg =
+        EngineConfig { fault: Some(granary_engine::engine::Fault::KillThread(FAULT_TOKEN)), ..Default::default() };
+    let Some(engine) = start(cfg) else { return };
+    assert_eq!(granary_engine::Backend::health(&engine), Ok(()));
+    // The request dies with the thread: its stream ends without a result.
+    let mut rx = engine.generate(greedy(vec![504, FAULT_TOKEN, 314], 4)).unwrap();
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(60), rx.recv()).await.expect("stalled") {
+        assert!(!matches!(ev, Event::Token(_) | Event::Finished { .. }), "{ev:?}");
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let why = loop {
+        if let Err(why) = granary_engine::Backend::health(&engine) {
+            break why;
+        }
+        assert!(std::time::Instant::now() < deadline, "health never reported the dead thread");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(why.contains("step thread panicked"), "{why}");
+    match engine.generate(greedy(vec![504, 3575], 2)) {
+        Err(granary_engine::SubmitError::Unavailable(m)) => assert!(m.contains("step thread"), "{m}"),
+        other => panic!("a dead engine accepted a request: {:?}", other.map(|_| ())),
+    }
+}

@@ -403,5 +403,8 @@ pub(crate) fn submit_error(e: SubmitError, prompt_param: &'static str) -> ApiErr
             format!("Invalid value for `{prompt_param}`: it encodes to no tokens."),
         ),
         SubmitError::ShuttingDown => ApiError::unavailable("The server is shutting down; retry on another."),
+        SubmitError::Unavailable(why) => {
+            ApiError::unavailable(format!("The engine cannot serve: {why}; retry on another."))
+        }
     }
 }

@@ -9,7 +9,8 @@
 //!   states (float or base64);
 //! - `POST /tokenize`, `POST /detokenize`: the model's tokenizer (and chat
 //!   template), in vLLM's shapes;
-//! - `GET /health`: `{"status":"ok"}`; `GET /metrics`: the backend's
+//! - `GET /health` and `GET /ready`: `{"status":"ok"}`, or 503 with the
+//!   reason when the backend cannot serve; `GET /metrics`: the backend's
 //!   Prometheus text.
 //!
 //! Every refusal is an OpenAI-shaped [`ApiError`]. Requests are parsed and
@@ -137,6 +138,7 @@ pub fn router(backend: Arc<dyn Backend>, opts: ApiOptions) -> Router {
         // Model ids may hold slashes (`org/name`).
         .route("/v1/models/{*id}", get(get_model))
         .route("/health", get(health))
+        .route("/ready", get(health))
         .route("/metrics", get(metrics))
         .fallback(unknown_path)
         .method_not_allowed_fallback(method_not_allowed)
@@ -152,8 +154,14 @@ async fn method_not_allowed(req: Request) -> ApiError {
     ApiError::method_not_allowed(req.method().as_str(), req.uri().path())
 }
 
-async fn health() -> Json<serde_json::Value> {
-    Json(json!({"status": "ok"}))
+/// 200 `{"status": "ok"}`, or 503 `{"status": "error", "error": why}`
+/// when the backend cannot serve.
+async fn health(State(st): State<AppState>) -> Response {
+    match st.backend.health() {
+        Ok(()) => Json(json!({"status": "ok"})).into_response(),
+        Err(why) => (axum::http::StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "error", "error": why})))
+            .into_response(),
+    }
 }
 
 async fn metrics(State(st): State<AppState>) -> Response {

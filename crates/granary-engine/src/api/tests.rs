@@ -85,6 +85,13 @@ impl Backend for ScriptedBackend {
         self.models.clone()
     }
 
+    fn health(&self) -> Result<(), String> {
+        if self.shutting_down {
+            return Err("the step thread stopped".into());
+        }
+        Ok(())
+    }
+
     fn submit(&self, model: &str, req: GenerateRequest) -> Result<mpsc::UnboundedReceiver<Event>, SubmitError> {
         assert!(self.models.iter().any(|m| m.id == model), "submit for unknown model {model}");
         if self.shutting_down {
@@ -165,6 +172,15 @@ fn no_models() -> (Arc<ScriptedBackend>, Router) {
 async fn health_and_metrics() {
     let (_, app) = no_models();
     assert_eq!(send_json(&app, get_req("/health")).await, (StatusCode::OK, json!({"status": "ok"})));
+    assert_eq!(send_json(&app, get_req("/ready")).await, (StatusCode::OK, json!({"status": "ok"})));
+    let down = Arc::new(ScriptedBackend { shutting_down: true, ..ScriptedBackend::without_models() });
+    let down_app = make_app(&down, ApiOptions::default());
+    for path in ["/health", "/ready"] {
+        assert_eq!(
+            send_json(&down_app, get_req(path)).await,
+            (StatusCode::SERVICE_UNAVAILABLE, json!({"status": "error", "error": "the step thread stopped"}))
+        );
+    }
     let (status, headers, body) = send(&app, get_req("/metrics")).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(headers["content-type"], "text/plain; version=0.0.4");

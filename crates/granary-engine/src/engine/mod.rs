@@ -11,6 +11,7 @@
 //! join between steps, without waiting for running ones to finish.
 
 mod cache;
+mod health;
 pub mod metrics;
 mod sampler;
 mod step;
@@ -29,6 +30,7 @@ use granary_tokenizer::Tokenizer;
 use tokio::sync::mpsc;
 
 pub use cache::{BlockCache, KvEvent};
+pub use health::STALL_AFTER;
 pub use metrics::{EngineMetrics, Source};
 
 use crate::model::Model;
@@ -91,6 +93,24 @@ pub struct EngineConfig {
     pub save_queue: usize,
     /// Sampling settings for fields a request leaves out.
     pub sampling: crate::SamplingDefaults,
+    /// Longest wait for a prompt's blocks from the warehouse; past it the
+    /// prompt is computed instead.
+    pub fetch_timeout: std::time::Duration,
+    /// A failure injected by tests; `None` in service.
+    #[doc(hidden)]
+    pub fault: Option<Fault>,
+}
+
+/// Failures tests inject, keyed by a token id in a request's input.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// A step that holds the token fails with an error.
+    StepError(u32),
+    /// A step that holds the token panics.
+    StepPanic(u32),
+    /// The step thread dies when it admits a prompt with the token.
+    KillThread(u32),
 }
 
 impl Default for EngineConfig {
@@ -104,6 +124,8 @@ impl Default for EngineConfig {
             local_cache_bytes: 512 << 20,
             save_queue: 64,
             sampling: crate::SamplingDefaults::default(),
+            fetch_timeout: std::time::Duration::from_secs(30),
+            fault: None,
         }
     }
 }
@@ -142,6 +164,7 @@ struct Shared {
     closed: AtomicBool,
     /// Turns true once, on [`Engine::close`]: long-lived streams end on it.
     closing: tokio::sync::watch::Sender<bool>,
+    health: health::Health,
 }
 
 /// A running engine; cheap to clone.
@@ -174,6 +197,7 @@ impl Engine {
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             closed: AtomicBool::new(false),
             closing: tokio::sync::watch::Sender::new(false),
+            health: health::Health::default(),
             cfg,
             model,
             tokenizer,
@@ -248,6 +272,9 @@ impl Engine {
         if self.shared.closed.load(Ordering::SeqCst) {
             return Err(SubmitError::ShuttingDown);
         }
+        if let Some(why) = self.shared.health.dead_reason() {
+            return Err(SubmitError::Unavailable(why));
+        }
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
@@ -261,7 +288,16 @@ impl Engine {
         self.shared.metrics.waiting.inc();
         let this = self.clone();
         self.shared.runtime.spawn(async move {
-            let loaded = this.fetch_prefix(&hashes).await;
+            let load = this.shared.health.loading();
+            let loaded = match tokio::time::timeout(this.shared.cfg.fetch_timeout, this.fetch_prefix(&hashes)).await {
+                Ok(loaded) => loaded,
+                Err(_) => {
+                    tracing::warn!(timeout = ?this.shared.cfg.fetch_timeout, "loading KV blocks timed out; computing instead");
+                    this.shared.metrics.warehouse_errors.inc();
+                    Vec::new()
+                }
+            };
+            drop(load);
             let a = Admitted { req, tx, hashes, loaded, arrived: Instant::now() };
             if this.admit.send(a).is_err() {
                 this.shared.metrics.waiting.dec();
@@ -324,6 +360,11 @@ impl Backend for Engine {
 
     fn metrics_text(&self) -> String {
         self.shared.metrics.render()
+    }
+
+    fn health(&self) -> Result<(), String> {
+        let busy = self.shared.metrics.running.get() > 0 || self.shared.metrics.waiting.get() > 0;
+        self.shared.health.check(busy, self.shared.cfg.fetch_timeout)
     }
 
     fn embed(&self, _model: &str, tokens: &[u32]) -> Option<anyhow::Result<Vec<f32>>> {

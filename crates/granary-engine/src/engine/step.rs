@@ -15,7 +15,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
 
-use super::{sampler, Admitted, KvEvent, Role, SaveJob, Shared, Source};
+use super::{sampler, Admitted, Fault, KvEvent, Role, SaveJob, Shared, Source};
 use crate::model::{Chunk, KvCache};
 use crate::{Event, FinishReason, GenerateRequest, Usage};
 
@@ -73,7 +73,11 @@ impl StepLoop {
     }
 
     pub(super) fn run(mut self) {
+        // Marks the thread dead however it ends (a panic included): health
+        // checks and new requests see it.
+        let _alive = AliveGuard(self.sh.clone());
         loop {
+            self.sh.health.beat();
             if self.running.is_empty() && self.waiting.is_empty() {
                 match self.rx.recv() {
                     Ok(a) => self.waiting.push_back(a),
@@ -87,19 +91,69 @@ impl StepLoop {
             while self.running.len() < self.sh.cfg.max_running {
                 let Some(a) = self.waiting.pop_front() else { break };
                 self.sh.metrics.waiting.dec();
+                if let Some(Fault::KillThread(t)) = self.sh.cfg.fault {
+                    if a.req.prompt.contains(&t) {
+                        panic!("injected fault: the step thread stops");
+                    }
+                }
                 if let Some(seq) = self.start(a) {
                     self.running.push(seq);
                 }
             }
             self.sh.metrics.running.set(self.running.len() as i64);
-            if let Err(e) = self.step() {
-                tracing::error!(error = %e, "forward step failed; failing its requests");
-                for s in self.running.drain(..) {
-                    let _ = s.tx.send(Event::Failed(format!("engine step failed: {e}")));
-                    self.sh.metrics.outcome("failed");
+            self.contained_step();
+            self.update_gauges();
+        }
+    }
+
+    /// One step; a failure (an error or a panic) fails only the sequences
+    /// it comes from. After a failed batch every sequence's KV is cut back
+    /// to where it was and each is stepped alone: those that fail again end
+    /// with an error, the others go on.
+    fn contained_step(&mut self) {
+        let lens: Vec<usize> = self.running.iter().map(|s| s.kv.len()).collect();
+        let Err(e) = self.guarded_step() else { return };
+        for (s, &n) in self.running.iter_mut().zip(&lens) {
+            s.kv.truncate(n);
+        }
+        if self.running.len() > 1 {
+            tracing::warn!(error = %e, sequences = self.running.len(), "a step failed; stepping its sequences one by one");
+        }
+        let all = std::mem::take(&mut self.running);
+        let alone = all.len() == 1;
+        let mut kept = Vec::with_capacity(all.len());
+        for seq in all {
+            let n = seq.kv.len();
+            self.running = vec![seq];
+            let result = if alone { Err(e.clone()) } else { self.guarded_step() };
+            match result {
+                Ok(()) => kept.append(&mut self.running),
+                Err(e) => {
+                    for mut s in self.running.drain(..) {
+                        s.kv.truncate(n);
+                        tracing::error!(error = %e, "a step failed; failing its request");
+                        let _ = s.tx.send(Event::Failed(format!("engine step failed: {e}")));
+                        self.sh.metrics.outcome("failed");
+                    }
                 }
             }
-            self.update_gauges();
+        }
+        self.running = kept;
+    }
+
+    /// [`StepLoop::step`] with a panic turned into an error.
+    fn guarded_step(&mut self) -> Result<(), String> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step())) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(format!("{e:#}")),
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                Err(format!("panicked: {msg}"))
+            }
         }
     }
 
@@ -322,6 +376,7 @@ impl StepLoop {
                         decode_tokens += 1;
                         &s.input
                     };
+                    inject(self.sh.cfg.fault, tokens)?;
                     chunks.push(Chunk { tokens, kv: &mut s.kv, logits: want });
                     pi += 1;
                 }
@@ -459,5 +514,24 @@ impl StepLoop {
             }
         }
         Ok(())
+    }
+}
+
+/// Fails (or panics) a step whose chunk holds a test's fault token.
+fn inject(fault: Option<Fault>, tokens: &[u32]) -> Result<()> {
+    match fault {
+        Some(Fault::StepError(t)) if tokens.contains(&t) => anyhow::bail!("injected fault: step error"),
+        Some(Fault::StepPanic(t)) if tokens.contains(&t) => panic!("injected fault: step panic"),
+        _ => Ok(()),
+    }
+}
+
+/// Marks the step thread dead when dropped.
+struct AliveGuard(Arc<Shared>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        let why = if std::thread::panicking() { "the step thread panicked" } else { "the step thread stopped" };
+        self.0.health.dead(why);
     }
 }
