@@ -130,7 +130,7 @@ pub(crate) async fn generate(
     let constraint = constraint(st, &model, &v, tools.as_ref()).await?;
     let sampling = v.sampling.resolve(&model.sampling);
     let req = GenerateRequest { namespace, prompt, max_tokens, sampling, stop_token_ids, constraint };
-    if v.best_of > 1 {
+    if v.best_of > 1 && !v.stream {
         let how = Choices {
             n: v.n,
             best_of: v.best_of,
@@ -144,16 +144,21 @@ pub(crate) async fn generate(
         };
         return generate_n(st, &model.id, req, how).await;
     }
-    let rx = st.backend.submit(&model.id, req).map_err(|e| submit_error(e, prompt_param))?;
-    let header = Header::new(endpoint, model.id);
-    let parser = tools.as_ref().and_then(ToolUse::parser);
+    let header = Header::new(endpoint, model.id.clone());
     if v.stream {
+        let receivers = submit_choices(st, &model.id, req, v.n, prompt_param).await?;
         let chunker = header.chunker(v.include_usage);
-        let first = echoed.filter(|t| !t.is_empty()).map(|t| chunker.text_with(&t, None));
-        let data = sse_data(rx, tokenizer, v.stop, chunker, prompt_tokens, parser);
-        let events = futures::stream::iter(first).chain(data).map(|d| Ok::<_, Infallible>(SseEvent::default().data(d)));
+        let echo: Vec<String> = match echoed.filter(|t| !t.is_empty()) {
+            Some(t) => (0..v.n).map(|i| chunker.for_choice(i).text_with(&t, None)).collect(),
+            None => Vec::new(),
+        };
+        let choices = receivers.into_iter().map(|rx| (rx, tools.as_ref().and_then(ToolUse::parser))).collect();
+        let data = sse_data(choices, tokenizer, v.stop, chunker, prompt_tokens);
+        let events = futures::stream::iter(echo).chain(data).map(|d| Ok::<_, Infallible>(SseEvent::default().data(d)));
         return Ok(Sse::new(events).into_response());
     }
+    let rx = st.backend.submit(&model.id, req).map_err(|e| submit_error(e, prompt_param))?;
+    let parser = tools.as_ref().and_then(ToolUse::parser);
     // Tool-call markers may be special tokens: keep them in the text.
     let mut decoder = tokenizer.decode_stream(parser.is_none());
     let out = collect(rx, &mut decoder, v.stop).await.map_err(|msg| {
@@ -221,34 +226,7 @@ async fn generate_n(st: &AppState, model: &str, mut req: GenerateRequest, how: C
     if ranked && req.sampling.logprobs.is_none() {
         req.sampling.logprobs = Some(0);
     }
-    let submit = |i: usize| {
-        let mut r = req.clone();
-        r.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
-        st.backend.submit(model, r).map_err(|e| submit_error(e, prompt_param))
-    };
-    let mut first = submit(0)?;
-    // Forward the first choice's events, noting when its first token (or its
-    // end) has come: its prompt has been computed by then.
-    let (tx, rx0) = tokio::sync::mpsc::unbounded_channel();
-    loop {
-        let Some(ev) = first.recv().await else { break };
-        let started = !matches!(ev, crate::Event::Started { .. });
-        let _ = tx.send(ev);
-        if started {
-            break;
-        }
-    }
-    tokio::spawn(async move {
-        while let Some(ev) = first.recv().await {
-            if tx.send(ev).is_err() {
-                break;
-            }
-        }
-    });
-    let mut receivers = vec![rx0];
-    for i in 1..best_of {
-        receivers.push(submit(i)?);
-    }
+    let receivers = submit_choices(st, model, req, best_of, prompt_param).await?;
     let skip_special = tools.as_ref().and_then(ToolUse::parser).is_none();
     let runs = receivers.into_iter().map(|rx| {
         let tokenizer = tokenizer.clone();
@@ -293,6 +271,51 @@ async fn generate_n(st: &AppState, model: &str, mut req: GenerateRequest, how: C
     // The prompt is counted once, as OpenAI counts it.
     let usage = UsageBody::new(prompt_tokens, completion, cached);
     Ok(Json(header.complete_choices(answers, usage)).into_response())
+}
+
+/// Submits `count` choices of one request: the first alone until its first
+/// token (or its end), so its prompt's full blocks are in engine memory when
+/// the others start and they load them instead of computing them. With a
+/// `seed`, choice `i` samples with `seed + i`.
+async fn submit_choices(
+    st: &AppState,
+    model: &str,
+    req: GenerateRequest,
+    count: usize,
+    prompt_param: &'static str,
+) -> Result<Vec<tokio::sync::mpsc::UnboundedReceiver<crate::Event>>, ApiError> {
+    let submit = |i: usize| {
+        let mut r = req.clone();
+        r.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
+        st.backend.submit(model, r).map_err(|e| submit_error(e, prompt_param))
+    };
+    let mut first = submit(0)?;
+    if count == 1 {
+        return Ok(vec![first]);
+    }
+    // Forward the first choice's events, noting when its first token (or its
+    // end) has come: its prompt has been computed by then.
+    let (tx, rx0) = tokio::sync::mpsc::unbounded_channel();
+    loop {
+        let Some(ev) = first.recv().await else { break };
+        let started = !matches!(ev, crate::Event::Started { .. });
+        let _ = tx.send(ev);
+        if started {
+            break;
+        }
+    }
+    tokio::spawn(async move {
+        while let Some(ev) = first.recv().await {
+            if tx.send(ev).is_err() {
+                break;
+            }
+        }
+    });
+    let mut receivers = vec![rx0];
+    for i in 1..count {
+        receivers.push(submit(i)?);
+    }
+    Ok(receivers)
 }
 
 /// The prompt's tokens and the tokens that end generation. Runs on the

@@ -200,17 +200,70 @@ pub(crate) async fn collect(
     }
 }
 
-/// The SSE `data:` payloads of a streamed answer, ending with `[DONE]`.
-/// The stream owns the receiver: dropping it (the client left) cancels
-/// the generation.
-pub(crate) fn sse_data<S: DecoderSource>(
-    mut rx: UnboundedReceiver<Event>,
+/// What one choice's stream produces.
+enum Piece {
+    Data(String),
+    End {
+        index: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
+    /// An error body; the answer ends.
+    Failed(String),
+}
+
+/// The SSE `data:` payloads of a streamed answer with one choice per
+/// receiver (`n`), interleaved as they come, then the usage chunk (when
+/// asked for: every choice's tokens, the prompt once) and `[DONE]`. The
+/// stream owns the receivers: dropping it (the client left) cancels every
+/// choice, and so does a failure of one.
+pub(crate) fn sse_data<S: DecoderSource + Clone>(
+    choices: Vec<(UnboundedReceiver<Event>, Option<ToolParser>)>,
     source: S,
     stop: Vec<String>,
     chunker: Chunker,
     prompt_tokens: usize,
-    mut tools: Option<ToolParser>,
 ) -> impl Stream<Item = String> + Send {
+    let streams: Vec<_> = choices
+        .into_iter()
+        .enumerate()
+        .map(|(i, (rx, tools))| Box::pin(choice_stream(rx, source.clone(), stop.clone(), chunker.for_choice(i), tools)))
+        .collect();
+    let mut merged = futures::stream::select_all(streams);
+    async_stream::stream! {
+        let (mut completion, mut cached) = (0usize, 0usize);
+        while let Some(piece) = futures::StreamExt::next(&mut merged).await {
+            match piece {
+                Piece::Data(d) => yield d,
+                Piece::End { index, completion_tokens, cached_tokens } => {
+                    completion += completion_tokens;
+                    if index == 0 {
+                        cached = cached_tokens;
+                    }
+                }
+                Piece::Failed(body) => {
+                    drop(merged);
+                    yield body;
+                    yield "[DONE]".to_string();
+                    return;
+                }
+            }
+        }
+        if let Some(usage) = chunker.usage(UsageBody::new(prompt_tokens, completion, cached)) {
+            yield usage;
+        }
+        yield "[DONE]".to_string();
+    }
+}
+
+/// One choice's chunks, ending with its finish chunk.
+fn choice_stream<S: DecoderSource>(
+    mut rx: UnboundedReceiver<Event>,
+    source: S,
+    stop: Vec<String>,
+    chunker: Chunker,
+    mut tools: Option<ToolParser>,
+) -> impl Stream<Item = Piece> + Send {
     async_stream::stream! {
         let mut decoder = if tools.is_some() { source.raw_decoder() } else { source.decoder() };
         let mut calls_sent = 0usize;
@@ -227,7 +280,7 @@ pub(crate) fn sse_data<S: DecoderSource>(
             Some(v)
         };
         if let Some(start) = chunker.start() {
-            yield start;
+            yield Piece::Data(start);
         }
         loop {
             let event = rx.recv().await;
@@ -241,8 +294,8 @@ pub(crate) fn sse_data<S: DecoderSource>(
                     Step::Failed(msg) => {
                         drop(rx);
                         tracing::warn!(error = %msg, "generation failed while streaming");
-                        yield serde_json::to_string(&ApiError::generation_failed(&msg).body()).expect("errors serialize");
-                        break;
+                        yield Piece::Failed(serde_json::to_string(&ApiError::generation_failed(&msg).body()).expect("errors serialize"));
+                        return;
                     }
                 };
                 let mut events = parser.push(&text);
@@ -251,9 +304,9 @@ pub(crate) fn sse_data<S: DecoderSource>(
                 }
                 for e in events {
                     match e {
-                        ToolEvent::Content(c) => yield chunker.text_with(&c, None),
+                        ToolEvent::Content(c) => yield Piece::Data(chunker.text_with(&c, None)),
                         ToolEvent::Call(call) => {
-                            yield chunker.tool_call(calls_sent, &call.to_json());
+                            yield Piece::Data(chunker.tool_call(calls_sent, &call.to_json()));
                             calls_sent += 1;
                         }
                     }
@@ -261,11 +314,9 @@ pub(crate) fn sse_data<S: DecoderSource>(
                 if let Some((reason, cached_tokens)) = done {
                     drop(rx);
                     let reason = if calls_sent > 0 && reason != FinishReason::Length { FinishReason::ToolCalls } else { reason };
-                    yield chunker.finish(reason);
-                    if let Some(usage) = chunker.usage(UsageBody::new(prompt_tokens, gen.completion_tokens, cached_tokens)) {
-                        yield usage;
-                    }
-                    break;
+                    yield Piece::Data(chunker.finish(reason));
+                    yield Piece::End { index: chunker.index(), completion_tokens: gen.completion_tokens, cached_tokens };
+                    return;
                 }
                 continue;
             }
@@ -273,31 +324,28 @@ pub(crate) fn sse_data<S: DecoderSource>(
                 Step::Text(t) => {
                     if !t.is_empty() {
                         let lp = lp_json(&mut gen, &source);
-                        yield chunker.text_with(&t, lp);
+                        yield Piece::Data(chunker.text_with(&t, lp));
                     }
                 }
                 Step::Done { text, reason, cached_tokens } => {
                     drop(rx);
                     let lp = lp_json(&mut gen, &source);
                     if !text.is_empty() || lp.is_some() {
-                        yield chunker.text_with(&text, lp);
+                        yield Piece::Data(chunker.text_with(&text, lp));
                     }
-                    yield chunker.finish(reason);
-                    if let Some(usage) = chunker.usage(UsageBody::new(prompt_tokens, gen.completion_tokens, cached_tokens)) {
-                        yield usage;
-                    }
-                    break;
+                    yield Piece::Data(chunker.finish(reason));
+                    yield Piece::End { index: chunker.index(), completion_tokens: gen.completion_tokens, cached_tokens };
+                    return;
                 }
                 Step::Failed(msg) => {
                     drop(rx);
                     tracing::warn!(error = %msg, "generation failed while streaming");
                     let e = ApiError::generation_failed(&msg);
-                    yield serde_json::to_string(&e.body()).expect("errors serialize");
-                    break;
+                    yield Piece::Failed(serde_json::to_string(&e.body()).expect("errors serialize"));
+                    return;
                 }
             }
         }
-        yield "[DONE]".to_string();
     }
 }
 
@@ -426,7 +474,7 @@ pub(crate) mod tests {
         let (_tx, rx) = scripted(events);
         let chunker = Header { endpoint, id: "x".into(), created: 1, model: "m".into() }.chunker(include_usage);
         let stop = stop.iter().map(|s| s.to_string()).collect();
-        sse_data(rx, BytesSource(VOCAB), stop, chunker, 3, None).collect().await
+        sse_data(vec![(rx, None)], BytesSource(VOCAB), stop, chunker, 3).collect().await
     }
 
     fn json_chunks(data: &[String]) -> Vec<Value> {
@@ -475,7 +523,8 @@ pub(crate) mod tests {
         let (tx, rx) = scripted(vec![Event::Token(0), Event::Token(6), Event::Token(7), Event::Token(8)]);
         let chunker =
             Header { endpoint: Endpoint::Completion, id: "x".into(), created: 1, model: "m".into() }.chunker(true);
-        let data: Vec<String> = sse_data(rx, BytesSource(VOCAB), vec!["</s>".into()], chunker, 3, None).collect().await;
+        let data: Vec<String> =
+            sse_data(vec![(rx, None)], BytesSource(VOCAB), vec!["</s>".into()], chunker, 3).collect().await;
         assert!(tx.is_closed());
         let chunks = json_chunks(&data);
         let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?["text"].as_str()).collect();
@@ -509,7 +558,7 @@ pub(crate) mod tests {
     async fn dropping_the_stream_cancels_the_generation() {
         let (tx, rx) = mpsc::unbounded_channel();
         let chunker = Header { endpoint: Endpoint::Chat, id: "x".into(), created: 1, model: "m".into() }.chunker(false);
-        let mut stream = Box::pin(sse_data(rx, BytesSource(VOCAB), vec![], chunker, 3, None));
+        let mut stream = Box::pin(sse_data(vec![(rx, None)], BytesSource(VOCAB), vec![], chunker, 3));
         tx.send(Event::Token(0)).unwrap();
         assert!(stream.next().await.is_some()); // role
         assert!(stream.next().await.is_some()); // "Hello"

@@ -29,8 +29,8 @@
 //!   llama.cpp server's); vLLM's `top_k`, `min_p` and `repetition_penalty`
 //!   are accepted too;
 //! - `echo` puts the prompt's text before the answer (not with `logprobs`);
-//! - `n` and completions' `best_of` up to 8, not streamed (see
-//!   `answer::generate_n`); `suffix` is refused; `user` and unknown fields
+//! - `n` up to 8, streamed or not, and completions' `best_of` up to 8, not
+//!   streamed (see `answer::generate_n`); `suffix` is refused; `user` and unknown fields
 //!   are ignored;
 //! - structured outputs (`response_format`, vLLM's `guided_*`) are enforced
 //!   by constrained decoding ([`crate::constraint`]); tools are rendered

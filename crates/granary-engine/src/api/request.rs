@@ -734,12 +734,6 @@ impl Shared {
         if !(1..=MAX_N).contains(&n) {
             return Err(out_of_range("n", n as f64, "between 1 and 8"));
         }
-        if n > 1 && self.stream == Some(true) {
-            return Err(unsupported(
-                "n",
-                "`n` greater than 1 is not supported with `stream`; send n requests instead.",
-            ));
-        }
         if let Some(t) = self.temperature {
             if !(0.0..=2.0).contains(&t) {
                 return Err(out_of_range("temperature", t, "between 0 and 2"));

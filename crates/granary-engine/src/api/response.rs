@@ -119,7 +119,7 @@ impl Header {
 
     /// Streaming chunks of one request.
     pub fn chunker(self, include_usage: bool) -> Chunker {
-        Chunker { header: self, include_usage }
+        Chunker { header: self, include_usage, index: 0 }
     }
 }
 
@@ -145,6 +145,8 @@ impl Answer {
 pub(crate) struct Chunker {
     header: Header,
     include_usage: bool,
+    /// The choice the chunks belong to (`n` > 1).
+    index: u32,
 }
 
 impl Chunker {
@@ -152,7 +154,7 @@ impl Chunker {
     pub fn start(&self) -> Option<String> {
         match self.header.endpoint {
             Endpoint::Chat => Some(self.chunk(vec![Choice::Delta {
-                index: 0,
+                index: self.index,
                 delta: Delta { role: Some("assistant"), content: Some(""), tool_calls: None },
                 logprobs: None,
                 finish_reason: None,
@@ -183,11 +185,20 @@ impl Chunker {
         let mut call = call.clone();
         call["index"] = serde_json::json!(index);
         self.chunk(vec![Choice::Delta {
-            index: 0,
+            index: self.index,
             delta: Delta { role: None, content: None, tool_calls: Some(vec![call]) },
             logprobs: None,
             finish_reason: None,
         }])
+    }
+
+    pub fn index(&self) -> usize {
+        self.index as usize
+    }
+
+    /// The chunker of choice `index` of the same answer.
+    pub fn for_choice(&self, index: usize) -> Chunker {
+        Chunker { index: index as u32, ..self.clone() }
     }
 
     pub fn endpoint(&self) -> Endpoint {
@@ -211,12 +222,14 @@ impl Chunker {
     fn choice<'a>(&self, text: Option<&'a str>, finish_reason: Option<&'static str>) -> Choice<'a> {
         match self.header.endpoint {
             Endpoint::Chat => Choice::Delta {
-                index: 0,
+                index: self.index,
                 delta: Delta { role: None, content: text, tool_calls: None },
                 logprobs: None,
                 finish_reason,
             },
-            Endpoint::Completion => Choice::Text { index: 0, text: text.unwrap_or(""), logprobs: None, finish_reason },
+            Endpoint::Completion => {
+                Choice::Text { index: self.index, text: text.unwrap_or(""), logprobs: None, finish_reason }
+            }
         }
     }
 

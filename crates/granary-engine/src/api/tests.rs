@@ -697,12 +697,22 @@ async fn n_choices_in_one_body() {
     let n = backend.reply.len();
     assert_eq!(body["usage"]["completion_tokens"], 3 * n);
     assert_eq!(body["usage"]["prompt_tokens"], reqs[0].prompt.len(), "the prompt is counted once");
-    // Completions too; streaming several choices is refused by name.
+    // Completions too.
     let req = json!({"model": MODEL, "prompt": "a", "n": 2, "max_tokens": 4});
     let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(body["choices"].as_array().unwrap().len(), 2);
-    let (status, body) =
-        send_json(&app, post("/v1/chat/completions", chat_body(json!({"n": 2, "stream": true})))).await;
-    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("n"));
+    // Streamed: every choice's chunks carry its index, each ends with its
+    // finish reason, and usage counts all of them.
+    let body = chat_body(json!({"n": 2, "stream": true, "stream_options": {"include_usage": true}}));
+    let (status, headers, bytes) = send(&app, post("/v1/chat/completions", body)).await;
+    assert_eq!(status, StatusCode::OK);
+    let chunks = sse_payloads(&headers, &bytes);
+    for i in 0..2 {
+        let mine: Vec<&Value> = chunks.iter().filter(|c| c["choices"][0]["index"] == i).collect();
+        let text: String = mine.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        assert_eq!(text, REPLY, "choice {i}");
+        assert_eq!(mine.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null()).count(), 1, "choice {i}");
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 2 * n);
 }

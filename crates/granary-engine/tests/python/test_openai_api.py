@@ -287,6 +287,25 @@ def check_unsupported_fields_are_refused():
         raise AssertionError(f"{param} was accepted and ignored")
 
 
+def check_n_choices_streamed():
+    """n choices streamed interleave by index and match the same seeds not streamed."""
+    kw = dict(messages=QUESTION, n=3, temperature=1.0, seed=11, max_tokens=10)
+    whole = chat(**kw)
+    stream = client.chat.completions.create(model=model_id(), stream=True, stream_options={"include_usage": True}, **kw)
+    texts, finish, usage = {}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert sorted(texts) == [0, 1, 2] and sorted(finish) == [0, 1, 2], (texts, finish)
+    for c in whole.choices:
+        assert texts[c.index] == c.message.content, (c.index, texts[c.index], c.message.content)
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens, (usage, whole.usage)
+
+
 def check_best_of():
     """best_of returns the candidate with the highest mean token log probability."""
     kw = dict(model=model_id(), prompt=STORY, max_tokens=8, temperature=1.0, seed=7)
@@ -484,6 +503,7 @@ CHECKS = [
     check_logprobs,
     check_embeddings,
     check_n_choices,
+    check_n_choices_streamed,
     check_best_of,
     check_unsupported_fields_are_refused,
     check_structured_parse,
