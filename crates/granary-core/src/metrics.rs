@@ -127,6 +127,11 @@ pub mod engine {
     pub const BLOCK_SAVES: &str = "granary_engine_kv_block_saves_total";
     /// Warehouse calls that failed or timed out, costing hits (counter).
     pub const WAREHOUSE_ERRORS: &str = "granary_engine_warehouse_errors_total";
+    /// KV blocks the engine's KV memory budget holds (gauge).
+    pub const KV_BUDGET_BLOCKS: &str = "granary_engine_kv_budget_blocks";
+    /// KV blocks reserved by running sequences, each for its prompt and
+    /// `max_tokens` (gauge).
+    pub const KV_RESERVED_BLOCKS: &str = "granary_engine_kv_reserved_blocks";
 
     pub const ALL: &[&str] = &[
         TTFT_SECONDS,
@@ -141,6 +146,8 @@ pub mod engine {
         TOKENS_PER_SECOND,
         BLOCK_SAVES,
         WAREHOUSE_ERRORS,
+        KV_BUDGET_BLOCKS,
+        KV_RESERVED_BLOCKS,
     ];
 }
 

@@ -227,6 +227,9 @@ pub enum SubmitError {
     EmptyPrompt,
     #[error("the engine is shutting down")]
     ShuttingDown,
+    /// The prompt and `max_tokens` need more KV memory than the engine has.
+    #[error("the request needs KV memory for {needed} tokens; the engine holds {budget}")]
+    KvMemory { budget: usize, needed: usize },
     /// The engine cannot serve (its step thread stopped).
     #[error("the engine is unavailable: {0}")]
     Unavailable(String),

@@ -213,3 +213,62 @@ async fn a_dead_step_thread_shows_in_health_and_refuses_requests() {
         other => panic!("a dead engine accepted a request: {:?}", other.map(|_| ())),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_the_kv_memory_wait_their_turn() {
+    // A budget of 8 requests' worst case (prompt + max_tokens, in blocks).
+    let bt = 16;
+    let prompt: Vec<u32> = (0..40).map(|i| 3000 + i).collect();
+    let max_tokens = 8;
+    let per_request = (prompt.len() + max_tokens).div_ceil(bt);
+    let probe = start(EngineConfig { block_tokens: bt, ..Default::default() });
+    let Some(probe) = probe else { return };
+    let layout = probe.layout();
+    let block_bytes = 2 * layout.layers as usize * layout.kv_heads as usize * layout.head_dim as usize * bt * 2;
+    let cfg = EngineConfig {
+        block_tokens: bt,
+        kv_memory_bytes: Some(8 * per_request * block_bytes),
+        local_cache_bytes: 0,
+        ..Default::default()
+    };
+    let Some(engine) = start(cfg) else { return };
+    // 24 different prompts, alone and then all at once.
+    let prompts: Vec<Vec<u32>> = (0..24u32).map(|i| prompt.iter().map(|t| t + 50 * i).collect()).collect();
+    let mut alone = Vec::new();
+    for p in &prompts[..3] {
+        alone.push(collect(engine.generate(greedy(p.clone(), max_tokens)).unwrap()).await.0);
+    }
+    let watch = engine.clone();
+    let peak = tokio::spawn(async move {
+        let mut peak = 0.0f64;
+        for _ in 0..2000 {
+            peak = peak.max(metric(&watch, "granary_engine_kv_reserved_blocks"));
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        peak
+    });
+    let rxs: Vec<_> = prompts.iter().map(|p| engine.generate(greedy(p.clone(), max_tokens)).unwrap()).collect();
+    let together = futures::future::join_all(rxs.into_iter().map(collect)).await;
+    for (i, (toks, end)) in together.iter().enumerate() {
+        assert!(matches!(end, Event::Finished { .. }), "request {i}: {end:?}");
+        assert_eq!(toks.len(), max_tokens);
+        if i < 3 {
+            assert_eq!(toks, &alone[i], "waiting for memory changed request {i}'s output");
+        }
+    }
+    let peak = peak.await.unwrap();
+    assert!(
+        peak > 0.0 && peak <= (8 * per_request) as f64,
+        "reserved {peak} blocks of a budget of {}",
+        8 * per_request
+    );
+    assert_eq!(metric(&engine, "granary_engine_kv_budget_blocks"), (8 * per_request) as f64);
+    // A request that could never fit is refused, naming the budget.
+    match engine.generate(greedy(prompt.clone(), 9 * per_request * bt)) {
+        Err(granary_engine::SubmitError::KvMemory { budget, needed }) => {
+            assert_eq!(budget, 8 * per_request * bt);
+            assert!(needed > budget);
+        }
+        other => panic!("an oversized request was accepted: {:?}", other.map(|_| ())),
+    }
+}

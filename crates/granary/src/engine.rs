@@ -45,6 +45,11 @@ pub struct ModelArgs {
     /// Engine memory kept for reusable KV blocks.
     #[arg(long, default_value = "512MiB")]
     pub kv_cache: ByteSize,
+    /// Memory for running sequences' KV [default: 40% of the host's RAM]. A
+    /// request runs once its prompt and max_tokens fit beside the running
+    /// ones' (it waits until then); one that can never fit gets a 400.
+    #[arg(long)]
+    pub kv_memory: Option<ByteSize>,
     /// Cap on the context length (below the model's own), e.g. to bound memory per sequence.
     #[arg(long)]
     pub max_context: Option<usize>,
@@ -269,6 +274,7 @@ fn engine_config(a: &ModelArgs, id: String, role: Role) -> EngineConfig {
         max_batch_tokens: a.max_batch_tokens,
         max_running: a.max_running,
         local_cache_bytes: a.kv_cache.as_u64() as usize,
+        kv_memory_bytes: a.kv_memory.map(|b| b.as_u64() as usize),
         ..Default::default()
     }
 }

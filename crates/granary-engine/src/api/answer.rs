@@ -425,6 +425,15 @@ pub(crate) fn submit_error(e: SubmitError, prompt_param: &'static str) -> ApiErr
             "empty_prompt",
             format!("Invalid value for `{prompt_param}`: it encodes to no tokens."),
         ),
+        SubmitError::KvMemory { budget, needed } => ApiError::invalid(
+            prompt_param,
+            "context_length_exceeded",
+            format!(
+                "This engine's KV memory (--kv-memory) holds {budget} tokens; this request needs up to {needed} \
+                 (its {prompt_param} and the completion's `max_tokens`, in whole blocks). Reduce `max_tokens` \
+                 or the {prompt_param}."
+            ),
+        ),
         SubmitError::ShuttingDown => ApiError::unavailable("The server is shutting down; retry on another."),
         SubmitError::Unavailable(why) => {
             ApiError::unavailable(format!("The engine cannot serve: {why}; retry on another."))

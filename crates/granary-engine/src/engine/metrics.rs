@@ -53,6 +53,8 @@ pub struct EngineMetrics {
     pub tokens_per_second: Family<Labels, F64Gauge>,
     pub saves: Family<Labels, Counter>,
     pub warehouse_errors: Counter,
+    pub kv_budget_blocks: Gauge,
+    pub kv_reserved_blocks: Gauge,
     prompt_by_source: [AtomicU64; 5],
 }
 
@@ -78,6 +80,8 @@ impl EngineMetrics {
             tokens_per_second: Family::default(),
             saves: Family::default(),
             warehouse_errors: Counter::default(),
+            kv_budget_blocks: Gauge::default(),
+            kv_reserved_blocks: Gauge::default(),
             prompt_by_source: Default::default(),
             registry: Registry::default(),
         };
@@ -98,6 +102,12 @@ impl EngineMetrics {
         registry.register(names::TOKENS_PER_SECOND, "Recent throughput by phase", m.tokens_per_second.clone());
         registry.register(base(names::BLOCK_SAVES), "KV block saves by outcome", m.saves.clone());
         registry.register(base(names::WAREHOUSE_ERRORS), "Warehouse calls failed", m.warehouse_errors.clone());
+        registry.register(names::KV_BUDGET_BLOCKS, "KV blocks the KV memory budget holds", m.kv_budget_blocks.clone());
+        registry.register(
+            names::KV_RESERVED_BLOCKS,
+            "KV blocks reserved by running sequences",
+            m.kv_reserved_blocks.clone(),
+        );
         for s in names::SOURCES {
             let _ = m.prompt_tokens.get_or_create(&vec![("source", s)]);
         }

@@ -93,6 +93,11 @@ pub struct EngineConfig {
     pub save_queue: usize,
     /// Sampling settings for fields a request leaves out.
     pub sampling: crate::SamplingDefaults,
+    /// Memory for running sequences' KV; `None`: [`DEFAULT_KV_MEMORY_SHARE`]
+    /// of the host's RAM. A request is admitted to the running batch only
+    /// when its prompt and `max_tokens` fit beside the others' (it waits
+    /// otherwise); one that could never fit is refused.
+    pub kv_memory_bytes: Option<usize>,
     /// Longest wait for a prompt's blocks from the warehouse; past it the
     /// prompt is computed instead.
     pub fetch_timeout: std::time::Duration,
@@ -124,10 +129,32 @@ impl Default for EngineConfig {
             local_cache_bytes: 512 << 20,
             save_queue: 64,
             sampling: crate::SamplingDefaults::default(),
+            kv_memory_bytes: None,
             fetch_timeout: std::time::Duration::from_secs(30),
             fault: None,
         }
     }
+}
+
+/// Blocks a request reserves while it runs: its prompt and every token it
+/// may generate (a prefill-only engine keeps no generated tokens).
+pub(crate) fn kv_reservation(block_tokens: usize, req: &GenerateRequest, role: Role) -> usize {
+    let generated = if role == Role::Prefill { 0 } else { req.max_tokens };
+    (req.prompt.len() + generated).div_ceil(block_tokens.max(1))
+}
+
+/// The share of the host's RAM running sequences' KV may use by default.
+pub const DEFAULT_KV_MEMORY_SHARE: f64 = 0.4;
+
+/// The host's RAM in bytes (`/proc/meminfo`; 8 GiB where it cannot be read).
+fn host_memory_bytes() -> usize {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            let line = t.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<usize>().ok()
+        })
+        .map_or(8 << 30, |kib| kib * 1024)
 }
 
 /// The KV layout of `model`'s blocks: what the hash chain and block
@@ -165,6 +192,8 @@ struct Shared {
     /// Turns true once, on [`Engine::close`]: long-lived streams end on it.
     closing: tokio::sync::watch::Sender<bool>,
     health: health::Health,
+    /// KV blocks the budget holds.
+    kv_budget_blocks: usize,
 }
 
 /// A running engine; cheap to clone.
@@ -190,6 +219,15 @@ impl Engine {
         anyhow::ensure!(cfg.block_tokens > 0, "block_tokens must be positive");
         anyhow::ensure!(cfg.max_batch_tokens > 0, "max_batch_tokens must be positive");
         let layout = layout_of(&model, cfg.block_tokens);
+        let kv_bytes =
+            cfg.kv_memory_bytes.unwrap_or_else(|| (host_memory_bytes() as f64 * DEFAULT_KV_MEMORY_SHARE) as usize);
+        let block_bytes =
+            2 * layout.layers as usize * layout.kv_heads as usize * layout.head_dim as usize * cfg.block_tokens * 2;
+        let kv_budget_blocks = kv_bytes / block_bytes.max(1);
+        anyhow::ensure!(
+            kv_budget_blocks > 0,
+            "the KV memory budget of {kv_bytes} bytes holds no block of {block_bytes} bytes"
+        );
         let shared = Arc::new(Shared {
             cache: BlockCache::new(cfg.local_cache_bytes),
             metrics: EngineMetrics::new(),
@@ -198,6 +236,7 @@ impl Engine {
             closed: AtomicBool::new(false),
             closing: tokio::sync::watch::Sender::new(false),
             health: health::Health::default(),
+            kv_budget_blocks,
             cfg,
             model,
             tokenizer,
@@ -282,6 +321,12 @@ impl Engine {
         let needs = req.prompt.len() + usize::from(self.shared.cfg.role != Role::Prefill);
         if needs > limit {
             return Err(SubmitError::ContextExceeded { limit, prompt: req.prompt.len() });
+        }
+        let bt = self.shared.cfg.block_tokens;
+        let needed = kv_reservation(bt, &req, self.shared.cfg.role) * bt;
+        let budget = self.shared.kv_budget_blocks * bt;
+        if needed > budget {
+            return Err(SubmitError::KvMemory { budget, needed });
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let hashes = self.chain(&req.namespace).hashes(&req.prompt);

@@ -88,7 +88,17 @@ impl StepLoop {
                 self.waiting.push_back(a);
             }
             self.drop_cancelled();
+            // Admission in arrival order: the next request runs once its
+            // prompt and `max_tokens` fit in the KV budget beside the
+            // running ones' (no later request overtakes it).
+            let mut reserved: usize = self.running.iter().map(|s| self.reservation(&s.req)).sum();
             while self.running.len() < self.sh.cfg.max_running {
+                let Some(next) = self.waiting.front() else { break };
+                let need = self.reservation(&next.req);
+                if reserved + need > self.sh.kv_budget_blocks && !self.running.is_empty() {
+                    break;
+                }
+                reserved += need;
                 let Some(a) = self.waiting.pop_front() else { break };
                 self.sh.metrics.waiting.dec();
                 if let Some(Fault::KillThread(t)) = self.sh.cfg.fault {
@@ -157,7 +167,14 @@ impl StepLoop {
         }
     }
 
+    fn reservation(&self, req: &GenerateRequest) -> usize {
+        super::kv_reservation(self.sh.cfg.block_tokens, req, self.sh.cfg.role)
+    }
+
     fn update_gauges(&self) {
+        let reserved: usize = self.running.iter().map(|s| self.reservation(&s.req)).sum();
+        self.sh.metrics.kv_reserved_blocks.set(reserved as i64);
+        self.sh.metrics.kv_budget_blocks.set(self.sh.kv_budget_blocks as i64);
         let bt = self.sh.cfg.block_tokens;
         let in_seqs: usize = self.running.iter().map(|s| s.kv.len().div_ceil(bt)).sum();
         self.sh.metrics.resident.get_or_create(&vec![("holder", "sequences")]).set(in_seqs as i64);

@@ -38,6 +38,7 @@ pub fn load(source: &str) -> Result<Loaded> {
         max_batch_tokens: 512,
         max_running: 64,
         kv_cache: ByteSize::mib(512),
+        kv_memory: None,
         max_context: None,
         device: "cpu".into(),
         trust_namespace_header: false,
