@@ -22,6 +22,7 @@ use crate::config::AgentConfig;
 use crate::download::{DownloadStatus, Downloader, FileRequest};
 use crate::error::AgentError;
 use crate::registry::Catalog;
+use crate::resources::{Reservation, Resources, ResourcesStatus};
 use crate::supervisor::{EngineState, EngineStatus, LaunchSpec, Supervisor};
 use crate::tiers::{Tier, Tiers, TiersStatus};
 
@@ -53,6 +54,8 @@ pub struct AgentStatus {
     pub engines: Vec<EngineStatus>,
     pub tiers: TiersStatus,
     pub downloads: Vec<DownloadStatus>,
+    /// GPUs and memory: totals, what this agent's engines hold, what is free.
+    pub resources: ResourcesStatus,
     /// The answer of the last load that started each model's engine, by model name.
     #[serde(default)]
     pub loads: Vec<LoadResponse>,
@@ -67,6 +70,7 @@ pub struct Agent {
     tiers: Tiers,
     downloader: Downloader,
     sup: Supervisor,
+    resources: Resources,
     /// One load per model at a time.
     loading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// One download per file at a time.
@@ -104,6 +108,7 @@ impl Agent {
         let tiers = Tiers::open(cfg.tiers.clone(), &cfg.cache_dir)?;
         let downloader = Downloader::new(cfg.download.clone())?;
         let sup = Supervisor::new(cfg.engines.clone(), &cfg.cache_dir)?;
+        let resources = Resources::new(cfg.resources.clone())?;
         let registry = Catalog::new(&cfg.registry, cfg.registry_token.clone())?;
         let url = cfg.advertise.clone().unwrap_or_else(|| format!("http://{}", cfg.listen));
         let agent = Arc::new(Agent {
@@ -113,6 +118,7 @@ impl Agent {
             tiers,
             downloader,
             sup,
+            resources,
             loading: Mutex::new(HashMap::new()),
             fetching: Mutex::new(HashMap::new()),
             catalog: Mutex::new(Vec::new()),
@@ -120,7 +126,7 @@ impl Agent {
             stop: CancellationToken::new(),
             cfg,
         });
-        agent.recover();
+        agent.recover().await;
         tokio::spawn(agent.clone().activity_loop());
         tokio::spawn(agent.clone().catalog_loop());
         if !agent.cfg.gateways.is_empty() {
@@ -150,6 +156,10 @@ impl Agent {
         &self.tiers
     }
 
+    pub fn resources(&self) -> &Resources {
+        &self.resources
+    }
+
     /// Model names the registry listed at the last refresh.
     pub fn catalog(&self) -> Vec<String> {
         self.catalog.lock().clone()
@@ -167,10 +177,11 @@ impl Agent {
     }
 
     /// Engines from the state file: adopted when still running, else loaded again.
-    fn recover(self: &Arc<Self>) {
+    async fn recover(self: &Arc<Self>) {
         for p in self.sup.persisted() {
-            if self.sup.adopt(&p) {
+            if self.sup.adopt(&p).await {
                 self.tiers.pin(&p.spec.files);
+                self.resources.restore(&p.spec.model, p.spec.gpus.clone(), p.spec.memory);
                 continue;
             }
             tracing::info!(model = %p.spec.model, pid = p.pid, "a recorded engine is gone; starting it again");
@@ -190,6 +201,7 @@ impl Agent {
             engines: self.sup.list(),
             tiers: self.tiers.status(),
             downloads: self.downloader.downloads().snapshot(),
+            resources: self.resources.status(),
             loads: {
                 let mut v: Vec<LoadResponse> = self.last_loads.lock().values().cloned().collect();
                 v.sort_by(|a, b| a.model.cmp(&b.model));
@@ -234,16 +246,33 @@ impl Agent {
             granary_registry::api::check_file_path(&f.path)
                 .map_err(|why| AgentError::Registry(format!("{name}@{}: {why}", revision.revision)))?;
         }
-        let fetching = Instant::now();
-        let downloaded = self.fetch_files(name, &revision).await?;
-        let fetch_ms = if downloaded { fetching.elapsed().as_millis() as u64 } else { 0 };
+        // Admission before anything is downloaded: a model that cannot run
+        // here costs no transfer.
+        let held = self.resources.reserve(name, revision.size)?;
+        let result = self.fetch_and_launch(name, &revision, held, started).await;
+        if result.is_err() {
+            self.resources.release(name);
+        }
+        result
+    }
+
+    async fn fetch_and_launch(
+        &self,
+        name: &str,
+        revision: &crate::registry::Revision,
+        held: Reservation,
+        started: Instant,
+    ) -> Result<LoadResponse, AgentError> {
         let shas: Vec<String> = revision.files.iter().map(|f| f.sha256.to_ascii_lowercase()).collect();
+        let fetching = Instant::now();
+        let downloaded = self.fetch_files(name, revision).await?;
+        let fetch_ms = if downloaded { fetching.elapsed().as_millis() as u64 } else { 0 };
         self.tiers.touch(&shas);
         if self.tiers.record_load(name) {
             self.tiers.promote(&shas).await?;
         }
         self.tiers.pin(&shas);
-        let result = self.launch(name, &revision, &shas, downloaded).await;
+        let result = self.launch(name, revision, &shas, downloaded, held).await;
         if result.is_err() {
             self.tiers.unpin(&shas);
         }
@@ -269,6 +298,7 @@ impl Agent {
         revision: &crate::registry::Revision,
         shas: &[String],
         downloaded: bool,
+        held: Reservation,
     ) -> Result<(EngineStatus, u64), AgentError> {
         let root = self.cfg.cache_dir.join("models").join(name).join(&revision.revision);
         let files: Vec<(String, String)> =
@@ -289,6 +319,8 @@ impl Agent {
             model_path,
             files: shas.to_vec(),
             tier: if downloaded { Tier::Registry } else { slowest },
+            gpus: held.gpus,
+            memory: held.memory,
         };
         let started = Instant::now();
         let st = self.sup.start(spec).await?;
@@ -328,6 +360,7 @@ impl Agent {
         let _one_at_a_time = lock.lock().await;
         let spec = self.sup.stop(name).await?;
         self.tiers.unpin(&spec.files);
+        self.resources.release(name);
         tracing::info!(model = name, "unloaded");
         Ok(())
     }
@@ -348,6 +381,18 @@ impl Agent {
                 if st.state != EngineState::Ready {
                     continue;
                 }
+                let now = now_ms();
+                if let Some(front) = self.sup.front_stats(&st.model) {
+                    // Requests seen by the engine's front: in flight now, or
+                    // the last one's end.
+                    if front.in_flight() > 0 {
+                        self.sup.mark_active(&st.model, now);
+                    } else if front.last_activity_ms() > 0 {
+                        self.sup.mark_active(&st.model, front.last_activity_ms());
+                    }
+                    self.unload_if_idle(&st.model, now, &mut seen).await;
+                    continue;
+                }
                 let text = match http.get(format!("{}/metrics", st.upstream)).send().await {
                     Ok(r) if r.status().is_success() => r.text().await.unwrap_or_default(),
                     _ => continue,
@@ -358,7 +403,6 @@ impl Agent {
                     }
                     continue;
                 };
-                let now = now_ms();
                 // A first scrape that already counts requests saw them since
                 // the engine started (or since this agent adopted it): they
                 // are activity too, or a request served before the first
@@ -370,16 +414,20 @@ impl Agent {
                 if moved || a.in_flight > 0.0 {
                     self.sup.mark_active(&st.model, now);
                 }
-                let last = self.sup.last_active_ms(&st.model).unwrap_or(now);
-                if let Some(idle) = self.cfg.idle_unload {
-                    if now.saturating_sub(last) >= idle.as_millis() as u64 {
-                        tracing::info!(model = %st.model, idle_ms = now - last, "unloading an idle model");
-                        seen.remove(&st.model);
-                        if let Err(e) = self.unload(&st.model).await {
-                            tracing::warn!(model = %st.model, error = %e, "idle unload failed");
-                        }
-                    }
-                }
+                self.unload_if_idle(&st.model, now, &mut seen).await;
+            }
+        }
+    }
+
+    /// Unloads `model` when it has been idle for `idle_unload`.
+    async fn unload_if_idle(&self, model: &str, now: u64, seen: &mut HashMap<String, f64>) {
+        let Some(idle) = self.cfg.idle_unload else { return };
+        let last = self.sup.last_active_ms(model).unwrap_or(now);
+        if now.saturating_sub(last) >= idle.as_millis() as u64 {
+            tracing::info!(model, idle_ms = now.saturating_sub(last), "unloading an idle model");
+            seen.remove(model);
+            if let Err(e) = self.unload(model).await {
+                tracing::warn!(model, error = %e, "idle unload failed");
             }
         }
     }

@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::agent::Agent;
+use crate::resources::ResourcesStatus;
 use crate::supervisor::EngineState;
 
 /// The heartbeat body.
@@ -25,6 +26,10 @@ pub struct Heartbeat {
     pub engines: Vec<HeartbeatEngine>,
     /// Models this agent can load (the registry's list).
     pub models: Vec<String>,
+    /// Free capacity: GPUs (memory held by this agent's engines, free) and
+    /// host memory. Gateways that do not read it ignore it.
+    #[serde(default)]
+    pub resources: Option<ResourcesStatus>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -60,6 +65,7 @@ pub fn body(agent: &Agent) -> Heartbeat {
         token: agent.config().admin_token.clone(),
         engines,
         models: agent.catalog(),
+        resources: Some(agent.resources().status()),
     }
 }
 
