@@ -275,3 +275,72 @@ pub async fn run(a: AgentArgs) -> Result<()> {
     granary_agent::api::serve(agent, listener, crate::warehouse::shutdown_signal()).await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        agent: AgentArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<AgentConfig> {
+        let mut all = vec!["agent"];
+        all.extend_from_slice(args);
+        config(&Cli::try_parse_from(all).map_err(|e| anyhow::anyhow!("{e}"))?.agent)
+    }
+
+    #[test]
+    fn tokens_come_from_files_and_never_from_both_places() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("t");
+        std::fs::write(&f, "gateway-agent-token-0123456789\n").unwrap();
+        let c = parse(&["--gateway", "http://gw:8080", "--gateway-token-file", f.to_str().unwrap()]).unwrap();
+        assert_eq!(c.gateway_token.as_deref(), Some("gateway-agent-token-0123456789"));
+        let c =
+            parse(&["--registry-token-file", f.to_str().unwrap(), "--admin-token-file", f.to_str().unwrap()]).unwrap();
+        assert_eq!(
+            (c.registry_token.as_deref(), c.admin_token.is_some()),
+            (Some("gateway-agent-token-0123456789"), true)
+        );
+        assert!(parse(&["--gateway-token", "x", "--gateway-token-file", f.to_str().unwrap()]).is_err());
+        std::fs::write(&f, "  \n").unwrap();
+        let e = parse(&["--admin-token-file", f.to_str().unwrap()]).unwrap_err().to_string();
+        assert!(e.contains("--admin-token-file") && e.contains("is empty"), "{e}");
+        std::fs::write(&f, "a\nb\n").unwrap();
+        assert!(parse(&["--admin-token-file", f.to_str().unwrap()])
+            .unwrap_err()
+            .to_string()
+            .contains("more than one line"));
+        let e = parse(&["--admin-token-file", "/nonexistent/t"]).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/t"), "{e}");
+    }
+
+    #[test]
+    fn engine_and_resource_flags_reach_the_config() {
+        let c = parse(&[
+            "--engine-proxy",
+            "--engine-proxy-drop-header",
+            "x-request-id",
+            "--engine-health-path",
+            "/openapi.json",
+            "--engine-threads",
+            "3",
+            "--gpus-per-engine",
+            "0",
+            "--host-memory",
+            "1GiB",
+        ])
+        .unwrap();
+        assert!(c.engines.proxy);
+        assert_eq!(c.engines.proxy_drop_headers, ["x-request-id"]);
+        assert_eq!((c.engines.health_path.as_str(), c.engines.threads), ("/openapi.json", Some(3)));
+        assert_eq!(c.resources.host_memory, Some(ByteSize::gib(1)));
+        let e = parse(&["--engine-health-path", "health"]).unwrap_err().to_string();
+        assert!(e.contains("must start with '/'"), "{e}");
+    }
+}
