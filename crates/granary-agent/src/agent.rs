@@ -25,6 +25,7 @@ use crate::registry::Catalog;
 use crate::resources::{Reservation, Resources, ResourcesStatus};
 use crate::supervisor::{EngineState, EngineStatus, LaunchSpec, Supervisor};
 use crate::tiers::{Tier, Tiers, TiersStatus};
+use crate::weights::{HeldRevision, Known};
 
 /// `POST /models/{name}/load`'s answer.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -56,6 +57,9 @@ pub struct AgentStatus {
     pub downloads: Vec<DownloadStatus>,
     /// GPUs and memory: totals, what this agent's engines hold, what is free.
     pub resources: ResourcesStatus,
+    /// Each model revision laid out here and the tier its weights are in.
+    #[serde(default)]
+    pub weights: Vec<HeldRevision>,
     /// The answer of the last load that started each model's engine, by model name.
     #[serde(default)]
     pub loads: Vec<LoadResponse>,
@@ -71,6 +75,8 @@ pub struct Agent {
     downloader: Downloader,
     sup: Supervisor,
     resources: Resources,
+    /// Revisions laid out here, for where their weights are.
+    known: Known,
     /// One load per model at a time.
     loading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// One download per file at a time.
@@ -119,6 +125,7 @@ impl Agent {
             downloader,
             sup,
             resources,
+            known: Known::scan(&cfg.cache_dir.join("models")),
             loading: Mutex::new(HashMap::new()),
             fetching: Mutex::new(HashMap::new()),
             catalog: Mutex::new(Vec::new()),
@@ -158,6 +165,11 @@ impl Agent {
 
     pub fn resources(&self) -> &Resources {
         &self.resources
+    }
+
+    /// Each model revision laid out here and the tier its weights are in now.
+    pub fn weights(&self) -> Vec<HeldRevision> {
+        self.known.report(&self.tiers)
     }
 
     /// Model names the registry listed at the last refresh.
@@ -202,6 +214,7 @@ impl Agent {
             tiers: self.tiers.status(),
             downloads: self.downloader.downloads().snapshot(),
             resources: self.resources.status(),
+            weights: self.weights(),
             loads: {
                 let mut v: Vec<LoadResponse> = self.last_loads.lock().values().cloned().collect();
                 v.sort_by(|a, b| a.model.cmp(&b.model));
@@ -304,6 +317,7 @@ impl Agent {
         let files: Vec<(String, String)> =
             revision.files.iter().zip(shas).map(|(f, s)| (f.path.clone(), s.clone())).collect();
         let slowest = self.tiers.materialise(&root, &files)?;
+        self.known.record(name, &revision.revision, shas);
         let model_path: PathBuf = match revision.format.as_str() {
             "gguf" => {
                 let f = revision.files.iter().find(|f| f.path.ends_with(".gguf")).ok_or_else(|| {

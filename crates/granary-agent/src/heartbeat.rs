@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::agent::Agent;
 use crate::resources::ResourcesStatus;
 use crate::supervisor::EngineState;
+use crate::weights::HeldRevision;
 
 /// The heartbeat body.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -30,6 +31,10 @@ pub struct Heartbeat {
     /// host memory. Gateways that do not read it ignore it.
     #[serde(default)]
     pub resources: Option<ResourcesStatus>,
+    /// Each model revision laid out on this node and whether its weights
+    /// are in RAM, on disk or gone (for placing loads where they are).
+    #[serde(default)]
+    pub weights: Vec<HeldRevision>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -66,6 +71,7 @@ pub fn body(agent: &Agent) -> Heartbeat {
         engines,
         models: agent.catalog(),
         resources: Some(agent.resources().status()),
+        weights: agent.weights(),
     }
 }
 

@@ -9,6 +9,7 @@
 //!   with backoff, logs, adoption after an agent restart;
 //! - [`front`]: a proxy before an engine, so the agent sees its requests;
 //! - [`resources`]: GPUs and memory, who holds what, admission;
+//! - [`weights`]: which tier holds each revision laid out here;
 //! - [`agent`]: loads and unloads, idle unload (scale to zero);
 //! - [`api`]: the control API; [`heartbeat`]: reports to the gateway.
 //!
@@ -27,6 +28,7 @@ pub mod registry;
 pub mod resources;
 pub mod supervisor;
 pub mod tiers;
+pub mod weights;
 
 pub use agent::{Agent, AgentStatus, LoadResponse};
 pub use config::AgentConfig;
