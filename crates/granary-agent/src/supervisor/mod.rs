@@ -39,6 +39,7 @@ use crate::tiers::Tier;
 mod command;
 mod logs;
 mod process;
+mod state;
 
 pub use command::{build_command, shell_quote};
 pub use logs::tail_lines;
@@ -46,6 +47,7 @@ use logs::{open_log, rotate_log};
 #[cfg(test)]
 use process::signal_group;
 use process::{free_port, proc_start_time, process_is, terminate, Proc};
+pub use state::Persisted;
 
 /// How engines are started and watched.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -193,30 +195,6 @@ pub struct EngineStatus {
     pub in_flight: Option<u64>,
 }
 
-/// One engine in the state file.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Persisted {
-    #[serde(flatten)]
-    pub spec: LaunchSpec,
-    /// 0 while it is between two processes (a restart's backoff).
-    pub pid: u32,
-    /// The process's start time in clock ticks since boot (`/proc/PID/stat`
-    /// field 22), so a recycled pid is not mistaken for the engine.
-    pub proc_start: u64,
-    pub port: u16,
-    pub command: Vec<String>,
-    pub started_unix: u64,
-    pub restarts: u32,
-    /// The port of its front, if it had one.
-    #[serde(default)]
-    pub front_port: Option<u16>,
-}
-
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct StateFile {
-    engines: Vec<Persisted>,
-}
-
 struct Live {
     pid: Option<u32>,
     proc_start: u64,
@@ -342,11 +320,7 @@ impl Supervisor {
 
     /// Engines listed in the state file of an earlier run.
     pub fn persisted(&self) -> Vec<Persisted> {
-        std::fs::read(&self.sh.state_path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<StateFile>(&b).ok())
-            .map(|s| s.engines)
-            .unwrap_or_default()
+        state::read(&self.sh.state_path)
     }
 
     pub fn status(&self, model: &str) -> Option<EngineStatus> {
@@ -744,12 +718,7 @@ fn persist(sh: &Shared) {
             }
         })
         .collect();
-    let tmp = sh.state_path.with_extension("json.tmp");
-    let body = serde_json::to_vec_pretty(&StateFile { engines: list }).expect("the state always serializes");
-    let written = std::fs::write(&tmp, body).and_then(|()| std::fs::rename(&tmp, &sh.state_path));
-    if let Err(e) = written {
-        tracing::warn!(error = %e, path = %sh.state_path.display(), "cannot write the agent's state file");
-    }
+    state::write(&sh.state_path, list);
 }
 #[cfg(test)]
 mod tests {
