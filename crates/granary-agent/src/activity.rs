@@ -3,15 +3,38 @@
 //! unloads an engine only when one of these is known and says idle, so an
 //! engine whose metrics it cannot read is never unloaded for idleness.
 //!
-//! Known names: the embedded engine's (`granary_engine_requests_total`,
-//! `granary_engine_running_requests`, `granary_engine_waiting_requests`),
-//! vLLM's (`vllm:request_success_total`, `vllm:num_requests_running`,
-//! `vllm:num_requests_waiting`) and SGLang's (`sglang:num_running_reqs`,
-//! `sglang:num_queue_reqs`).
+//! Known names, from each engine's documentation:
+//! - the embedded engine: `granary_engine_requests_total`,
+//!   `granary_engine_running_requests`, `granary_engine_waiting_requests`;
+//! - vLLM (docs.vllm.ai, "Production Metrics"): `vllm:request_success_total`,
+//!   `vllm:prompt_tokens_total`, `vllm:num_requests_running`,
+//!   `vllm:num_requests_waiting`;
+//! - SGLang with `--enable-metrics` (docs.sglang.io, "Production Metrics"):
+//!   the counters `sglang:prompt_tokens_total`, `sglang:generation_tokens_total`
+//!   (and `sglang:num_requests_total` where the version has it), the gauges
+//!   `sglang:num_running_reqs`, `sglang:num_queue_reqs`. The gauges alone
+//!   miss a request that starts and ends between two scrapes; the counters
+//!   do not;
+//! - llama.cpp's `llama-server` with `--metrics` (its README, "GET
+//!   /metrics"): the counters `llamacpp:prompt_tokens_total`,
+//!   `llamacpp:tokens_predicted_total`, the gauges
+//!   `llamacpp:requests_processing`, `llamacpp:requests_deferred`.
+//!
+//! Token counters move with every request, so they serve as request
+//! counters here (only whether they moved matters).
 
 use granary_core::metrics::engine;
 
-const COUNTERS: &[&str] = &[engine::REQUESTS, "vllm:request_success_total"];
+const COUNTERS: &[&str] = &[
+    engine::REQUESTS,
+    "vllm:request_success_total",
+    "vllm:prompt_tokens_total",
+    "sglang:num_requests_total",
+    "sglang:prompt_tokens_total",
+    "sglang:generation_tokens_total",
+    "llamacpp:prompt_tokens_total",
+    "llamacpp:tokens_predicted_total",
+];
 const GAUGES: &[&str] = &[
     engine::RUNNING,
     engine::WAITING,
@@ -19,6 +42,8 @@ const GAUGES: &[&str] = &[
     "vllm:num_requests_waiting",
     "sglang:num_running_reqs",
     "sglang:num_queue_reqs",
+    "llamacpp:requests_processing",
+    "llamacpp:requests_deferred",
 ];
 
 /// What one scrape says about activity.
@@ -82,5 +107,25 @@ mod tests {
         let text = "vllm:num_requests_running{model_name=\"m\"} 0.0\nvllm:request_success_total{finished_reason=\"stop\",model_name=\"m\"} 7.0 1700000000\n";
         assert_eq!(parse(text), Some(Activity { requests: 7.0, in_flight: 0.0 }));
         assert_eq!(parse("process_cpu_seconds_total 3\n"), None);
+    }
+
+    /// The shapes of SGLang's and llama-server's metrics as their docs show
+    /// them: a short request between two scrapes still moves a counter.
+    #[test]
+    fn reads_sglang_and_llama_server() {
+        let sglang = "# TYPE sglang:prompt_tokens_total counter\n\
+                      sglang:prompt_tokens_total{model_name=\"m\"} 8.128902e+06\n\
+                      sglang:generation_tokens_total{model_name=\"m\"} 7.557572e+06\n\
+                      sglang:num_running_reqs{model_name=\"m\"} 0.0\n\
+                      sglang:num_queue_reqs{model_name=\"m\"} 0.0\n";
+        assert_eq!(parse(sglang), Some(Activity { requests: 8.128902e6 + 7.557572e6, in_flight: 0.0 }));
+        let llama = "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n\
+                     # TYPE llamacpp:prompt_tokens_total counter\n\
+                     llamacpp:prompt_tokens_total 6886\n\
+                     llamacpp:tokens_predicted_total 3469\n\
+                     llamacpp:prompt_seconds_total 2903.63\n\
+                     llamacpp:requests_processing 1\n\
+                     llamacpp:requests_deferred 0\n";
+        assert_eq!(parse(llama), Some(Activity { requests: 6886.0 + 3469.0, in_flight: 1.0 }));
     }
 }

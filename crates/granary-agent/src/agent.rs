@@ -22,8 +22,10 @@ use crate::config::AgentConfig;
 use crate::download::{DownloadStatus, Downloader, FileRequest};
 use crate::error::AgentError;
 use crate::registry::Catalog;
+use crate::resources::{Reservation, Resources, ResourcesStatus};
 use crate::supervisor::{EngineState, EngineStatus, LaunchSpec, Supervisor};
 use crate::tiers::{Tier, Tiers, TiersStatus};
+use crate::weights::{HeldRevision, Known};
 
 /// `POST /models/{name}/load`'s answer.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -53,6 +55,11 @@ pub struct AgentStatus {
     pub engines: Vec<EngineStatus>,
     pub tiers: TiersStatus,
     pub downloads: Vec<DownloadStatus>,
+    /// GPUs and memory: totals, what this agent's engines hold, what is free.
+    pub resources: ResourcesStatus,
+    /// Each model revision laid out here and the tier its weights are in.
+    #[serde(default)]
+    pub weights: Vec<HeldRevision>,
     /// The answer of the last load that started each model's engine, by model name.
     #[serde(default)]
     pub loads: Vec<LoadResponse>,
@@ -67,6 +74,9 @@ pub struct Agent {
     tiers: Tiers,
     downloader: Downloader,
     sup: Supervisor,
+    resources: Resources,
+    /// Revisions laid out here, for where their weights are.
+    known: Known,
     /// One load per model at a time.
     loading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// One download per file at a time.
@@ -104,6 +114,7 @@ impl Agent {
         let tiers = Tiers::open(cfg.tiers.clone(), &cfg.cache_dir)?;
         let downloader = Downloader::new(cfg.download.clone())?;
         let sup = Supervisor::new(cfg.engines.clone(), &cfg.cache_dir)?;
+        let resources = Resources::new(cfg.resources.clone())?;
         let registry = Catalog::new(&cfg.registry, cfg.registry_token.clone())?;
         let url = cfg.advertise.clone().unwrap_or_else(|| format!("http://{}", cfg.listen));
         let agent = Arc::new(Agent {
@@ -113,6 +124,8 @@ impl Agent {
             tiers,
             downloader,
             sup,
+            resources,
+            known: Known::scan(&cfg.cache_dir.join("models")),
             loading: Mutex::new(HashMap::new()),
             fetching: Mutex::new(HashMap::new()),
             catalog: Mutex::new(Vec::new()),
@@ -120,7 +133,7 @@ impl Agent {
             stop: CancellationToken::new(),
             cfg,
         });
-        agent.recover();
+        agent.recover().await;
         tokio::spawn(agent.clone().activity_loop());
         tokio::spawn(agent.clone().catalog_loop());
         if !agent.cfg.gateways.is_empty() {
@@ -150,6 +163,15 @@ impl Agent {
         &self.tiers
     }
 
+    pub fn resources(&self) -> &Resources {
+        &self.resources
+    }
+
+    /// Each model revision laid out here and the tier its weights are in now.
+    pub fn weights(&self) -> Vec<HeldRevision> {
+        self.known.report(&self.tiers)
+    }
+
     /// Model names the registry listed at the last refresh.
     pub fn catalog(&self) -> Vec<String> {
         self.catalog.lock().clone()
@@ -167,10 +189,11 @@ impl Agent {
     }
 
     /// Engines from the state file: adopted when still running, else loaded again.
-    fn recover(self: &Arc<Self>) {
+    async fn recover(self: &Arc<Self>) {
         for p in self.sup.persisted() {
-            if self.sup.adopt(&p) {
+            if self.sup.adopt(&p).await {
                 self.tiers.pin(&p.spec.files);
+                self.resources.restore(&p.spec.model, p.spec.gpus.clone(), p.spec.memory);
                 continue;
             }
             tracing::info!(model = %p.spec.model, pid = p.pid, "a recorded engine is gone; starting it again");
@@ -190,6 +213,8 @@ impl Agent {
             engines: self.sup.list(),
             tiers: self.tiers.status(),
             downloads: self.downloader.downloads().snapshot(),
+            resources: self.resources.status(),
+            weights: self.weights(),
             loads: {
                 let mut v: Vec<LoadResponse> = self.last_loads.lock().values().cloned().collect();
                 v.sort_by(|a, b| a.model.cmp(&b.model));
@@ -234,16 +259,33 @@ impl Agent {
             granary_registry::api::check_file_path(&f.path)
                 .map_err(|why| AgentError::Registry(format!("{name}@{}: {why}", revision.revision)))?;
         }
-        let fetching = Instant::now();
-        let downloaded = self.fetch_files(name, &revision).await?;
-        let fetch_ms = if downloaded { fetching.elapsed().as_millis() as u64 } else { 0 };
+        // Admission before anything is downloaded: a model that cannot run
+        // here costs no transfer.
+        let held = self.resources.reserve(name, revision.size)?;
+        let result = self.fetch_and_launch(name, &revision, held, started).await;
+        if result.is_err() {
+            self.resources.release(name);
+        }
+        result
+    }
+
+    async fn fetch_and_launch(
+        &self,
+        name: &str,
+        revision: &crate::registry::Revision,
+        held: Reservation,
+        started: Instant,
+    ) -> Result<LoadResponse, AgentError> {
         let shas: Vec<String> = revision.files.iter().map(|f| f.sha256.to_ascii_lowercase()).collect();
+        let fetching = Instant::now();
+        let downloaded = self.fetch_files(name, revision).await?;
+        let fetch_ms = if downloaded { fetching.elapsed().as_millis() as u64 } else { 0 };
         self.tiers.touch(&shas);
         if self.tiers.record_load(name) {
             self.tiers.promote(&shas).await?;
         }
         self.tiers.pin(&shas);
-        let result = self.launch(name, &revision, &shas, downloaded).await;
+        let result = self.launch(name, revision, &shas, downloaded, held).await;
         if result.is_err() {
             self.tiers.unpin(&shas);
         }
@@ -269,11 +311,13 @@ impl Agent {
         revision: &crate::registry::Revision,
         shas: &[String],
         downloaded: bool,
+        held: Reservation,
     ) -> Result<(EngineStatus, u64), AgentError> {
         let root = self.cfg.cache_dir.join("models").join(name).join(&revision.revision);
         let files: Vec<(String, String)> =
             revision.files.iter().zip(shas).map(|(f, s)| (f.path.clone(), s.clone())).collect();
         let slowest = self.tiers.materialise(&root, &files)?;
+        self.known.record(name, &revision.revision, shas);
         let model_path: PathBuf = match revision.format.as_str() {
             "gguf" => {
                 let f = revision.files.iter().find(|f| f.path.ends_with(".gguf")).ok_or_else(|| {
@@ -289,6 +333,8 @@ impl Agent {
             model_path,
             files: shas.to_vec(),
             tier: if downloaded { Tier::Registry } else { slowest },
+            gpus: held.gpus,
+            memory: held.memory,
         };
         let started = Instant::now();
         let st = self.sup.start(spec).await?;
@@ -328,6 +374,7 @@ impl Agent {
         let _one_at_a_time = lock.lock().await;
         let spec = self.sup.stop(name).await?;
         self.tiers.unpin(&spec.files);
+        self.resources.release(name);
         tracing::info!(model = name, "unloaded");
         Ok(())
     }
@@ -348,6 +395,18 @@ impl Agent {
                 if st.state != EngineState::Ready {
                     continue;
                 }
+                let now = now_ms();
+                if let Some(front) = self.sup.front_stats(&st.model) {
+                    // Requests seen by the engine's front: in flight now, or
+                    // the last one's end.
+                    if front.in_flight() > 0 {
+                        self.sup.mark_active(&st.model, now);
+                    } else if front.last_activity_ms() > 0 {
+                        self.sup.mark_active(&st.model, front.last_activity_ms());
+                    }
+                    self.unload_if_idle(&st.model, now, &mut seen).await;
+                    continue;
+                }
                 let text = match http.get(format!("{}/metrics", st.upstream)).send().await {
                     Ok(r) if r.status().is_success() => r.text().await.unwrap_or_default(),
                     _ => continue,
@@ -358,7 +417,6 @@ impl Agent {
                     }
                     continue;
                 };
-                let now = now_ms();
                 // A first scrape that already counts requests saw them since
                 // the engine started (or since this agent adopted it): they
                 // are activity too, or a request served before the first
@@ -370,16 +428,20 @@ impl Agent {
                 if moved || a.in_flight > 0.0 {
                     self.sup.mark_active(&st.model, now);
                 }
-                let last = self.sup.last_active_ms(&st.model).unwrap_or(now);
-                if let Some(idle) = self.cfg.idle_unload {
-                    if now.saturating_sub(last) >= idle.as_millis() as u64 {
-                        tracing::info!(model = %st.model, idle_ms = now - last, "unloading an idle model");
-                        seen.remove(&st.model);
-                        if let Err(e) = self.unload(&st.model).await {
-                            tracing::warn!(model = %st.model, error = %e, "idle unload failed");
-                        }
-                    }
-                }
+                self.unload_if_idle(&st.model, now, &mut seen).await;
+            }
+        }
+    }
+
+    /// Unloads `model` when it has been idle for `idle_unload`.
+    async fn unload_if_idle(&self, model: &str, now: u64, seen: &mut HashMap<String, f64>) {
+        let Some(idle) = self.cfg.idle_unload else { return };
+        let last = self.sup.last_active_ms(model).unwrap_or(now);
+        if now.saturating_sub(last) >= idle.as_millis() as u64 {
+            tracing::info!(model, idle_ms = now.saturating_sub(last), "unloading an idle model");
+            seen.remove(model);
+            if let Err(e) = self.unload(model).await {
+                tracing::warn!(model, error = %e, "idle unload failed");
             }
         }
     }

@@ -9,6 +9,7 @@ use granary_core::ByteSize;
 use serde::{Deserialize, Serialize};
 
 use crate::download::DownloadConfig;
+use crate::resources::ResourceConfig;
 use crate::supervisor::SupervisorConfig;
 use crate::tiers::TierConfig;
 
@@ -34,13 +35,16 @@ pub struct AgentConfig {
     pub download: DownloadConfig,
     /// Engine processes.
     pub engines: SupervisorConfig,
+    /// GPUs and memory engines may take.
+    pub resources: ResourceConfig,
     /// Admin token of the control API (`Authorization: Bearer`); none: open
     /// (allowed on loopback only).
     pub admin_token: Option<String>,
     /// Gateways to heartbeat to (each replica of a gateway keeps its own
     /// upstream set, so each gets heartbeats).
     pub gateways: Vec<String>,
-    /// The gateways' admin token.
+    /// The token heartbeats carry: the gateway's agent token (allowed to
+    /// heartbeat and nothing else), or its admin token where it has none.
     pub gateway_token: Option<String>,
     /// Seconds between heartbeats.
     #[serde(with = "duration")]
@@ -68,6 +72,7 @@ impl Default for AgentConfig {
             tiers: TierConfig::default(),
             download: DownloadConfig::default(),
             engines: SupervisorConfig::default(),
+            resources: ResourceConfig::default(),
             admin_token: None,
             gateways: Vec::new(),
             gateway_token: None,
@@ -101,7 +106,9 @@ impl AgentConfig {
             ));
         }
         if !self.gateways.is_empty() && self.gateway_token.as_deref().is_none_or(str::is_empty) {
-            return Err("gateways: heartbeats need the gateway's admin token (--gateway-token)".into());
+            return Err(
+                "gateways: heartbeats need the gateway's agent token (--gateway-token or --gateway-token-file)".into(),
+            );
         }
         url::Url::parse(&self.registry).map_err(|e| format!("registry: {:?} is not a URL: {e}", self.registry))?;
         for g in &self.gateways {
@@ -109,6 +116,12 @@ impl AgentConfig {
         }
         if self.download.chunk_bytes == 0 {
             return Err("download.chunk_bytes: must be above 0".into());
+        }
+        if !self.engines.health_path.starts_with('/') {
+            return Err(format!("engines.health_path: {:?} must start with '/'", self.engines.health_path));
+        }
+        if self.engines.threads == Some(0) {
+            return Err("engines.threads: must be above 0".into());
         }
         if self.tiers.disk_budget == ByteSize(0) {
             return Err("tiers.disk_budget: must be above 0".into());
@@ -219,6 +232,7 @@ mod tests {
         }
         assert_eq!(json(&f.agent.download), json(&d.download));
         assert_eq!(json(&f.agent.engines), json(&d.engines));
+        assert_eq!(json(&f.agent.resources), json(&d.resources));
         let (mut a, mut b) = (f.agent.tiers.clone(), d.tiers.clone());
         (a.ram_dir, b.ram_dir) = (None, None);
         assert_eq!(json(&a), json(&b));

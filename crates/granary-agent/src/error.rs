@@ -50,6 +50,9 @@ pub enum AgentError {
     /// A tier's byte budget cannot hold the file even after evicting everything not in use.
     #[error("the {tier} tier's budget of {budget} bytes cannot hold {file} ({needed} bytes): {pinned} bytes are held by loaded models")]
     OverBudget { tier: &'static str, file: String, needed: u64, budget: u64, pinned: u64 },
+    /// No GPU or not enough memory is free for another engine.
+    #[error("not enough free resources: {0}")]
+    Resources(String),
     /// The engine did not become healthy, or exited.
     #[error("engine for `{model}`: {message}")]
     Engine { model: String, message: String },
@@ -93,7 +96,7 @@ impl AgentError {
                 StatusCode::BAD_GATEWAY
             }
             AgentError::NoSpace { .. } | AgentError::OverBudget { .. } => StatusCode::INSUFFICIENT_STORAGE,
-            AgentError::Engine { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            AgentError::Engine { .. } | AgentError::Resources(_) => StatusCode::SERVICE_UNAVAILABLE,
             AgentError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -112,6 +115,7 @@ impl AgentError {
             AgentError::NoSpace { .. } => "insufficient_storage",
             AgentError::OverBudget { .. } => "over_budget",
             AgentError::Engine { .. } => "engine_failed",
+            AgentError::Resources(_) => "insufficient_resources",
             AgentError::Io { .. } => "io_error",
         }
     }

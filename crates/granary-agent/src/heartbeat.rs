@@ -12,7 +12,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::agent::Agent;
+use crate::resources::ResourcesStatus;
 use crate::supervisor::EngineState;
+use crate::weights::HeldRevision;
 
 /// The heartbeat body.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -25,6 +27,14 @@ pub struct Heartbeat {
     pub engines: Vec<HeartbeatEngine>,
     /// Models this agent can load (the registry's list).
     pub models: Vec<String>,
+    /// Free capacity: GPUs (memory held by this agent's engines, free) and
+    /// host memory. Gateways that do not read it ignore it.
+    #[serde(default)]
+    pub resources: Option<ResourcesStatus>,
+    /// Each model revision laid out on this node and whether its weights
+    /// are in RAM, on disk or gone (for placing loads where they are).
+    #[serde(default)]
+    pub weights: Vec<HeldRevision>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -60,6 +70,8 @@ pub fn body(agent: &Agent) -> Heartbeat {
         token: agent.config().admin_token.clone(),
         engines,
         models: agent.catalog(),
+        resources: Some(agent.resources().status()),
+        weights: agent.weights(),
     }
 }
 
@@ -106,5 +118,43 @@ async fn beat(agent: Arc<Agent>, gateway: String) {
             _ = changed.changed() => {}
             _ = tokio::time::sleep(agent.config().heartbeat_interval) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use granary_core::ByteSize;
+
+    use super::*;
+    use crate::resources::GpuSpec;
+
+    /// What a gateway is told of this node's capacity: its GPUs with what is
+    /// free, host memory, and the revisions laid out here.
+    #[tokio::test]
+    async fn heartbeats_carry_free_capacity_and_weights() {
+        let d = tempfile::tempdir().unwrap();
+        let mut cfg = crate::AgentConfig {
+            cache_dir: d.path().to_path_buf(),
+            registry: "http://127.0.0.1:9".into(),
+            agent_id: Some("node-h".into()),
+            ..Default::default()
+        };
+        cfg.tiers.ram_dir = None;
+        cfg.resources.gpus =
+            Some(vec![GpuSpec { index: 3, memory: ByteSize::gib(2), name: Some("fake".into()), uuid: None }]);
+        cfg.resources.gpus_per_engine = 1;
+        cfg.resources.host_memory = Some(ByteSize::gib(4));
+        let agent = Agent::start(cfg).await.unwrap();
+        agent.resources().reserve("m", 1 << 30).unwrap();
+        let v = serde_json::to_value(body(&agent)).unwrap();
+        agent.shutdown();
+        let gpu = &v["resources"]["gpus"][0];
+        assert_eq!((gpu["index"].as_u64(), gpu["memory_total"].as_u64()), (Some(3), Some(2 << 30)), "{v}");
+        let reserved = (1u64 << 30) + (512 << 20);
+        assert_eq!(gpu["memory_free"].as_u64(), Some((2 << 30) - reserved), "weights + overhead: {v}");
+        assert_eq!(gpu["engines"], serde_json::json!(["m"]));
+        assert_eq!(v["resources"]["host_memory_total"].as_u64(), Some(4 << 30));
+        assert_eq!(v["weights"], serde_json::json!([]), "nothing laid out yet");
+        assert_eq!(v["agent_id"], "node-h");
     }
 }

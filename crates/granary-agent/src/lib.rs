@@ -7,6 +7,9 @@
 //! - [`supervisor`]: engine processes (the embedded `granary engine` or a
 //!   command template for vLLM, SGLang, llama.cpp), health checks, restart
 //!   with backoff, logs, adoption after an agent restart;
+//! - [`front`]: a proxy before an engine, so the agent sees its requests;
+//! - [`resources`]: GPUs and memory, who holds what, admission;
+//! - [`weights`]: which tier holds each revision laid out here;
 //! - [`agent`]: loads and unloads, idle unload (scale to zero);
 //! - [`api`]: the control API; [`heartbeat`]: reports to the gateway.
 //!
@@ -19,10 +22,13 @@ pub mod api;
 pub mod config;
 pub mod download;
 pub mod error;
+pub mod front;
 pub mod heartbeat;
 pub mod registry;
+pub mod resources;
 pub mod supervisor;
 pub mod tiers;
+pub mod weights;
 
 pub use agent::{Agent, AgentStatus, LoadResponse};
 pub use config::AgentConfig;

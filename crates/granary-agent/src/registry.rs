@@ -34,7 +34,7 @@ impl Catalog {
     /// (its signature is its credential, and S3 refuses a second one).
     pub async fn file_source(&self, name: &str, rev: &str, path: &str) -> Result<(String, Option<String>), AgentError> {
         let u = self.client.file_url(name, rev, path).await.map_err(|e| AgentError::Registry(e.to_string()))?;
-        let own = u.url.starts_with(self.client.base());
+        let own = self.client.is_own(&u.url);
         let bearer = if u.presigned || !own { None } else { self.client.token().map(str::to_string) };
         Ok((u.url, bearer))
     }
@@ -43,5 +43,25 @@ impl Catalog {
     pub async fn names(&self) -> Result<Vec<String>, AgentError> {
         let list = self.client.list().await.map_err(|e| AgentError::Registry(e.to_string()))?;
         Ok(list.into_iter().map(|m| m.name).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_token_goes_to_the_registrys_origin_only() {
+        let base = "http://reg:8400";
+        let same_origin = |u: &str, b: &str| RegistryClient::new(b, None).unwrap().is_own(u);
+        assert!(same_origin("http://reg:8400/v1/blobs/ab", base));
+        assert!(same_origin("http://REG:8400/v1/blobs/ab", base), "host names are case-insensitive");
+        assert!(same_origin("https://reg/v1/blobs/ab", "https://reg:443/"), "the default port");
+        assert!(!same_origin("http://reg:84001/v1/blobs/ab", base), "a longer port");
+        assert!(!same_origin("http://reg:8400.evil.example/x", base));
+        assert!(!same_origin("http://reg.evil.example:8400/x", base));
+        assert!(!same_origin("https://reg:8400/x", base), "another scheme");
+        assert!(!same_origin("http://reg:8400@evil.example/x", base), "userinfo, not a host");
+        assert!(!same_origin("not a url", base));
     }
 }

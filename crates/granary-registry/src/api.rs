@@ -122,6 +122,32 @@ pub struct ImportRequest {
     pub license: Option<String>,
 }
 
+/// Where an upload stands: `GET /v1/uploads/{sha256}` and the answer of
+/// each `PATCH` to it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UploadStatus {
+    pub sha256: String,
+    /// Bytes the registry holds of it; the next `PATCH` starts here.
+    pub offset: u64,
+    /// Whether the blob is stored (verified): nothing more to send.
+    pub complete: bool,
+}
+
+/// The body of `POST /v1/models/{name}/revisions`: a revision made of
+/// blobs already uploaded.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RevisionRequest {
+    /// The revision's name; by default a short hash of its files.
+    #[serde(default)]
+    pub revision: Option<String>,
+    /// An SPDX-style license id.
+    #[serde(default)]
+    pub license: Option<String>,
+    /// Every file: its path, size and sha256 (each stored already).
+    pub files: Vec<FileEntry>,
+}
+
 /// What a garbage-collection pass did: the body of `POST /v1/gc`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GcReport {

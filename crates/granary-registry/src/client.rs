@@ -17,7 +17,29 @@ use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt as _;
 
-use crate::api::{self, FileEntry, FileUrl, GcReport, ImportRequest, Model, ModelList, ModelSummary, Revision};
+use crate::api::{
+    self, FileEntry, FileUrl, GcReport, ImportRequest, Model, ModelList, ModelSummary, Revision, RevisionRequest,
+    UploadStatus,
+};
+
+/// Bytes per upload request of [`RegistryClient::push_dir`]: what a broken
+/// connection can cost at most.
+pub const PUSH_CHUNK: usize = 32 << 20;
+/// Failed requests per file before [`RegistryClient::push_dir`] gives up.
+pub const PUSH_RETRIES: u32 = 5;
+
+/// What [`RegistryClient::push_dir`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PushReport {
+    /// Files sent (whole or the rest of them).
+    pub uploaded: u64,
+    /// Files the registry held already (nothing sent).
+    pub already_stored: u64,
+    /// Bytes sent.
+    pub sent_bytes: u64,
+    /// Bytes of partial uploads the registry held from an earlier attempt.
+    pub resumed_bytes: u64,
+}
 
 /// Why a registry call failed.
 #[derive(Debug, thiserror::Error)]
@@ -135,6 +157,11 @@ impl RegistryClient {
         self.base.as_str().trim_end_matches('/')
     }
 
+    /// Whether `url` is on the registry's own origin (where its token may go).
+    pub fn is_own(&self, url: &str) -> bool {
+        url::Url::parse(url).is_ok_and(|u| same_origin(&u, &self.base))
+    }
+
     /// The bearer token sent to the registry.
     pub fn token(&self) -> Option<&str> {
         self.token.as_deref()
@@ -218,6 +245,113 @@ impl RegistryClient {
         let url = self.url(&["v1", "models", "import"]);
         let resp = self.send(self.request(reqwest::Method::POST, url.clone()).json(req), &url).await?;
         resp.json().await.map_err(|source| ClientError::Transport { url: url.to_string(), source })
+    }
+
+    /// `GET /v1/uploads/{sha256}`: how much of an upload the registry holds (admin token).
+    pub async fn upload_status(&self, sha256: &str) -> Result<UploadStatus> {
+        self.get_json(&["v1", "uploads", sha256]).await
+    }
+
+    /// `PATCH /v1/uploads/{sha256}`: `body` appended at `offset` of the
+    /// file of `size` bytes (admin token).
+    pub async fn upload_part(&self, sha256: &str, size: u64, offset: u64, body: Bytes) -> Result<UploadStatus> {
+        let mut url = self.url(&["v1", "uploads", sha256]);
+        url.query_pairs_mut().append_pair("size", &size.to_string());
+        let req =
+            self.request(reqwest::Method::PATCH, url.clone()).header(crate::upload::UPLOAD_OFFSET, offset).body(body);
+        let resp = self.send(req, &url).await?;
+        resp.json().await.map_err(|source| ClientError::Transport { url: url.to_string(), source })
+    }
+
+    /// `POST /v1/models/{name}/revisions`: records a revision of uploaded blobs (admin token).
+    pub async fn record_revision(&self, name: &str, req: &RevisionRequest) -> Result<Revision> {
+        let url = self.url(&["v1", "models", name, "revisions"]);
+        let resp = self.send(self.request(reqwest::Method::POST, url.clone()).json(req), &url).await?;
+        resp.json().await.map_err(|source| ClientError::Transport { url: url.to_string(), source })
+    }
+
+    /// Uploads every file under `dir` (as a `dir:` import takes them) that
+    /// the registry does not hold yet, resuming partial uploads, then
+    /// records them as a revision of `name`. A request that fails on the
+    /// way is retried from where the registry says it stands, up to
+    /// [`PUSH_RETRIES`] times per file.
+    pub async fn push_dir(
+        &self,
+        dir: &Path,
+        name: &str,
+        revision: Option<String>,
+        license: Option<String>,
+        progress: &(dyn Fn(&str, u64, u64) + Send + Sync),
+    ) -> Result<(Revision, PushReport)> {
+        let files = crate::import::list_dir(dir).map_err(|e| ClientError::Invalid(e.to_string()))?;
+        if files.is_empty() {
+            return Err(ClientError::Invalid(format!("{} holds no files", dir.display())));
+        }
+        let mut report = PushReport::default();
+        let mut entries = Vec::with_capacity(files.len());
+        for f in &files {
+            let (sha256, size) = crate::blobs::hash_file(&f.local, &|_| {})
+                .await
+                .map_err(|e| ClientError::Invalid(format!("hashing {}: {e}", f.local.display())))?;
+            self.push_file(&f.local, &f.path, &sha256, size, &mut report, progress).await?;
+            entries.push(FileEntry { path: f.path.clone(), size, sha256 });
+        }
+        let rev = self.record_revision(name, &RevisionRequest { revision, license, files: entries }).await?;
+        Ok((rev, report))
+    }
+
+    async fn push_file(
+        &self,
+        local: &Path,
+        label: &str,
+        sha256: &str,
+        size: u64,
+        report: &mut PushReport,
+        progress: &(dyn Fn(&str, u64, u64) + Send + Sync),
+    ) -> Result<()> {
+        use tokio::io::{AsyncReadExt as _, AsyncSeekExt as _};
+        let mut st = self.upload_status(sha256).await?;
+        if st.complete {
+            report.already_stored += 1;
+            progress(label, size, size);
+            return Ok(());
+        }
+        if st.offset > 0 {
+            report.resumed_bytes += st.offset;
+        }
+        report.uploaded += 1;
+        let mut f = tokio::fs::File::open(local).await.map_err(|e| ClientError::io(local.display().to_string(), e))?;
+        let mut failures = 0;
+        while !st.complete {
+            f.seek(std::io::SeekFrom::Start(st.offset))
+                .await
+                .map_err(|e| ClientError::io(local.display().to_string(), e))?;
+            let n = (size - st.offset).min(PUSH_CHUNK as u64) as usize;
+            let mut buf = vec![0u8; n];
+            f.read_exact(&mut buf).await.map_err(|e| ClientError::io(local.display().to_string(), e))?;
+            match self.upload_part(sha256, size, st.offset, Bytes::from(buf)).await {
+                Ok(next) => {
+                    report.sent_bytes += next.offset.saturating_sub(st.offset);
+                    st = next;
+                    progress(label, st.offset, size);
+                }
+                // The registry holds another offset (a request that broke
+                // after all), or the connection broke: ask where it stands.
+                Err(e)
+                    if failures < PUSH_RETRIES
+                        && (e.code() == Some("offset_mismatch")
+                            || e.status().is_none()
+                            || e.code() == Some("upload_interrupted")) =>
+                {
+                    failures += 1;
+                    tracing::warn!(file = label, error = %e, "upload request failed; resuming");
+                    tokio::time::sleep(Duration::from_millis(200 * failures as u64)).await;
+                    st = self.upload_status(sha256).await?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// Deletes one revision, or with `rev` `None` the whole model (admin
@@ -362,8 +496,13 @@ fn part_path(dest: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
-fn same_origin(a: &url::Url, b: &url::Url) -> bool {
-    a.scheme() == b.scheme() && a.host_str() == b.host_str() && a.port_or_known_default() == b.port_or_known_default()
+/// Whether two URLs have the same origin: scheme, host and port (the
+/// scheme's default filled in). A token goes to its own origin only.
+pub fn same_origin(a: &url::Url, b: &url::Url) -> bool {
+    a.scheme() == b.scheme()
+        && a.host_str().is_some()
+        && a.host_str() == b.host_str()
+        && a.port_or_known_default() == b.port_or_known_default()
 }
 
 /// An error and its causes on one line (reqwest's own message is terse).

@@ -157,6 +157,10 @@ pub struct StagedFile {
     pub path: String,
     /// Where it is on local disk.
     pub local: PathBuf,
+    /// The sha256 the source names it by (a Hugging Face cache blob is
+    /// named by its content's sha256); an import whose bytes hash to
+    /// anything else is refused.
+    pub expected_sha256: Option<String>,
 }
 
 /// The files of an import, on local disk, with what the source says of itself.
@@ -236,7 +240,7 @@ fn stage_dir(path: &Path, opts: &ImportOptions) -> Result<Staged> {
     }
     let files = if real.is_file() {
         let name = file_name_str(&real)?;
-        vec![StagedFile { path: name, local: real.clone() }]
+        vec![StagedFile { path: name, local: real.clone(), expected_sha256: None }]
     } else {
         walk(&real)?
     };
@@ -253,6 +257,12 @@ fn file_name_str(p: &Path) -> Result<String> {
 
 /// Every regular file under `root` (following symlinks), hidden ones
 /// skipped, as revision paths.
+/// The files under `root` as a `dir:` import (or a push) takes them:
+/// hidden files skipped, symlinks followed, paths checked, sorted by path.
+pub fn list_dir(root: &Path) -> Result<Vec<StagedFile>> {
+    walk(root)
+}
+
 fn walk(root: &Path) -> Result<Vec<StagedFile>> {
     let mut out = Vec::new();
     let mut stack = vec![(root.to_path_buf(), String::new(), 0usize)];
@@ -280,7 +290,7 @@ fn walk(root: &Path) -> Result<Vec<StagedFile>> {
                 stack.push((path, rel, depth + 1));
             } else if meta.is_file() {
                 check_file_path(&rel).map_err(|m| bad_source("unsafe_path", m))?;
-                out.push(StagedFile { path: rel, local: path });
+                out.push(StagedFile { path: rel, local: path, expected_sha256: None });
             }
         }
     }
@@ -347,9 +357,22 @@ fn stage_hf(repo: &str, revision: &str, opts: &ImportOptions) -> Result<Staged> 
             format!("hf:{repo}@{revision} is not in the Hugging Face cache at {}.", cache.display()),
         ));
     }
-    let files = walk(&snapshot)?;
+    let mut files = walk(&snapshot)?;
+    for f in &mut files {
+        f.expected_sha256 = hub_blob_sha256(&f.local);
+    }
     let license = readme_license(&files);
     Ok(Staged { files, revision: Some(commit), license, tmp: None })
+}
+
+/// The sha256 a hub cache names a snapshot file's blob by: a snapshot
+/// entry links to `blobs/<name>`, where `<name>` is the sha256 of large
+/// (LFS) files and a git sha1 (40 characters, not checked here) of the others.
+fn hub_blob_sha256(link: &Path) -> Option<String> {
+    let target = std::fs::read_link(link).ok()?;
+    let name = target.file_name()?.to_str()?;
+    let parent = target.parent()?.file_name()?.to_str()?;
+    (parent == "blobs" && crate::api::is_sha256(name)).then(|| name.to_string())
 }
 
 // ---- pypi: ----
@@ -472,7 +495,7 @@ pub fn unpack_wheel(wheel: &Path, out_dir: &Path) -> Result<Staged> {
                 ));
             }
         }
-        files.push(StagedFile { path: name.clone(), local });
+        files.push(StagedFile { path: name.clone(), local, expected_sha256: None });
     }
     strip_common_dir(&mut files);
     let revision = wheel_version(wheel);
@@ -714,7 +737,9 @@ mod tests {
     #[test]
     fn strips_the_shared_directory_only() {
         let mk = |ps: &[&str]| -> Vec<StagedFile> {
-            ps.iter().map(|p| StagedFile { path: p.to_string(), local: PathBuf::new() }).collect()
+            ps.iter()
+                .map(|p| StagedFile { path: p.to_string(), local: PathBuf::new(), expected_sha256: None })
+                .collect()
         };
         let mut f = mk(&["a/b/x", "a/b/y"]);
         strip_common_dir(&mut f);

@@ -11,7 +11,8 @@
 //! - [`server`]: the HTTP API ([`server::serve`] starts one on a listener).
 //! - [`Registry`] and [`RegistryConfig`]: the operations behind it.
 //! - [`catalog`], [`blobs`], [`import`]: the catalog database, the
-//!   content-addressed store, the import sources.
+//!   content-addressed store, the import sources; [`upload`]: files pushed
+//!   over HTTP.
 
 pub mod api;
 pub mod blobs;
@@ -22,8 +23,12 @@ pub mod import;
 pub mod metrics;
 pub mod server;
 mod service;
+pub mod upload;
 
-pub use api::{FileEntry, FileUrl, GcReport, ImportRequest, Model, ModelList, ModelSummary, Revision};
+pub use api::{
+    FileEntry, FileUrl, GcReport, ImportRequest, Model, ModelList, ModelSummary, Revision, RevisionRequest,
+    UploadStatus,
+};
 pub use client::{ClientError, RegistryClient};
 pub use error::{ApiError, RegistryError};
 pub use import::ImportOptions;

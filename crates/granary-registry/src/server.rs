@@ -14,6 +14,9 @@
 //! | `DELETE /v1/models/{name}/revisions/{rev}` | admin | delete a revision → 204 |
 //! | `DELETE /v1/models/{name}` | admin | delete a model → 204 |
 //! | `POST /v1/gc?grace_s=N` | admin | delete unreferenced blobs older than N s (default 3600) |
+//! | `GET /v1/uploads/{sha256}` | admin | how much of an upload the registry holds ([`crate::upload`]) |
+//! | `PATCH /v1/uploads/{sha256}?size=N` | admin | append to an upload at `Upload-Offset` |
+//! | `POST /v1/models/{name}/revisions` | admin | record a revision of uploaded files → 201 |
 //!
 //! Read access: the admin token or a read token as `Authorization: Bearer`,
 //! or none with `anonymous_read`. Tokens are kept as sha256 digests and
@@ -47,17 +50,18 @@ use crate::api::{check_file_path, check_name, is_sha256, FileUrl, ImportRequest,
 use crate::blobs::verifying_stream;
 use crate::error::{ApiError, ErrorType, RegistryError};
 use crate::service::{now_ms, Registry, RegistryConfig};
+use crate::upload::{get_upload, patch_upload, post_revision, Uploads};
 
 /// Who may do what, kept as token digests.
 #[derive(Clone)]
-struct Auth {
+pub(crate) struct Auth {
     admin: Option<[u8; 32]>,
     read: Vec<[u8; 32]>,
     anonymous_read: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Access {
+pub(crate) enum Access {
     Read,
     Admin,
 }
@@ -75,7 +79,7 @@ impl Auth {
         }
     }
 
-    fn check(&self, headers: &HeaderMap, need: Access) -> Result<(), ApiError> {
+    pub(crate) fn check(&self, headers: &HeaderMap, need: Access) -> Result<(), ApiError> {
         let presented = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -109,26 +113,31 @@ impl Auth {
 }
 
 #[derive(Clone)]
-struct AppState {
-    reg: Arc<Registry>,
-    auth: Auth,
+pub(crate) struct AppState {
+    pub(crate) reg: Arc<Registry>,
+    pub(crate) auth: Auth,
     public_url: Option<String>,
     local_addr: Option<SocketAddr>,
     url_ttl: Duration,
-    max_body: usize,
+    pub(crate) max_body: usize,
+    pub(crate) uploads: Arc<Uploads>,
 }
 
 /// The registry's routes, state applied. `local_addr` is a fallback for
 /// blob URLs when neither `public_url` nor the request's `Host` is known.
 pub fn router(reg: Arc<Registry>, cfg: &RegistryConfig, local_addr: Option<SocketAddr>) -> Router {
-    let state = AppState {
-        reg,
-        auth: Auth::new(cfg),
-        public_url: cfg.public_url.as_ref().map(|u| u.trim_end_matches('/').to_string()),
-        local_addr,
-        url_ttl: cfg.url_ttl,
-        max_body: cfg.max_body,
-    };
+    let state =
+        AppState {
+            reg,
+            auth: Auth::new(cfg),
+            public_url: cfg.public_url.as_ref().map(|u| u.trim_end_matches('/').to_string()),
+            local_addr,
+            url_ttl: cfg.url_ttl,
+            max_body: cfg.max_body,
+            uploads: Arc::new(Uploads::new(cfg.upload_dir.clone().unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("granary-registry-uploads-{}", std::process::id()))
+            }))),
+        };
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -139,6 +148,8 @@ pub fn router(reg: Arc<Registry>, cfg: &RegistryConfig, local_addr: Option<Socke
         .route("/v1/models/{name}/revisions/{rev}/files/{*rest}", get(get_file))
         .route("/v1/blobs/{sha256}", get(get_blob))
         .route("/v1/gc", post(gc))
+        .route("/v1/models/{name}/revisions", post(post_revision))
+        .route("/v1/uploads/{sha256}", get(get_upload).patch(patch_upload))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
@@ -179,6 +190,8 @@ async fn count_requests(State(state): State<AppState>, req: Request, next: Next)
         Some("/v1/models/{name}/revisions/{rev}/files/{*rest}") => "/v1/models/{name}/revisions/{rev}/files/{*rest}",
         Some("/v1/blobs/{sha256}") => "/v1/blobs/{sha256}",
         Some("/v1/gc") => "/v1/gc",
+        Some("/v1/models/{name}/revisions") => "/v1/models/{name}/revisions",
+        Some("/v1/uploads/{sha256}") => "/v1/uploads/{sha256}",
         _ => "unmatched",
     };
     let method: &'static str = match *req.method() {
@@ -186,6 +199,7 @@ async fn count_requests(State(state): State<AppState>, req: Request, next: Next)
         Method::HEAD => "HEAD",
         Method::POST => "POST",
         Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
         _ => "other",
     };
     let resp = next.run(req).await;
@@ -223,7 +237,7 @@ async fn metrics(State(s): State<AppState>, headers: HeaderMap) -> Result<Respon
     Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
 }
 
-fn path_error(e: PathRejection) -> ApiError {
+pub(crate) fn path_error(e: PathRejection) -> ApiError {
     ApiError::bad_request("invalid_path", format!("Invalid path: {}", e.body_text()))
 }
 
@@ -328,7 +342,7 @@ async fn file_url(s: &AppState, headers: &HeaderMap, f: &crate::api::FileEntry) 
     }
     let base = match (&s.public_url, headers.get(header::HOST).and_then(|h| h.to_str().ok()), s.local_addr) {
         (Some(u), _, _) => u.clone(),
-        (None, Some(host), _) => format!("http://{host}"),
+        (None, Some(host), _) => format!("{}://{host}", request_scheme(headers)),
         (None, None, Some(addr)) => format!("http://{addr}"),
         (None, None, None) => {
             return Err(ApiError::internal(&"no public URL configured and no Host header"));
@@ -341,6 +355,28 @@ async fn file_url(s: &AppState, headers: &HeaderMap, f: &crate::api::FileEntry) 
         sha256: f.sha256.clone(),
         presigned: false,
     })
+}
+
+/// The scheme the client used, as a TLS-terminating proxy in front reports
+/// it (`Forwarded: proto=…`, else `X-Forwarded-Proto`); `http` without one
+/// (this server itself speaks plain HTTP). Only `http` and `https` are taken.
+fn request_scheme(headers: &HeaderMap) -> &'static str {
+    let forwarded = headers.get("forwarded").and_then(|v| v.to_str().ok()).and_then(|v| {
+        // The first proxy's element: `for=…;proto=https;host=…`.
+        let first = v.split(',').next()?;
+        first.split(';').find_map(|pair| {
+            let (k, val) = pair.trim().split_once('=')?;
+            k.trim().eq_ignore_ascii_case("proto").then(|| val.trim().trim_matches('"').to_string())
+        })
+    });
+    let proto = forwarded.or_else(|| {
+        let v = headers.get("x-forwarded-proto")?.to_str().ok()?;
+        Some(v.split(',').next()?.trim().to_string())
+    });
+    match proto {
+        Some(p) if p.eq_ignore_ascii_case("https") => "https",
+        _ => "http",
+    }
 }
 
 async fn get_blob(
@@ -519,7 +555,7 @@ async fn send_blob(
 }
 
 /// Reads a request body, refusing one over `limit` with 413.
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
+pub(crate) async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
     let declared =
         headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
@@ -539,7 +575,7 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<
 }
 
 /// Parses a JSON body, naming the field at fault.
-fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         if !e.inner().is_data() {
@@ -650,6 +686,28 @@ mod tests {
         assert_eq!(parse_range("bytes=0-1,5-6", 100), None);
         assert_eq!(parse_range("items=0-1", 100), None);
         assert_eq!(parse_range("bytes=x-1", 100), None);
+    }
+
+    #[test]
+    fn blob_urls_follow_the_scheme_a_proxy_reports() {
+        let h = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.insert(*k, HeaderValue::from_static(v));
+            }
+            h
+        };
+        assert_eq!(request_scheme(&h(&[])), "http");
+        assert_eq!(request_scheme(&h(&[("x-forwarded-proto", "https")])), "https");
+        assert_eq!(request_scheme(&h(&[("x-forwarded-proto", "https, http")])), "https");
+        assert_eq!(request_scheme(&h(&[("forwarded", "for=192.0.2.60;proto=HTTPS;by=203.0.113.43")])), "https");
+        assert_eq!(request_scheme(&h(&[("forwarded", "for=a;proto=\"https\", for=b;proto=http")])), "https");
+        assert_eq!(
+            request_scheme(&h(&[("forwarded", "for=a;proto=http"), ("x-forwarded-proto", "https")])),
+            "http",
+            "Forwarded wins"
+        );
+        assert_eq!(request_scheme(&h(&[("x-forwarded-proto", "gopher")])), "http");
     }
 
     #[test]

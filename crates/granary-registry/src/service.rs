@@ -20,8 +20,12 @@ use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use tokio::sync::{RwLock, Semaphore};
 
-use crate::api::{check_name, check_revision, FileEntry, GcReport, ImportRequest, Revision};
+use crate::api::{
+    check_file_path, check_name, check_revision, is_sha256, FileEntry, GcReport, ImportRequest, Revision,
+    RevisionRequest,
+};
 use crate::blobs::BlobStore;
+use crate::blobs::Stored;
 use crate::catalog::Catalog;
 use crate::error::RegistryError;
 use crate::import::{self, ImportOptions, Source};
@@ -56,6 +60,9 @@ pub struct RegistryConfig {
     pub max_imports: usize,
     /// Where and how imports find their files.
     pub import: ImportOptions,
+    /// Where uploads are kept until complete [default: a directory under
+    /// the system's temporary directory].
+    pub upload_dir: Option<std::path::PathBuf>,
 }
 
 impl RegistryConfig {
@@ -73,6 +80,7 @@ impl RegistryConfig {
             max_body: 64 * 1024,
             max_imports: 2,
             import: ImportOptions::default(),
+            upload_dir: None,
         }
     }
 }
@@ -145,16 +153,7 @@ impl Registry {
                 RegistryError::invalid("revision", "invalid_value", format!("Invalid `revision`: {m}."))
             })?;
         }
-        if let Some(l) = &req.license {
-            let ok = !l.is_empty() && l.len() <= 64 && !l.chars().any(|c| c.is_whitespace() || c.is_control());
-            if !ok {
-                return Err(RegistryError::invalid(
-                    "license",
-                    "invalid_value",
-                    "Invalid `license`: expected an SPDX-style id such as apache-2.0.",
-                ));
-            }
-        }
+        check_license(req.license.as_deref())?;
         let source = Source::parse(&req.source)?;
         if let Some(r) = &req.revision {
             if self.catalog.exists(&req.name, r).await? {
@@ -200,6 +199,23 @@ impl Registry {
             let base = progress.done.load(Relaxed);
             let report = |n: u64| progress.report(base + n);
             match self.blobs.put_file(&f.local, &report).await {
+                Ok(s) if f.expected_sha256.as_deref().is_some_and(|want| want != s.sha256) => {
+                    if s.uploaded {
+                        uploaded.push(s.sha256.clone());
+                    }
+                    stored_result = Err(RegistryError::invalid(
+                        "source",
+                        "source_corrupt",
+                        format!(
+                            "{} is named by the sha256 {} in the Hugging Face cache, but its bytes hash to {}; \
+                             the cache copy is corrupt (download it again)",
+                            f.path,
+                            f.expected_sha256.as_deref().unwrap_or_default(),
+                            s.sha256
+                        ),
+                    ));
+                    break;
+                }
                 Ok(s) => {
                     progress.report(base + 2 * s.size);
                     if s.uploaded {
@@ -257,6 +273,105 @@ impl Registry {
         }
     }
 
+    /// Stores a fully uploaded file (already checked against the sha256 it
+    /// was uploaded as) as a blob; it is hashed again on the way into the store.
+    pub async fn store_upload(&self, local: &std::path::Path) -> Result<Stored> {
+        let _shared = self.collect.read().await;
+        let s = self.blobs.put_file(local, &|_| {}).await?;
+        if s.uploaded {
+            self.metrics.uploaded_bytes.fetch_add(s.size, Relaxed);
+        }
+        Ok(s)
+    }
+
+    /// Records a revision of `name` made of blobs already stored (pushed
+    /// through `/v1/uploads`): each must be there with its size.
+    pub async fn record(&self, name: &str, req: RevisionRequest) -> Result<Revision> {
+        check_name(name)
+            .map_err(|m| RegistryError::invalid("name", "invalid_value", format!("Invalid `name`: {m}.")))?;
+        if let Some(r) = &req.revision {
+            check_revision(r).map_err(|m| {
+                RegistryError::invalid("revision", "invalid_value", format!("Invalid `revision`: {m}."))
+            })?;
+        }
+        check_license(req.license.as_deref())?;
+        if req.files.is_empty() {
+            return Err(RegistryError::invalid("files", "invalid_value", "A revision needs at least one file."));
+        }
+        if req.files.len() > self.import.max_files {
+            return Err(RegistryError::invalid(
+                "files",
+                "too_many_files",
+                format!("{} files; the limit is {}.", req.files.len(), self.import.max_files),
+            ));
+        }
+        let mut files = req.files;
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+        for (i, f) in files.iter().enumerate() {
+            check_file_path(&f.path).map_err(|m| {
+                RegistryError::invalid(&format!("files[{i}].path"), "unsafe_path", format!("Invalid file path: {m}."))
+            })?;
+            if i > 0 && files[i - 1].path == f.path {
+                return Err(RegistryError::invalid(
+                    "files",
+                    "invalid_value",
+                    format!("The file {} is listed twice.", f.path),
+                ));
+            }
+            if !is_sha256(&f.sha256) {
+                return Err(RegistryError::invalid(
+                    &format!("files[{i}].sha256"),
+                    "invalid_value",
+                    "A sha256 is 64 lowercase hex characters.",
+                ));
+            }
+        }
+        let format = import::detect_format(files.iter().map(|f| f.path.as_str()))?;
+        let revision = req.revision.unwrap_or_else(|| content_revision(&files));
+        // Blobs checked and the revision recorded with collection held off,
+        // so that no blob is collected between the check and the record.
+        let _shared = self.collect.read().await;
+        for f in &files {
+            match self.blobs.head(&f.sha256).await? {
+                Some(n) if n == f.size => {}
+                Some(n) => {
+                    return Err(RegistryError::invalid(
+                        "files",
+                        "size_mismatch",
+                        format!("{}: the stored blob {} has {n} bytes, not {}.", f.path, f.sha256, f.size),
+                    ))
+                }
+                None => {
+                    return Err(RegistryError::invalid(
+                        "files",
+                        "blob_missing",
+                        format!(
+                            "{}: no blob {} is stored; upload it first (PATCH /v1/uploads/{}).",
+                            f.path, f.sha256, f.sha256
+                        ),
+                    ))
+                }
+            }
+        }
+        if self.catalog.exists(name, &revision).await? {
+            return Err(conflict(name, &revision));
+        }
+        let rev = Revision {
+            name: name.to_string(),
+            revision,
+            format: format.to_string(),
+            license: req.license.map(|l| l.to_ascii_lowercase()),
+            created: 0,
+            size: files.iter().map(|f| f.size).sum(),
+            files,
+            source: Some("push".into()),
+        };
+        let created_ms = now_ms();
+        self.catalog.insert(&rev, created_ms).await?;
+        tracing::info!(name, revision = %rev.revision, files = rev.files.len(), bytes = rev.size, "recorded a pushed revision");
+        Ok(Revision { created: created_ms.div_euclid(1000), ..rev })
+    }
+
     /// Deletes one revision (`rev` may be `latest`) or, with `None`, every
     /// revision of the model, then the blobs nothing references any more.
     /// Returns how many blobs were deleted.
@@ -311,6 +426,20 @@ impl Registry {
         tracing::info!(?report, "garbage collection");
         Ok(report)
     }
+}
+
+fn check_license(license: Option<&str>) -> Result<()> {
+    if let Some(l) = license {
+        let ok = !l.is_empty() && l.len() <= 64 && !l.chars().any(|c| c.is_whitespace() || c.is_control());
+        if !ok {
+            return Err(RegistryError::invalid(
+                "license",
+                "invalid_value",
+                "Invalid `license`: expected an SPDX-style id such as apache-2.0.",
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn conflict(name: &str, rev: &str) -> RegistryError {

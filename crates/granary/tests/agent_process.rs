@@ -12,295 +12,21 @@
 //!   then promoted to RAM; bad input on the control API;
 //! - an external command template (a shell line running the engine), idle
 //!   unload, and a template that fails.
+//! - a third-party engine, llama-cpp-python's `llama_cpp.server`, under a
+//!   command template behind a front: loaded on demand through the
+//!   gateway, answering, restarted after kill -9, unloaded when idle;
+//! - GPUs (a configured fake list: no GPU here) given out per engine in
+//!   `CUDA_VISIBLE_DEVICES`, and engines refused when no GPU or not
+//!   enough host memory is free.
 
+mod agent_support;
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use agent_support::*;
 use serde_json::{json, Value};
-
-const TOKEN: &str = "agent-admin-token-for-tests";
-const READ: &str = "registry-read-token-for-tests";
-const REG_ADMIN: &str = "registry-admin-token-for-tests";
-const GW_ADMIN: &str = "gateway-admin-token-for-tests";
-const MODEL: &str = "smollm2";
-
-fn default_model() -> Option<PathBuf> {
-    granary_tokenizer::testing::model_or_skip("agent process test")
-}
-
-/// A `granary` subcommand, killed on drop.
-struct Proc {
-    child: Child,
-    /// The `http://HOST:PORT` it printed after `addr_prefix`.
-    base: String,
-}
-
-impl Proc {
-    /// Starts `granary ARGS`, reads the address from the line starting with
-    /// `addr_prefix` and waits for the line `ready`.
-    fn start(args: &[&str], envs: &[(&str, &str)], addr_prefix: &str, ready: &str) -> Proc {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_granary"));
-        cmd.args(args).env("GRANARY_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::inherit());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("spawn granary");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut base = None;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = rx.recv_timeout(left).unwrap_or_else(|_| {
-                let _ = child.kill();
-                panic!("granary {args:?} did not print {ready:?} in time")
-            });
-            if let Some(rest) = line.strip_prefix(addr_prefix) {
-                let url = rest.split_whitespace().next().unwrap();
-                base = Some(url.trim_end_matches("/v1").to_string());
-            } else if line.trim() == ready {
-                break;
-            }
-        }
-        Proc { child, base: base.expect("the address line") }
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
-/// `granary registry serve` with the default model's cached directory imported.
-fn registry(model: &Path, dir: &Path) -> Proc {
-    let data = dir.join("registry");
-    let reg = Proc::start(
-        &[
-            "registry",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            data.to_str().unwrap(),
-            "--admin-token",
-            REG_ADMIN,
-            "--read-token",
-            READ,
-        ],
-        &[],
-        "granary registry: listening on ",
-        "granary registry: ready",
-    );
-    let source = format!("dir:{}", model.parent().unwrap().display());
-    let out = Command::new(env!("CARGO_BIN_EXE_granary"))
-        .args(["registry", "import", &source, "--name", MODEL, "--revision", "0.1.2", "--license", "apache-2.0"])
-        .args(["--url", &reg.base, "--token", REG_ADMIN])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "import: {}", String::from_utf8_lossy(&out.stderr));
-    reg
-}
-
-/// `granary gateway` with agents on and no configured upstream.
-struct Gateway {
-    proc: Proc,
-    key: String,
-    http: reqwest::blocking::Client,
-    _dir: tempfile::TempDir,
-}
-
-impl Gateway {
-    fn start() -> Gateway {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = format!(
-            "[gateway]\nlisten = \"127.0.0.1:0\"\ndatabase = \"sqlite://{}/gateway.db\"\n\
-             [gateway.health]\ninterval_ms = 250\ntimeout_ms = 1000\n\
-             [gateway.agents]\nenabled = true\nttl_ms = 5000\nload_timeout_ms = 120000\n",
-            dir.path().display()
-        );
-        let path = dir.path().join("gateway.toml");
-        std::fs::write(&path, cfg).unwrap();
-        let proc = Proc::start(
-            &["gateway", "--config", path.to_str().unwrap()],
-            &[("GRANARY_ADMIN_TOKEN", GW_ADMIN)],
-            "granary: gateway on ",
-            "granary: ready",
-        );
-        let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap();
-        let admin = |path: &str, body: Value| -> Value {
-            let r = http.post(format!("{}{path}", proc.base)).bearer_auth(GW_ADMIN).json(&body).send().unwrap();
-            assert!(r.status().is_success(), "{path}: {}", r.text().unwrap());
-            r.json().unwrap()
-        };
-        admin("/admin/v1/tenants", json!({"name": "acme"}));
-        let key = admin("/admin/v1/keys", json!({"tenant": "acme"}))["key"].as_str().unwrap().to_string();
-        Gateway { proc, key, http, _dir: dir }
-    }
-
-    /// `GET /admin/v1/agents`: the agent `id` as the gateway sees it.
-    fn agent(&self, id: &str) -> Option<Value> {
-        let v: Value = self
-            .http
-            .get(format!("{}/admin/v1/agents", self.proc.base))
-            .bearer_auth(GW_ADMIN)
-            .send()
-            .unwrap()
-            .json()
-            .unwrap();
-        v["data"].as_array().unwrap().iter().find(|a| a["agent_id"] == id).cloned()
-    }
-
-    fn chat(&self) -> reqwest::blocking::Response {
-        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0});
-        self.http
-            .post(format!("{}/v1/chat/completions", self.proc.base))
-            .bearer_auth(&self.key)
-            .json(&body)
-            .send()
-            .unwrap()
-    }
-}
-
-fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !ok() {
-        assert!(Instant::now() < deadline, "timed out waiting: {what}");
-        std::thread::sleep(Duration::from_millis(25));
-    }
-}
-
-/// Kills, at the end of a test whatever happened, every process whose
-/// command line names the test's directory: the engines outlive their
-/// agent by design.
-struct Reaper(PathBuf);
-
-/// The processes (pid, arguments) whose command line contains `needle`.
-fn processes_naming(needle: &str) -> Vec<(u32, Vec<String>)> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| {
-            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-            let args: Vec<String> = String::from_utf8_lossy(&cmd).split('\0').map(str::to_string).collect();
-            args.iter().any(|a| a.contains(needle)).then_some((pid, args))
-        })
-        .collect()
-}
-
-impl Drop for Reaper {
-    fn drop(&mut self) {
-        for (pid, _) in processes_naming(&self.0.display().to_string()) {
-            // SAFETY: kill(2) on a process this test started (it names the test's directory).
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-        }
-    }
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rfind(')').map(|i| !s[i + 1..].trim_start().starts_with('Z')))
-        .unwrap_or(false)
-}
-
-/// A running `granary agent`.
-struct AgentProc {
-    proc: Proc,
-    base: String,
-    http: reqwest::blocking::Client,
-}
-
-impl AgentProc {
-    fn start(args: &[&str]) -> AgentProc {
-        let mut all = vec!["agent", "--listen", "127.0.0.1:0"];
-        all.extend_from_slice(args);
-        let proc = Proc::start(&all, &[], "granary agent: control API on ", "granary: ready");
-        let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap();
-        AgentProc { base: proc.base.clone(), proc, http }
-    }
-
-    fn call(&self, method: &str, path: &str, body: Option<&str>, token: Option<&str>) -> (u16, String) {
-        let mut r = self.http.request(method.parse().unwrap(), format!("{}{path}", self.base));
-        if let Some(b) = body {
-            r = r.header("content-type", "application/json").body(b.to_string());
-        }
-        if let Some(t) = token {
-            r = r.bearer_auth(t);
-        }
-        let resp = r.send().unwrap();
-        (resp.status().as_u16(), resp.text().unwrap())
-    }
-
-    fn json(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-        let (s, text) = self.call(method, path, body, Some(TOKEN));
-        (s, serde_json::from_str(&text).unwrap_or_else(|_| panic!("{path}: not JSON: {text}")))
-    }
-
-    fn load(&self) -> Value {
-        let (s, v) = self.json("POST", &format!("/models/{MODEL}/load"), Some("{}"));
-        assert_eq!(s, 200, "{v}");
-        assert_eq!(v["state"], "ready", "{v}");
-        v
-    }
-
-    fn status(&self) -> Value {
-        let (s, v) = self.json("GET", "/status", None);
-        assert_eq!(s, 200, "{v}");
-        v
-    }
-
-    fn engine(&self) -> Option<Value> {
-        self.status()["engines"].as_array().unwrap().iter().find(|e| e["model"] == MODEL).cloned()
-    }
-
-    /// Polls the engine's status until `pred` holds.
-    fn wait_engine(&self, what: &str, limit: Duration, pred: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(e) = self.engine() {
-                if pred(&e) {
-                    return e;
-                }
-            }
-            assert!(Instant::now() < deadline, "{what}: {:?}", self.engine());
-            std::thread::sleep(Duration::from_millis(25));
-        }
-    }
-
-    fn kill9(&mut self) {
-        self.proc.kill9();
-    }
-}
-
-fn chat(upstream: &str) -> Value {
-    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0});
-    let r = reqwest::blocking::Client::new()
-        .post(format!("{upstream}/v1/chat/completions"))
-        .json(&body)
-        .timeout(Duration::from_secs(120))
-        .send()
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let v: Value = r.json().unwrap();
-    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= 1, "{v}");
-    v
-}
 
 #[test]
 fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
@@ -394,6 +120,7 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     let st = agent.status();
     let size = std::fs::metadata(&model).unwrap().len();
     assert!(st["tiers"]["disk"]["used"].as_u64().unwrap() >= size, "{st}");
+    assert_eq!(st["weights"], json!([{"model": MODEL, "revision": "0.1.2", "tier": "disk"}]), "{st}");
     // The load the gateway asked for, broken down: a download, then the engine's start.
     let last = &st["loads"][0];
     assert_eq!((last["model"].as_str(), last["tier"].as_str()), (Some(MODEL), Some("registry")), "{st}");
@@ -476,6 +203,7 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     chat(v["upstream"].as_str().unwrap());
     let st = agent.status();
     assert!(st["tiers"]["ram"]["used"].as_u64().unwrap() >= size, "{st}");
+    assert_eq!(st["weights"], json!([{"model": MODEL, "revision": "0.1.2", "tier": "ram"}]), "{st}");
     let gguf = model.file_name().unwrap();
     let link = cache_dir.join("models").join(MODEL).join("0.1.2").join(gguf);
     assert!(std::fs::read_link(&link).unwrap().starts_with(&ram_dir), "{link:?} points into the RAM tier");
@@ -592,4 +320,260 @@ fn an_external_command_template_runs_and_an_idle_engine_is_unloaded() {
         .collect();
     assert!(survivors.is_empty(), "left running: {survivors:?}");
     assert!(std::net::TcpStream::connect(upstream.trim_start_matches("http://")).is_err());
+}
+
+/// The Python with llama-cpp-python's server (`llama-cpp-python[server]`):
+/// `GRANARY_LLAMA_CPP_PYTHON`, else the repository's `.venv/bin/python`
+/// (which `scripts/test.sh` sets up). None, after saying why, when it
+/// cannot import `llama_cpp.server` (a failure with GRANARY_REQUIRE_EXTERNAL=1).
+fn llama_cpp_server_python() -> Option<String> {
+    let py = std::env::var("GRANARY_LLAMA_CPP_PYTHON").ok().filter(|p| !p.is_empty()).unwrap_or_else(|| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python").display().to_string()
+    });
+    let ok = Command::new(&py)
+        .args(["-c", "import llama_cpp.server.app, uvicorn"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        let why = format!("{py} cannot import llama_cpp.server (pip install 'llama-cpp-python[server]==0.3.16')");
+        assert!(std::env::var("GRANARY_REQUIRE_EXTERNAL").as_deref() != Ok("1"), "{why}");
+        eprintln!("skipping: {why}");
+        return None;
+    }
+    Some(py)
+}
+
+/// The pids of `llama_cpp.server` processes serving from `dir`.
+fn llama_servers(dir: &std::path::Path) -> Vec<u32> {
+    processes_naming(&dir.display().to_string())
+        .into_iter()
+        .filter(|(_, args)| args.iter().any(|a| a == "llama_cpp.server") && !args.iter().any(|a| a == "-c"))
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+#[test]
+fn llama_cpp_server_under_a_template_on_demand_restarted_and_unloaded_when_idle() {
+    let Some(model) = default_model() else { return };
+    let Some(python) = llama_cpp_server_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let _reaper = Reaper(dir.path().to_path_buf());
+    let registry = registry(&model, dir.path());
+    let gw = Gateway::start();
+    let cache_dir = dir.path().join("cache");
+    // llama_cpp.server has no /metrics: its front counts its requests for
+    // idle unload.
+    let template = format!(
+        "exec '{python}' -m llama_cpp.server --model {{model_path}} --model_alias {{model_id}} \
+         --host {{host}} --port {{port}} --n_threads {{threads}} --n_ctx 512"
+    );
+    let args: Vec<String> = [
+        "--registry",
+        &registry.base,
+        "--registry-token",
+        READ,
+        "--cache-dir",
+        cache_dir.to_str().unwrap(),
+        "--ram-budget",
+        "0",
+        "--admin-token",
+        TOKEN,
+        "--gateway",
+        &gw.proc.base,
+        "--gateway-token",
+        GW_ADMIN,
+        "--agent-id",
+        "node-l",
+        "--heartbeat-interval",
+        "300ms",
+        "--engine-command",
+        &template,
+        // It has no /health; its model list waits behind a running
+        // completion; FastAPI's own /openapi.json answers at once, and only
+        // once the model is loaded (the server listens after loading it).
+        "--engine-health-path",
+        "/openapi.json",
+        "--engine-threads",
+        "1",
+        "--engine-proxy",
+        // llama_cpp.server answers the gateway's request ids (not UUIDs) with an empty 400.
+        "--engine-proxy-drop-header",
+        "x-request-id",
+        "--idle-unload",
+        "3s",
+        "--idle-poll",
+        "200ms",
+        "--health-interval",
+        "200ms",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let agent = AgentProc::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    wait_until("the gateway lists the agent's models", Duration::from_secs(15), || {
+        gw.agent("node-l").is_some_and(|a| a["models"].as_array().unwrap().iter().any(|m| m == MODEL))
+    });
+
+    // On demand through the gateway: the agent starts llama_cpp.server.
+    let r = gw.chat();
+    let status = r.status();
+    let text = r.text().unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{status}: {e}: {text:?}"));
+    assert_eq!(status, 200, "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= 1, "{v}");
+    assert_eq!(v["model"], MODEL, "llama_cpp.server answers under the alias: {v}");
+    let e = agent.engine().expect("loaded by the gateway's request");
+    assert_eq!(e["state"], "ready", "{e}");
+    let (front, engine_url) = (e["upstream"].as_str().unwrap().to_string(), e["engine_url"].as_str().unwrap());
+    assert_ne!(front, engine_url, "reported at its front: {e}");
+    let servers = llama_servers(&cache_dir);
+    assert_eq!(servers.len(), 1, "one llama_cpp.server process");
+    let (_, logs) = agent.call("GET", &format!("/models/{MODEL}/logs?tail=100000"), None, Some(TOKEN));
+    assert!(logs.contains("llama_cpp.server") && logs.contains("--n_threads 1"), "{logs}");
+    assert!(logs.contains("Uvicorn running on"), "{logs}");
+    // The gateway's health checks reach it through the front's /health
+    // (its /openapi.json): it stays up and routable.
+    std::thread::sleep(Duration::from_millis(800));
+    let seen = gw.agent("node-l").unwrap();
+    assert_eq!(seen["engines"][0]["upstream"], front.as_str(), "{seen}");
+    assert_eq!(
+        (seen["engines"][0]["up"].as_bool(), seen["engines"][0]["routable"].as_bool()),
+        (Some(true), Some(true))
+    );
+
+    // kill -9 the server: the agent starts it again (same port, same front).
+    let pid = servers[0];
+    // SAFETY: the llama_cpp.server the agent started for this test.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+    let e = agent.wait_engine("restarted", Duration::from_secs(60), |e| e["state"] == "ready" && e["restarts"] == 1);
+    assert!(e["last_error"].as_str().unwrap().contains("signal 9"), "{e}");
+    assert_eq!(e["upstream"], front.as_str());
+    let again = llama_servers(&cache_dir);
+    assert!(again.len() == 1 && again[0] != pid && !alive(pid), "{again:?}");
+    wait_until("routable again", Duration::from_secs(10), || {
+        gw.agent("node-l").is_some_and(|a| a["engines"][0]["routable"] == true)
+    });
+
+    // Requests through the gateway keep it loaded; 3 s after the last it goes.
+    let mut last_request = Instant::now();
+    for _ in 0..3 {
+        let r = gw.chat();
+        last_request = Instant::now();
+        assert_eq!(r.status(), 200);
+        std::thread::sleep(Duration::from_millis(1500));
+        assert!(agent.engine().is_some(), "unloaded while in use");
+    }
+    wait_until("the idle engine is unloaded", Duration::from_secs(20), || agent.engine().is_none());
+    let idle_for = last_request.elapsed();
+    assert!(idle_for >= Duration::from_secs(3), "unloaded after only {idle_for:?} idle");
+    assert!(llama_servers(&cache_dir).is_empty(), "the server process is gone");
+    assert!(std::net::TcpStream::connect(front.trim_start_matches("http://")).is_err(), "the front is closed");
+    wait_until("the gateway drops the engine", Duration::from_secs(10), || {
+        gw.agent("node-l").is_some_and(|a| a["engines"].as_array().unwrap().is_empty())
+    });
+    // And the next request loads it again.
+    let r = gw.chat();
+    let status = r.status();
+    assert_eq!(status, 200, "{}", r.text().unwrap());
+    assert!(agent.engine().is_some());
+}
+
+/// A real engine (`granary engine` under a template that prints its
+/// `CUDA_VISIBLE_DEVICES`) on a node whose GPUs are a configured list.
+#[test]
+fn gpus_are_given_out_per_engine_and_loads_that_do_not_fit_are_refused() {
+    let Some(model) = default_model() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let _reaper = Reaper(dir.path().to_path_buf());
+    let registry = registry_with(&model, dir.path(), &["m-a", "m-b", "m-c"]);
+    let exe = env!("CARGO_BIN_EXE_granary");
+    let template = format!(
+        "echo visible=$CUDA_VISIBLE_DEVICES; exec '{exe}' engine --model {{model_path}} --model-id {{model_id}} \
+         --listen {{host}}:{{port}} --kv-cache 32MiB"
+    );
+    let config = |name: &str, body: &str| -> String {
+        let p = dir.path().join(name);
+        let text = format!(
+            "[agent]\nregistry = \"{}\"\nregistry_token = \"{READ}\"\ncache_dir = \"{}\"\nadmin_token = \"{TOKEN}\"\n\
+             [agent.tiers]\nram_budget = \"0\"\n[agent.engines]\ncommand = {:?}\nhealth_interval = \"100ms\"\n{body}",
+            registry.base,
+            dir.path().join(name).with_extension("cache").display(),
+            template
+        );
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let gpus = config(
+        "gpus.toml",
+        "[agent.resources]\ngpus_per_engine = 1\nengine_memory = \"800MiB\"\n\
+         gpus = [{index = 0, memory = \"1GiB\", name = \"fake-0\"}, {index = 1, memory = \"1GiB\", name = \"fake-1\"}]\n",
+    );
+    let agent = AgentProc::start(&["--config", &gpus]);
+    let st = agent.status();
+    assert_eq!(st["resources"]["gpu_source"], "config", "{st}");
+    assert_eq!(st["resources"]["gpus"][1]["memory_free"], 1u64 << 30, "{st}");
+
+    let environ = |pid: u64| -> String {
+        let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        String::from_utf8_lossy(&raw)
+            .split('\0')
+            .find(|v| v.starts_with("CUDA_VISIBLE_DEVICES="))
+            .unwrap_or("")
+            .to_string()
+    };
+    let mut given = Vec::new();
+    for m in ["m-a", "m-b"] {
+        agent.load_model(m);
+        let e = agent.engine_of(m).unwrap();
+        assert_eq!(e["memory"], 800u64 << 20, "{e}");
+        let gpu = e["gpus"][0].as_u64().unwrap();
+        assert_eq!(environ(e["pid"].as_u64().unwrap()), format!("CUDA_VISIBLE_DEVICES={gpu}"), "{e}");
+        let (_, logs) = agent.call("GET", &format!("/models/{m}/logs"), None, Some(TOKEN));
+        assert!(logs.contains(&format!("visible={gpu}")), "{logs}");
+        given.push(gpu);
+    }
+    assert_eq!(given, [0, 1], "one engine per GPU");
+    let st = agent.status();
+    assert_eq!(st["resources"]["gpus"][0]["memory_free"], 224u64 << 20, "{st}");
+    assert_eq!(st["resources"]["gpus"][0]["engines"], json!(["m-a"]), "{st}");
+
+    // No GPU has 800 MiB left: refused, with who holds what; nothing started.
+    let (s, v) = agent.json("POST", "/models/m-c/load", None);
+    assert_eq!((s, v["error"]["code"].as_str()), (503, Some("insufficient_resources")), "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("GPU 0: 224 MiB free, held by m-a") && msg.contains("GPU 1: 224 MiB free, held by m-b"),
+        "{msg}"
+    );
+    assert!(agent.engine_of("m-c").is_none());
+
+    // Unloading one frees its GPU for the next.
+    assert_eq!(agent.json("POST", "/models/m-a/unload", None).0, 200);
+    agent.load_model("m-c");
+    assert_eq!(agent.engine_of("m-c").unwrap()["gpus"], json!([0]));
+    drop(agent);
+
+    // No GPUs, 300 MiB of host memory: one engine (weights + 128 MiB) fits, a second does not.
+    let host =
+        config("host.toml", "[agent.resources]\ngpus = []\nhost_memory = \"300MiB\"\nmemory_overhead = \"128MiB\"\n");
+    let agent = AgentProc::start(&["--config", &host]);
+    let v = agent.load_model("m-a");
+    assert_eq!(v["state"], "ready");
+    let e = agent.engine_of("m-a").unwrap();
+    let rev: Value = reqwest::blocking::Client::new()
+        .get(format!("{}/v1/models/m-a/revisions/latest", registry.base))
+        .bearer_auth(READ)
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    let weights = rev["size"].as_u64().unwrap();
+    assert!(weights >= std::fs::metadata(&model).unwrap().len(), "{rev}");
+    assert_eq!(e["memory"], weights + (128 << 20), "the estimate: weights + overhead: {e}");
+    assert_eq!(environ(e["pid"].as_u64().unwrap()), "", "no GPU list on a node without GPUs");
+    let (s, v) = agent.json("POST", "/models/m-b/load", None);
+    assert_eq!((s, v["error"]["code"].as_str()), (503, Some("insufficient_resources")), "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("of host memory") && msg.contains("held by: m-a"), "{msg}");
+    assert_eq!(agent.status()["resources"]["host_memory_total"], 300u64 << 20);
 }

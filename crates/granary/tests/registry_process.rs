@@ -163,3 +163,95 @@ fn serve_and_the_command_line() {
     };
     assert!(status.success(), "{status}");
 }
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(b))
+}
+
+/// `granary registry push`: a local directory uploaded over HTTP into a
+/// running registry, resuming an upload an earlier attempt left half done;
+/// the registry checks every file's sha256 and records the revision.
+#[test]
+fn push_uploads_a_directory_resumably_and_checked() {
+    let Some(model) = granary_tokenizer::testing::model_or_skip("registry push") else { return };
+    let data = tempfile::tempdir().unwrap();
+    let reg = Registry::start(data.path());
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = std::fs::read(&model).unwrap();
+    std::fs::write(dir.path().join("model.gguf"), &gguf).unwrap();
+    std::fs::write(dir.path().join("config.json"), br#"{"note":"pushed"}"#).unwrap();
+    std::fs::write(dir.path().join(".hidden"), b"not pushed").unwrap();
+    let (sha, size) = (sha256_hex(&gguf), gguf.len());
+    let http = reqwest::blocking::Client::new();
+    let patch = |sha: &str, size: usize, offset: usize, body: Vec<u8>, token: &str| {
+        http.patch(format!("{}/v1/uploads/{sha}?size={size}", reg.url))
+            .bearer_auth(token)
+            .header("upload-offset", offset)
+            .body(body)
+            .send()
+            .unwrap()
+    };
+
+    // An earlier attempt that broke off after 1 MiB.
+    let r = patch(&sha, size, 0, gguf[..1 << 20].to_vec(), ADMIN);
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().unwrap();
+    assert_eq!((v["offset"].as_u64(), v["complete"].as_bool()), (Some(1 << 20), Some(false)), "{v}");
+    // Not with a read token; not at another offset than the one held.
+    assert_eq!(patch(&sha, size, 1 << 20, vec![0; 10], READER).status(), 403);
+    let r = patch(&sha, size, 0, vec![0; 10], ADMIN);
+    assert_eq!((r.status().as_u16(), r.headers()["upload-offset"].to_str().unwrap()), (409, "1048576"));
+    // Bytes that do not hash to the name they are sent under: refused, nothing kept.
+    let r = patch(&sha256_hex(b"abc"), 3, 0, b"abd".to_vec(), ADMIN);
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["error"]["code"], "checksum_mismatch", "{v}");
+    let v: Value = http
+        .get(format!("{}/v1/uploads/{}", reg.url, sha256_hex(b"abc")))
+        .bearer_auth(ADMIN)
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!((v["offset"].as_u64(), v["complete"].as_bool()), (Some(0), Some(false)), "{v}");
+
+    // The push resumes the GGUF from 1 MiB and sends the rest.
+    let d = dir.path().to_str().unwrap();
+    let out =
+        ok(&reg.cli(&["push", d, "--name", "pushed", "--revision", "r1", "--license", "apache-2.0"], Some(ADMIN)));
+    assert!(out.contains("pushed pushed@r1: 2 files sent"), "{out}");
+    assert!(out.contains(&format!("({} bytes, 1048576 resumed", size - (1 << 20) + 17)), "{out}");
+    let shown: Value = serde_json::from_str(&ok(&reg.cli(&["show", "pushed@r1", "--json"], Some(READER)))).unwrap();
+    let files: Vec<(&str, &str)> = shown["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["path"].as_str().unwrap(), f["sha256"].as_str().unwrap()))
+        .collect();
+    let config_sha = sha256_hex(br#"{"note":"pushed"}"#);
+    assert_eq!(files, [("config.json", config_sha.as_str()), ("model.gguf", sha.as_str())], "{shown}");
+    assert_eq!((shown["format"].as_str(), shown["license"].as_str()), (Some("gguf"), Some("apache-2.0")));
+    // The stored bytes are the file's.
+    let back = http.get(format!("{}/v1/blobs/{sha}", reg.url)).bearer_auth(READER).send().unwrap().bytes().unwrap();
+    assert_eq!(sha256_hex(&back), sha);
+
+    // Pushed again: nothing to send.
+    let out = ok(&reg.cli(&["push", d, "--name", "pushed", "--revision", "r2"], Some(ADMIN)));
+    assert!(out.contains("0 files sent (0 bytes, 0 resumed from an earlier push), 2 already stored"), "{out}");
+    // A revision naming a blob nobody uploaded is refused by name.
+    let r = http
+        .post(format!("{}/v1/models/pushed/revisions", reg.url))
+        .bearer_auth(ADMIN)
+        .json(&serde_json::json!({"files": [{"path": "x.gguf", "size": 3, "sha256": sha256_hex(b"xyz")}]}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["error"]["code"], "blob_missing", "{v}");
+    // And a push without the admin token fails with one line, no upload recorded.
+    let out = reg.cli(&["push", d, "--name", "pushed", "--revision", "r3"], Some(READER));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("403") && !err.contains("panicked"), "{err}");
+}

@@ -33,17 +33,49 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::AgentError;
+use crate::front::{Front, FrontStats};
 use crate::tiers::Tier;
+
+mod command;
+mod logs;
+mod process;
+mod state;
+
+pub use command::{build_command, shell_quote};
+pub use logs::tail_lines;
+use logs::{open_log, rotate_log};
+#[cfg(test)]
+use process::signal_group;
+use process::{free_port, proc_start_time, process_is, terminate, Proc};
+pub use state::Persisted;
 
 /// How engines are started and watched.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SupervisorConfig {
-    /// An external engine's command line, run with `sh -c`, with `{model_path}`,
-    /// `{model_id}`, `{port}` and `{host}` substituted (shell-quoted); e.g.
-    /// `vllm serve {model_path} --served-model-name {model_id} --host {host} --port {port}`.
+    /// An external engine's command line, run with `sh -c`, with
+    /// `{model_path}`, `{model_id}`, `{port}`, `{host}`, `{threads}`,
+    /// `{gpus}` (the `CUDA_VISIBLE_DEVICES` list) and `{gpu_count}`
+    /// substituted (shell-quoted); e.g. `vllm serve {model_path}
+    /// --served-model-name {model_id} --host {host} --port {port}`.
     /// None: the embedded engine (`granary engine`).
     pub command: Option<String>,
+    /// The path of the engine's health check: any 2xx answer is healthy
+    /// (`/health` for the embedded engine, vLLM, SGLang and `llama-server`;
+    /// `/openapi.json` for `llama_cpp.server`, which has no `/health` and
+    /// whose model list waits behind a running completion).
+    pub health_path: String,
+    /// CPU threads per engine, substituted as `{threads}` [default: the
+    /// cores this process may use].
+    pub threads: Option<usize>,
+    /// Put a front (an HTTP proxy on the agent, see [`crate::front`]) before
+    /// each engine and report engines at their front: the agent then sees
+    /// their requests itself, for engines that publish no request metrics.
+    pub proxy: bool,
+    /// Request headers a front does not pass on to its engine (e.g.
+    /// `x-request-id` for `llama_cpp.server`, which refuses request ids
+    /// that are not UUIDs).
+    pub proxy_drop_headers: Vec<String>,
     /// The `granary` executable for the embedded engine [default: the running one].
     pub granary_exe: Option<PathBuf>,
     /// Extra flags passed to `granary engine`.
@@ -78,6 +110,10 @@ impl Default for SupervisorConfig {
     fn default() -> Self {
         SupervisorConfig {
             command: None,
+            health_path: "/health".into(),
+            threads: None,
+            proxy: false,
+            proxy_drop_headers: Vec::new(),
             granary_exe: None,
             engine_args: Vec::new(),
             host: "127.0.0.1".into(),
@@ -115,6 +151,14 @@ pub struct LaunchSpec {
     pub files: Vec<String>,
     /// Where the weights came from at load.
     pub tier: Tier,
+    /// The GPUs given to it (`CUDA_VISIBLE_DEVICES`); none: the variable is
+    /// left as the agent has it (a node without GPUs).
+    #[serde(default)]
+    pub gpus: Option<Vec<u32>>,
+    /// The memory reserved for it (on each of its GPUs together, or in host
+    /// RAM for an engine without GPUs), bytes.
+    #[serde(default)]
+    pub memory: u64,
 }
 
 /// One engine in `GET /status`.
@@ -137,27 +181,18 @@ pub struct EngineStatus {
     pub ever_ready: bool,
     /// Why the engine last failed, if it did.
     pub last_error: Option<String>,
-}
-
-/// One engine in the state file.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Persisted {
-    #[serde(flatten)]
-    pub spec: LaunchSpec,
-    /// 0 while it is between two processes (a restart's backoff).
-    pub pid: u32,
-    /// The process's start time in clock ticks since boot (`/proc/PID/stat`
-    /// field 22), so a recycled pid is not mistaken for the engine.
-    pub proc_start: u64,
-    pub port: u16,
-    pub command: Vec<String>,
-    pub started_unix: u64,
-    pub restarts: u32,
-}
-
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct StateFile {
-    engines: Vec<Persisted>,
+    /// The engine's own address (`upstream` is its front's, when it has one).
+    #[serde(default)]
+    pub engine_url: String,
+    /// GPUs it was given.
+    #[serde(default)]
+    pub gpus: Vec<u32>,
+    /// Memory reserved for it, bytes.
+    #[serde(default)]
+    pub memory: u64,
+    /// Requests its front is answering now (engines with a front only).
+    #[serde(default)]
+    pub in_flight: Option<u64>,
 }
 
 struct Live {
@@ -179,19 +214,26 @@ struct Engine {
     live: Mutex<Live>,
     state: watch::Sender<EngineState>,
     stop: CancellationToken,
+    /// Its front, with `engines.proxy`; stops when the engine is dropped.
+    front: Option<Front>,
 }
 
 impl Engine {
-    fn upstream(&self, host: &str) -> String {
+    /// The engine's own base URL.
+    fn engine_url(&self, host: &str) -> String {
         format!("http://{host}:{}", self.live.lock().port)
     }
 
     fn status(&self, host: &str) -> EngineStatus {
         let l = self.live.lock();
+        let engine_url = format!("http://{host}:{}", l.port);
         EngineStatus {
             model: self.spec.model.clone(),
             revision: self.spec.revision.clone(),
-            upstream: format!("http://{host}:{}", l.port),
+            upstream: match &self.front {
+                Some(f) => format!("http://{host}:{}", f.port()),
+                None => engine_url.clone(),
+            },
             pid: l.pid,
             state: *self.state.borrow(),
             restarts: l.restarts,
@@ -201,6 +243,10 @@ impl Engine {
             adopted: l.adopted,
             ever_ready: l.ever_ready,
             last_error: l.last_error.clone(),
+            engine_url,
+            gpus: self.spec.gpus.clone().unwrap_or_default(),
+            memory: self.spec.memory,
+            in_flight: self.front.as_ref().map(|f| f.stats().in_flight()),
         }
     }
 }
@@ -274,11 +320,7 @@ impl Supervisor {
 
     /// Engines listed in the state file of an earlier run.
     pub fn persisted(&self) -> Vec<Persisted> {
-        std::fs::read(&self.sh.state_path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<StateFile>(&b).ok())
-            .map(|s| s.engines)
-            .unwrap_or_default()
+        state::read(&self.sh.state_path)
     }
 
     pub fn status(&self, model: &str) -> Option<EngineStatus> {
@@ -298,11 +340,18 @@ impl Supervisor {
         self.sh.engines.lock().get(model).map(|e| e.spec.clone())
     }
 
-    /// Records that `model` served requests at `ms` (unix milliseconds).
+    /// Records that `model` served requests at `ms` (unix milliseconds; an
+    /// earlier time than the one recorded changes nothing).
     pub fn mark_active(&self, model: &str, ms: u64) {
         if let Some(e) = self.sh.engines.lock().get(model) {
-            e.live.lock().last_activity_ms = Some(ms);
+            let mut l = e.live.lock();
+            l.last_activity_ms = Some(l.last_activity_ms.map_or(ms, |t| t.max(ms)));
         }
+    }
+
+    /// What `model`'s front has seen, when it has one.
+    pub fn front_stats(&self, model: &str) -> Option<Arc<FrontStats>> {
+        self.sh.engines.lock().get(model).and_then(|e| e.front.as_ref().map(|f| f.stats().clone()))
     }
 
     /// When `model` was last seen serving (or started), unix milliseconds.
@@ -316,6 +365,7 @@ impl Supervisor {
         let model = spec.model.clone();
         let port = free_port(&self.sh.cfg.host)?;
         let command = build_command(&self.sh.cfg, &spec, port)?;
+        let front = self.front(None, port).await?;
         let engine = {
             let mut engines = self.sh.engines.lock();
             if engines.contains_key(&model) {
@@ -338,6 +388,7 @@ impl Supervisor {
                 }),
                 state,
                 stop: CancellationToken::new(),
+                front,
             });
             engines.insert(model.clone(), e.clone());
             e
@@ -403,10 +454,17 @@ impl Supervisor {
 
     /// Takes over an engine an earlier agent started, if its process is
     /// still the same one. Returns false when it is gone (start it again).
-    pub fn adopt(&self, p: &Persisted) -> bool {
+    pub async fn adopt(&self, p: &Persisted) -> bool {
         if p.pid == 0 || !process_is(p.pid, p.proc_start) {
             return false;
         }
+        let front = match self.front(p.front_port, p.port).await {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(model = %p.spec.model, error = %e, "cannot put a front before an adopted engine");
+                return false;
+            }
+        };
         let (state, _) = watch::channel(EngineState::Starting);
         let engine = Arc::new(Engine {
             spec: p.spec.clone(),
@@ -424,6 +482,7 @@ impl Supervisor {
             }),
             state,
             stop: CancellationToken::new(),
+            front,
         });
         self.sh.engines.lock().insert(p.spec.model.clone(), engine.clone());
         tracing::info!(model = %p.spec.model, pid = p.pid, "adopted a running engine");
@@ -441,6 +500,17 @@ impl Supervisor {
         }
     }
 
+    /// A front for the engine on `port`, with `engines.proxy` (on
+    /// `want` when that port is free).
+    async fn front(&self, want: Option<u16>, port: u16) -> Result<Option<Front>, AgentError> {
+        if !self.sh.cfg.proxy {
+            return Ok(None);
+        }
+        let cfg = &self.sh.cfg;
+        let engine = format!("http://{}:{port}", cfg.host);
+        Front::start(&cfg.host, want, engine, cfg.health_path.clone(), &cfg.proxy_drop_headers).await.map(Some)
+    }
+
     /// Ends the watchers and leaves the engines running (for the next agent to adopt).
     pub fn detach(&self) {
         persist(&self.sh);
@@ -448,141 +518,10 @@ impl Supervisor {
     }
 }
 
-/// A port free now on `host` (the engine binds it a moment later; a clash
-/// shows as an engine that fails to start).
-fn free_port(host: &str) -> Result<u16, AgentError> {
-    let l = std::net::TcpListener::bind((host, 0))
-        .map_err(|e| AgentError::io(format!("finding a free port on {host}"), e))?;
-    Ok(l.local_addr().map_err(|e| AgentError::io("local address", e))?.port())
-}
-
-/// Quotes `s` for `sh`.
-pub fn shell_quote(s: &str) -> String {
-    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./:=@%+,".contains(&b)) {
-        return s.to_string();
-    }
-    format!("'{}'", s.replace('\'', r"'\''"))
-}
-
-/// The command line for `spec` on `port`.
-pub fn build_command(cfg: &SupervisorConfig, spec: &LaunchSpec, port: u16) -> Result<Vec<String>, AgentError> {
-    let path = spec.model_path.to_string_lossy().into_owned();
-    match &cfg.command {
-        Some(t) => {
-            let line = t
-                .replace("{model_path}", &shell_quote(&path))
-                .replace("{model_id}", &shell_quote(&spec.model))
-                .replace("{port}", &port.to_string())
-                .replace("{host}", &shell_quote(&cfg.host));
-            Ok(vec!["sh".into(), "-c".into(), line])
-        }
-        None => {
-            let exe = match &cfg.granary_exe {
-                Some(p) => p.clone(),
-                None => std::env::current_exe().map_err(|e| AgentError::io("finding the granary executable", e))?,
-            };
-            let mut v = vec![
-                exe.to_string_lossy().into_owned(),
-                "engine".into(),
-                "--model".into(),
-                path,
-                "--model-id".into(),
-                spec.model.clone(),
-                "--listen".into(),
-                format!("{}:{port}", cfg.host),
-            ];
-            v.extend(cfg.engine_args.iter().cloned());
-            Ok(v)
-        }
-    }
-}
-
-enum Proc {
-    Child(tokio::process::Child),
-    Adopted { pid: u32, start: u64 },
-}
-
-impl Proc {
-    fn pid(&self) -> Option<u32> {
-        match self {
-            Proc::Child(c) => c.id(),
-            Proc::Adopted { pid, .. } => Some(*pid),
-        }
-    }
-
-    /// Resolves when the process has exited (cancel-safe).
-    async fn exited(&mut self) -> String {
-        match self {
-            Proc::Child(c) => match c.wait().await {
-                Ok(s) => describe_exit(s),
-                Err(e) => format!("wait failed: {e}"),
-            },
-            Proc::Adopted { pid, start } => loop {
-                if !process_is(*pid, *start) {
-                    return "exited".into();
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            },
-        }
-    }
-
-    fn is_alive(&mut self) -> bool {
-        match self {
-            Proc::Child(c) => matches!(c.try_wait(), Ok(None)),
-            Proc::Adopted { pid, start } => process_is(*pid, *start),
-        }
-    }
-}
-
-fn describe_exit(s: std::process::ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    match (s.code(), s.signal()) {
-        (Some(c), _) => format!("exited with status {c}"),
-        (None, Some(sig)) => format!("killed by signal {sig}"),
-        _ => "exited".into(),
-    }
-}
-
-/// Whether `pid` is alive (not a zombie) and, when `start` is not 0, started at `start`.
-fn process_is(pid: u32, start: u64) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return false };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // fields[0] is field 3 (state); field 22 (starttime) is fields[19].
-    if matches!(fields.first(), Some(&"Z") | Some(&"X") | None) {
-        return false;
-    }
-    start == 0 || fields.get(19).and_then(|s| s.parse::<u64>().ok()) == Some(start)
-}
-
-fn proc_start_time(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rfind(')').map(|i| s[i + 1..].to_string()))
-        .and_then(|rest| rest.split_whitespace().nth(19).and_then(|v| v.parse().ok()))
-        .unwrap_or(0)
-}
-
-fn signal_group(pid: u32, sig: libc::c_int) {
-    // SAFETY: kill(2) with a negative pid signals the process group; no memory is shared.
-    unsafe {
-        libc::kill(-(pid as libc::pid_t), sig);
-    }
-}
-
-fn open_log(sh: &Shared, model: &str) -> Result<std::fs::File, AgentError> {
-    let path = sh.logs_dir.join(format!("{model}.log"));
-    std::fs::File::options()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .map_err(|e| AgentError::io(format!("opening {}", path.display()), e))
-}
-
 /// Starts the engine's process with its recorded command line.
 fn spawn(sh: &Shared, engine: &Engine) -> Result<Proc, AgentError> {
     let command = engine.live.lock().command.clone();
-    let mut log = open_log(sh, &engine.spec.model)?;
+    let mut log = open_log(&sh.logs_dir, &engine.spec.model)?;
     let _ = writeln!(log, "--- granary agent: starting `{}` at unix {}", command.join(" "), now_unix());
     let err = log.try_clone().map_err(|e| AgentError::io("duplicating the log file", e))?;
     let mut cmd = tokio::process::Command::new(&command[0]);
@@ -592,6 +531,10 @@ fn spawn(sh: &Shared, engine: &Engine) -> Result<Proc, AgentError> {
         .stderr(Stdio::from(err))
         .process_group(0)
         .kill_on_drop(false);
+    if let Some(gpus) = &engine.spec.gpus {
+        let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+        cmd.env("CUDA_VISIBLE_DEVICES", list.join(","));
+    }
     let child = cmd.spawn().map_err(|e| AgentError::Engine {
         model: engine.spec.model.clone(),
         message: format!("cannot run `{}`: {e}", command[0]),
@@ -658,7 +601,13 @@ async fn supervise(sh: Arc<Shared>, engine: Arc<Engine>, mut proc: Proc, mut eve
                         _ = tokio::time::sleep(backoff) => {}
                     }
                     backoff = (backoff * 2).min(sh.cfg.backoff_max);
-                    engine.live.lock().restarts += 1;
+                    {
+                        let mut l = engine.live.lock();
+                        l.restarts += 1;
+                        // A full idle window after a restart: the clients
+                        // of the requests lost with the old process retry.
+                        l.last_activity_ms = Some(now_ms());
+                    }
                     match spawn(&sh, &engine) {
                         Ok(p) => {
                             proc = p;
@@ -697,7 +646,7 @@ async fn watch_proc(sh: &Shared, engine: &Engine, proc: &mut Proc, ever_ready: &
     let mut every = period(*engine.state.borrow());
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let health_url = format!("{}/health", engine.upstream(&sh.cfg.host));
+    let health_url = format!("{}{}", engine.engine_url(&sh.cfg.host), sh.cfg.health_path);
     loop {
         let want = period(*engine.state.borrow());
         if want != every {
@@ -711,7 +660,7 @@ async fn watch_proc(sh: &Shared, engine: &Engine, proc: &mut Proc, ever_ready: &
             why = proc.exited() => return Outcome::Failed(why),
             _ = tick.tick() => {}
         }
-        rotate_log(sh, &engine.spec.model);
+        rotate_log(&sh.logs_dir, &engine.spec.model, sh.cfg.log_max_bytes.as_u64());
         let ok = matches!(sh.http.get(&health_url).send().await, Ok(r) if r.status().is_success());
         let state = *engine.state.borrow();
         if ok {
@@ -748,51 +697,6 @@ async fn watch_proc(sh: &Shared, engine: &Engine, proc: &mut Proc, ever_ready: &
     }
 }
 
-/// SIGTERM to the process group, SIGKILL after `stop_timeout`; returns
-/// once no process of the group is left (a template's shell may exit
-/// before the server it started, which still holds the port and memory).
-async fn terminate(cfg: &SupervisorConfig, proc: &mut Proc) {
-    let Some(pid) = proc.pid() else { return };
-    if !proc.is_alive() {
-        // It exited by itself: nothing of its group may outlive it.
-        signal_group(pid, libc::SIGKILL);
-        let _ = tokio::time::timeout(Duration::from_secs(5), group_gone(pid, proc)).await;
-        return;
-    }
-    signal_group(pid, libc::SIGTERM);
-    if tokio::time::timeout(cfg.stop_timeout, group_gone(pid, proc)).await.is_err() {
-        tracing::warn!(pid, "the engine ignored SIGTERM; killing it");
-        signal_group(pid, libc::SIGKILL);
-        let _ = tokio::time::timeout(Duration::from_secs(5), group_gone(pid, proc)).await;
-    }
-}
-
-/// Resolves once process group `pgid` has no live (non-zombie) member,
-/// reaping our own child on the way.
-async fn group_gone(pgid: u32, proc: &mut Proc) {
-    loop {
-        let _ = proc.is_alive();
-        if !group_alive(pgid) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
-/// Whether any process of group `pgid` is alive (zombies excluded: they
-/// hold no memory or sockets, and an orphan's may wait on a lax init).
-fn group_alive(pgid: u32) -> bool {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return false };
-    dir.flatten().filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit())).any(|e| {
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { return false };
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return false };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        // f[0] is field 3 (state), f[2] field 5 (process group).
-        f.first().is_some_and(|s| !matches!(*s, "Z" | "X"))
-            && f.get(2).and_then(|g| g.parse::<u32>().ok()) == Some(pgid)
-    })
-}
-
 fn persist(sh: &Shared) {
     let engines: Vec<Arc<Engine>> = sh.engines.lock().values().cloned().collect();
     // Engines between two processes (in a restart's backoff) are kept with
@@ -810,117 +714,15 @@ fn persist(sh: &Shared) {
                 command: l.command.clone(),
                 started_unix: l.started_unix,
                 restarts: l.restarts,
+                front_port: e.front.as_ref().map(Front::port),
             }
         })
         .collect();
-    let tmp = sh.state_path.with_extension("json.tmp");
-    let body = serde_json::to_vec_pretty(&StateFile { engines: list }).expect("the state always serializes");
-    let written = std::fs::write(&tmp, body).and_then(|()| std::fs::rename(&tmp, &sh.state_path));
-    if let Err(e) = written {
-        tracing::warn!(error = %e, path = %sh.state_path.display(), "cannot write the agent's state file");
-    }
+    state::write(&sh.state_path, list);
 }
-
-fn rotate_log(sh: &Shared, model: &str) {
-    let path = sh.logs_dir.join(format!("{model}.log"));
-    let Ok(m) = std::fs::metadata(&path) else { return };
-    if m.len() <= sh.cfg.log_max_bytes.as_u64() {
-        return;
-    }
-    let old = sh.logs_dir.join(format!("{model}.log.1"));
-    if std::fs::copy(&path, &old).is_ok() {
-        if let Ok(f) = std::fs::File::options().write(true).open(&path) {
-            let _ = f.set_len(0);
-        }
-    }
-}
-
-/// The last `n` lines of a file (reading at most its last 4 MiB).
-pub fn tail_lines(path: &Path, n: usize) -> std::io::Result<String> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = std::fs::File::open(path)?;
-    let len = f.metadata()?.len();
-    let from = len.saturating_sub(4 << 20);
-    f.seek(SeekFrom::Start(from))?;
-    let mut buf = Vec::new();
-    f.read_to_end(&mut buf)?;
-    let text = String::from_utf8_lossy(&buf);
-    let lines: Vec<&str> = text.lines().collect();
-    let start = lines.len().saturating_sub(n);
-    let mut out = lines[start..].join("\n");
-    out.push('\n');
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn spec() -> LaunchSpec {
-        LaunchSpec {
-            model: "smol lm".into(),
-            revision: "1".into(),
-            model_path: PathBuf::from("/m/it's here.gguf"),
-            files: vec![],
-            tier: Tier::Disk,
-        }
-    }
-
-    #[test]
-    fn templates_substitute_shell_quoted_values() {
-        let cfg = SupervisorConfig {
-            command: Some("vllm serve {model_path} --served-model-name {model_id} --host {host} --port {port}".into()),
-            ..Default::default()
-        };
-        let c = build_command(&cfg, &spec(), 4242).unwrap();
-        assert_eq!(c[..2], ["sh", "-c"]);
-        assert_eq!(
-            c[2],
-            r"vllm serve '/m/it'\''s here.gguf' --served-model-name 'smol lm' --host 127.0.0.1 --port 4242"
-        );
-        // What sh makes of it: the path comes back whole.
-        let out = std::process::Command::new("sh")
-            .args(["-c", &format!("printf %s {}", shell_quote("/m/it's here.gguf"))])
-            .output()
-            .unwrap();
-        assert_eq!(String::from_utf8_lossy(&out.stdout), "/m/it's here.gguf");
-    }
-
-    #[test]
-    fn the_embedded_engine_gets_its_flags() {
-        let cfg = SupervisorConfig {
-            granary_exe: Some("/bin/granary".into()),
-            engine_args: vec!["--block-tokens".into(), "16".into()],
-            ..Default::default()
-        };
-        let c = build_command(&cfg, &spec(), 7).unwrap();
-        assert_eq!(
-            c,
-            [
-                "/bin/granary",
-                "engine",
-                "--model",
-                "/m/it's here.gguf",
-                "--model-id",
-                "smol lm",
-                "--listen",
-                "127.0.0.1:7",
-                "--block-tokens",
-                "16"
-            ]
-        );
-    }
-
-    #[test]
-    fn a_recycled_pid_is_not_the_engine() {
-        let me = std::process::id();
-        let start = proc_start_time(me);
-        assert!(start > 0);
-        assert!(process_is(me, start));
-        assert!(process_is(me, 0));
-        assert!(!process_is(me, start + 1));
-        assert!(!process_is(u32::MAX - 1, 0));
-    }
 
     /// A real HTTP server as the engine (python's, serving a directory with
     /// a `health` file): killed, it is restarted after the backoff; an agent
@@ -950,6 +752,8 @@ mod tests {
             model_path: www.clone(),
             files: vec![],
             tier: Tier::Disk,
+            gpus: None,
+            memory: 0,
         };
         let st = sup.start(spec.clone()).await.unwrap();
         assert_eq!(st.state, EngineState::Ready);
@@ -976,16 +780,7 @@ mod tests {
         let next = Supervisor::new(cfg, d.path()).unwrap();
         let p = next.persisted();
         assert_eq!((p.len(), p[0].pid), (1, 0), "{p:?}");
-        assert!(!next.adopt(&p[0]));
+        assert!(!next.adopt(&p[0]).await);
         assert!(next.list().is_empty());
-    }
-
-    #[test]
-    fn tail_returns_the_last_lines() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("x.log");
-        std::fs::write(&p, "a\nb\nc\nd\n").unwrap();
-        assert_eq!(tail_lines(&p, 2).unwrap(), "c\nd\n");
-        assert_eq!(tail_lines(&p, 10).unwrap(), "a\nb\nc\nd\n");
     }
 }
