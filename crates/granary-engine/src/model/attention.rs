@@ -107,12 +107,12 @@ pub(crate) fn attend(h: Heads, seqs: &[SeqRows<'_>], how: Scores, out: &mut [f32
 
 fn attend_with(h: Heads, seqs: &[SeqRows<'_>], how: Scores, out: &mut [f32], threads: usize) {
     let row_len = h.heads * h.head_dim;
-    debug_assert!(h.heads.is_multiple_of(h.kv_heads));
+    assert!(h.heads.is_multiple_of(h.kv_heads));
     for s in seqs {
-        debug_assert_eq!(s.q.len(), s.n * row_len);
-        debug_assert!(s.off + s.n <= s.blocks.len() * s.block_tokens);
-        debug_assert!(s.blocks.iter().all(|b| b.len() == 2 * h.kv_heads * s.block_tokens * h.head_dim));
-        debug_assert!(out.len() >= (s.out_row + s.n) * row_len);
+        assert_eq!(s.q.len(), s.n * row_len);
+        assert!(s.off + s.n <= s.blocks.len() * s.block_tokens);
+        assert!(s.blocks.iter().all(|b| b.len() == 2 * h.kv_heads * s.block_tokens * h.head_dim));
+        assert!(out.len() >= (s.out_row + s.n) * row_len);
     }
     let mut items: Vec<Item> = Vec::new();
     for (si, s) in seqs.iter().enumerate() {

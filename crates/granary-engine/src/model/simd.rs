@@ -33,7 +33,7 @@ pub(crate) fn level() -> Level {
 
 /// `dst[i] = f32(src[i])`.
 pub(crate) fn f16_to_f32(lv: Level, src: &[f16], dst: &mut [f32]) {
-    debug_assert_eq!(src.len(), dst.len());
+    assert_eq!(src.len(), dst.len());
     match lv {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Level::Avx2` is only chosen when the CPU has AVX2, FMA and F16C.
@@ -48,7 +48,7 @@ pub(crate) fn f16_to_f32(lv: Level, src: &[f16], dst: &mut [f32]) {
 
 /// `dst[i] = f16(src[i])`, rounding to nearest.
 pub(crate) fn f32_to_f16(lv: Level, src: &[f32], dst: &mut [f16]) {
-    debug_assert_eq!(src.len(), dst.len());
+    assert_eq!(src.len(), dst.len());
     match lv {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
@@ -64,7 +64,7 @@ pub(crate) fn f32_to_f16(lv: Level, src: &[f32], dst: &mut [f16]) {
 /// `out[j] = q · keys[j]` for `keys` stored as rows of `q.len()` floats.
 pub(crate) fn dots(lv: Level, q: &[f32], keys: &[f32], out: &mut [f32]) {
     let d = q.len();
-    debug_assert_eq!(keys.len(), out.len() * d);
+    assert_eq!(keys.len(), out.len() * d);
     match lv {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
@@ -80,7 +80,7 @@ pub(crate) fn dots(lv: Level, q: &[f32], keys: &[f32], out: &mut [f32]) {
 /// `acc += Σ_j p[j] * values[j]` for `values` stored as rows of `acc.len()` floats.
 pub(crate) fn weighted_sum(lv: Level, p: &[f32], values: &[f32], acc: &mut [f32]) {
     let d = acc.len();
-    debug_assert_eq!(values.len(), p.len() * d);
+    assert_eq!(values.len(), p.len() * d);
     match lv {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
@@ -115,7 +115,7 @@ pub(crate) fn exp2_shifted_sum(lv: Level, x: &mut [f32], shift: f32) -> f32 {
 
 /// `gate[i] = silu(gate[i]) * up[i]`.
 pub(crate) fn silu_mul(lv: Level, gate: &mut [f32], up: &[f32]) {
-    debug_assert_eq!(gate.len(), up.len());
+    assert_eq!(gate.len(), up.len());
     match lv {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
@@ -370,6 +370,18 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+
+    /// The wrappers check the lengths the unsafe kernels rely on, in
+    /// release builds too.
+    #[test]
+    #[should_panic(expected = "assertion `left == right` failed")]
+    fn mismatched_lengths_are_refused() {
+        let q = [0.0f32; 8];
+        let keys = [0.0f32; 8 * 3];
+        let mut out = [0.0f32; 4];
+        dots(level(), &q, &keys, &mut out);
+    }
+
     use super::*;
 
     fn levels() -> Vec<Level> {
