@@ -19,6 +19,7 @@ pub mod error;
 pub mod identity;
 pub mod limits;
 pub mod metrics;
+pub mod prompt;
 pub mod proxy;
 pub mod routing;
 pub mod server;

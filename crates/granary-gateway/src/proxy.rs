@@ -11,9 +11,7 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
-use granary_core::hash::BlockHash;
-use granary_tokenizer::{ChatMessage, Tokenizer};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use serde_json::Value;
 
 use crate::agents::Agents;
@@ -22,6 +20,7 @@ use crate::error::ApiError;
 use crate::identity::{AuditRecord, Identity};
 use crate::limits::{Limiter, Quota, Reservation};
 use crate::metrics::GatewayMetrics;
+use crate::prompt::{jobs_for, PromptBlocks, PromptText, Tokenizers};
 use crate::routing::{build_policy_with, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
 use crate::types::Principal;
 use crate::upstream::{Origin, Slot, SseParser, Upstream, Upstreams};
@@ -100,6 +99,11 @@ impl Topology {
         self.pools.iter().any(|p| pool_serves(&p.pool, model) && p.members.iter().any(|u| u.serves(model)))
     }
 
+    /// The pools that may serve `model` with their members (in no order).
+    fn pool_members<'a>(&'a self, model: &'a str) -> impl Iterator<Item = (&'a Pool, &'a [Arc<Upstream>])> + 'a {
+        self.pools.iter().filter(move |v| pool_serves(&v.pool, model)).map(|v| (&*v.pool, v.members.as_slice()))
+    }
+
     /// The pools that may serve `model`, in the order to try them.
     pub(crate) fn pool_order(&self, model: &str) -> Vec<usize> {
         let eligible: Vec<usize> = (0..self.pools.len()).filter(|&i| pool_serves(&self.pools[i].pool, model)).collect();
@@ -131,7 +135,7 @@ pub struct Gateway {
     rebuilding: Mutex<()>,
     pub(crate) agents: Agents,
     admission: Arc<Admission<Slot>>,
-    tokenizers: RwLock<HashMap<String, TokenizerSlot>>,
+    tokenizers: Arc<Tokenizers>,
     /// The scoped operator tokens read from `agent_token_env` and
     /// `metrics_token_env` (the admin token is the caller's to pass).
     pub(crate) scoped: ScopedTokens,
@@ -160,13 +164,6 @@ impl ScopedTokens {
         };
         Ok(ScopedTokens { agent: read(&section.agent_token_env)?, metrics: read(&section.metrics_token_env)? })
     }
-}
-
-#[derive(Clone)]
-enum TokenizerSlot {
-    Loading,
-    Ready(Arc<Tokenizer>),
-    Missing(Instant),
 }
 
 impl Gateway {
@@ -221,7 +218,7 @@ impl Gateway {
             topology: ArcSwap::from_pointee(Topology { pools: vec![], selectors: Mutex::new(HashMap::new()) }),
             rebuilding: Mutex::new(()),
             admission: Arc::new(Admission::new()),
-            tokenizers: RwLock::new(HashMap::new()),
+            tokenizers: Arc::new(Tokenizers::load(&config.upstreams)?),
             scoped: ScopedTokens::from_env(&config.gateway)?,
         });
         gw.rebuild();
@@ -327,34 +324,6 @@ impl Gateway {
     pub fn serves(&self, model: &str) -> bool {
         self.topology().serves(model)
     }
-
-    /// The model's tokenizer, fetched once from an upstream that serves it
-    /// (`GET /v1/kv/tokenizer`); `None` until it has arrived.
-    fn tokenizer(self: &Arc<Self>, model: &str, from: &Arc<Upstream>) -> Option<Arc<Tokenizer>> {
-        match self.tokenizers.read().get(model) {
-            Some(TokenizerSlot::Ready(t)) => return Some(t.clone()),
-            Some(TokenizerSlot::Loading) => return None,
-            Some(TokenizerSlot::Missing(at)) if at.elapsed() < Duration::from_secs(30) => return None,
-            _ => {}
-        }
-        self.tokenizers.write().insert(model.to_string(), TokenizerSlot::Loading);
-        let gw = self.clone();
-        let (model, up) = (model.to_string(), from.clone());
-        tokio::spawn(async move {
-            let slot = match fetch_tokenizer(&up).await {
-                Ok(t) => {
-                    tracing::info!(model = %model, upstream = %up.name(), "tokenizer loaded for KV-aware routing");
-                    TokenizerSlot::Ready(Arc::new(t))
-                }
-                Err(e) => {
-                    tracing::warn!(model = %model, upstream = %up.name(), error = %e, "no tokenizer: KV-aware routing falls back to load");
-                    TokenizerSlot::Missing(Instant::now())
-                }
-            };
-            gw.tokenizers.write().insert(model, slot);
-        });
-        None
-    }
 }
 
 /// The implicit pool of agents' engines serving `model`.
@@ -370,21 +339,6 @@ fn agent_pool_config(model: &str, cfg: &crate::config::AgentsConfig) -> PoolConf
 
 fn pool_serves(pool: &Pool, model: &str) -> bool {
     pool.cfg.models.is_empty() || pool.cfg.models.iter().any(|m| m == model)
-}
-
-async fn fetch_tokenizer(up: &Upstream) -> anyhow::Result<Tokenizer> {
-    let files: HashMap<String, String> =
-        up.get("/v1/kv/tokenizer").timeout(Duration::from_secs(30)).send().await?.error_for_status()?.json().await?;
-    let dir = tempfile::tempdir()?;
-    for (name, text) in &files {
-        if !matches!(name.as_str(), "tokenizer.json" | "tokenizer_config.json" | "generation_config.json") {
-            continue;
-        }
-        std::fs::write(dir.path().join(name), text)?;
-    }
-    let path = dir.path().to_path_buf();
-    let tok = tokio::task::spawn_blocking(move || Tokenizer::from_pretrained_dir(&path)).await??;
-    Ok(tok)
 }
 
 fn now_ms() -> i64 {
@@ -408,8 +362,8 @@ struct Outcome {
     usage_seen: bool,
     /// Completion tokens counted from streamed chunks so far.
     streamed: u64,
-    /// The prompt's size in tokens, estimated from its bytes, for a stream
-    /// cut before its usage chunk.
+    /// The prompt's size in tokens (estimated from its bytes unless it was
+    /// tokenized for routing), for a stream without a usage chunk.
     prompt_estimate: u64,
     /// What the limits left, for the response's `x-ratelimit-*` headers.
     quota: Quota,
@@ -664,39 +618,6 @@ fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
     Ok(Parsed { body, model, stream, include_usage, estimate, prompt_estimate, max_tokens })
 }
 
-/// The prompt's tokens as the engine will see them (chat template applied).
-fn prompt_tokens(tok: &Tokenizer, endpoint: Endpoint, body: &serde_json::Map<String, Value>) -> Option<Vec<u32>> {
-    match endpoint {
-        Endpoint::Chat => {
-            let msgs = body.get("messages")?.as_array()?;
-            let mut out = Vec::with_capacity(msgs.len());
-            for m in msgs {
-                let role = match m.get("role")?.as_str()? {
-                    "system" | "developer" => "system",
-                    r => r,
-                };
-                let content = match m.get("content") {
-                    Some(Value::String(s)) => s.clone(),
-                    Some(Value::Array(parts)) => {
-                        parts.iter().filter_map(|p| p.get("text")?.as_str()).collect::<Vec<_>>().join("\n")
-                    }
-                    _ => String::new(),
-                };
-                out.push(ChatMessage::new(role, content));
-            }
-            tok.encode_chat(&out, true).ok()
-        }
-        Endpoint::Completions => match body.get("prompt")? {
-            Value::String(s) => tok.encode(s, true).ok(),
-            Value::Array(a) if a.iter().all(Value::is_u64) => {
-                Some(a.iter().filter_map(|x| x.as_u64().map(|v| v as u32)).collect())
-            }
-            Value::Array(a) if a.len() == 1 => tok.encode(a[0].as_str()?, true).ok(),
-            _ => None,
-        },
-    }
-}
-
 fn bearer(headers: &HeaderMap) -> &str {
     headers
         .get(header::AUTHORIZATION)
@@ -809,14 +730,21 @@ async fn serve(
         gw.load_model(&parsed.model).await?;
         topo = gw.topology();
     }
-    let mut plan = route(gw, &topo, endpoint, &parsed, &parsed.model, &principal, headers);
+    let prompt = PromptText::of(endpoint, &parsed.body);
+    let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), &parsed.model, &principal).await;
+    if let Some(n) = blocks.prompt_tokens {
+        // Tokenized for routing: the count is exact, not estimated.
+        out.prompt_estimate = n as u64;
+    }
+    let mut plan = route(gw, &topo, &blocks, &parsed.model, &principal, headers);
     // Model-level fallbacks: their pools come after the model's own, so
     // they get the request when the model's own upstreams cannot.
     for fallback in gw.cfg.model_fallbacks.get(&parsed.model).into_iter().flatten() {
         if !principal.may_use(fallback) {
             continue;
         }
-        for c in route(gw, &topo, endpoint, &parsed, fallback, &principal, headers) {
+        let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), fallback, &principal).await;
+        for c in route(gw, &topo, &blocks, fallback, &principal, headers) {
             if !plan.iter().any(|p| p.upstream.id == c.upstream.id && p.model == c.model) {
                 plan.push(c);
             }
@@ -868,14 +796,12 @@ fn in_order(ids: &[usize], list: &[&Arc<Upstream>]) -> Vec<Arc<Upstream>> {
 fn route(
     gw: &Arc<Gateway>,
     topo: &Topology,
-    endpoint: Endpoint,
-    parsed: &Parsed,
+    blocks: &PromptBlocks,
     model: &str,
     p: &Principal,
     headers: &HeaderMap,
 ) -> Vec<Choice> {
     let mut plan: Vec<Choice> = Vec::new();
-    let mut blocks_cache: Option<Vec<BlockHash>> = None;
     for pi in topo.pool_order(model) {
         let Some(view) = topo.pools.get(pi) else { continue };
         let pool = &view.pool;
@@ -885,23 +811,17 @@ fn route(
         if decoders.is_empty() {
             continue;
         }
-        let blocks: &[BlockHash] = if pool.kv_aware {
-            if blocks_cache.is_none() {
-                blocks_cache = Some(prompt_blocks(gw, endpoint, parsed, model, p, &decoders));
-            }
-            blocks_cache.as_deref().unwrap_or(&[])
-        } else {
-            &[]
-        };
+        let (granary, by_upstream): (&[_], &[_]) =
+            if pool.kv_aware { (&blocks.granary, &blocks.by_upstream) } else { (&[], &[]) };
         let session = pool.session_header.as_ref().and_then(|h| headers.get(h)).and_then(|v| v.to_str().ok());
-        let req = RouteRequest { namespace: &p.namespace, session, blocks };
+        let req = RouteRequest { namespace: &p.namespace, session, blocks: granary, by_upstream };
         let cands = |list: &[&Arc<Upstream>]| -> Vec<Candidate> {
             list.iter()
                 .map(|u| Candidate {
                     index: u.id,
                     active: u.active.load(std::sync::atomic::Ordering::Relaxed),
                     max_active: u.cfg.max_active,
-                    publishes_events: u.cfg.kv_events && u.kv_info().is_some(),
+                    publishes_events: u.publishes_events(),
                 })
                 .collect()
         };
@@ -914,6 +834,7 @@ fn route(
         if let Some(&first) = ranked.first() {
             pool.policy.routed(&req, first);
             let policy = pool.policy.name().to_string();
+            let blocks = req.blocks_for(first);
             if !blocks.is_empty() {
                 let hit = gw.upstreams.index.prefix_match(first, blocks);
                 gw.metrics.routed_blocks.get_or_create(&vec![("policy", policy.clone())]).inc_by(blocks.len() as u64);
@@ -929,24 +850,26 @@ fn route(
     plan
 }
 
-/// The prompt's block hashes as the upstreams name them, when the model's
-/// tokenizer and KV layout are known (empty otherwise: the policy then
-/// decides by load).
-fn prompt_blocks(
+/// The prompt's blocks as the routable members of the kv-aware pools
+/// serving `model` name them, tokenized off the async workers (empty where
+/// no tokenizer or layout is known: the policy then decides by load).
+async fn prompt_blocks(
     gw: &Arc<Gateway>,
-    endpoint: Endpoint,
-    parsed: &Parsed,
+    topo: &Topology,
+    prompt: Option<&PromptText>,
     model: &str,
     p: &Principal,
-    candidates: &[&Arc<Upstream>],
-) -> Vec<BlockHash> {
-    let Some(source) = candidates.iter().find(|u| u.kv_info().is_some() && u.is_granary()) else { return vec![] };
-    let Some(info) = source.kv_info() else { return vec![] };
-    let Some(tok) = gw.tokenizer(model, source) else { return vec![] };
-    match prompt_tokens(&tok, endpoint, &parsed.body) {
-        Some(tokens) => info.chain(&p.namespace).hashes(&tokens),
-        None => vec![],
-    }
+) -> PromptBlocks {
+    let Some(prompt) = prompt else { return PromptBlocks::default() };
+    let candidates: Vec<Arc<Upstream>> = topo
+        .pool_members(model)
+        .filter(|(pool, _)| pool.kv_aware)
+        .flat_map(|(_, members)| members.iter())
+        .filter(|u| u.serves(model) && u.is_routable() && u.role() != Role::Prefill)
+        .cloned()
+        .collect();
+    let jobs = jobs_for(&gw.tokenizers, model, &p.namespace, &candidates);
+    PromptBlocks::compute(prompt.clone(), jobs).await
 }
 
 /// Takes a slot on the first upstream of `order` with room; waits (by
@@ -991,17 +914,17 @@ fn request_to(
     payload: Bytes,
     timeout: Duration,
 ) -> reqwest::RequestBuilder {
-    let mut req = up
-        .client
-        .post(up.url(path))
-        .header(header::CONTENT_TYPE, "application/json")
-        .header(REQUEST_ID_HEADER, request_id)
-        .timeout(timeout)
-        .body(payload);
+    let mut req =
+        up.client.post(up.url(path)).header(header::CONTENT_TYPE, "application/json").timeout(timeout).body(payload);
     // Granary headers go to Granary engines only: a tenant's namespace is
-    // its name by default, and must not reach a third party.
-    if up.cfg.send_namespace && up.is_granary() {
-        req = req.header(NAMESPACE_HEADER, &p.namespace);
+    // its name by default, and must not reach a third party; and servers
+    // may read `x-request-id` their own way (llama-cpp-python's answers a
+    // bare 400 to any id that is not a UUID).
+    if up.is_granary() {
+        req = req.header(REQUEST_ID_HEADER, request_id);
+        if up.cfg.send_namespace {
+            req = req.header(NAMESPACE_HEADER, &p.namespace);
+        }
     }
     if let Some(a) = &up.auth {
         req = req.header(header::AUTHORIZATION, a);
@@ -1213,6 +1136,8 @@ fn relay_sse(
     async_stream::stream! {
         let _slot = slot;
         let mut filter = EventFilter::default();
+        // The last chunk, whose id, model and object a usage chunk copies.
+        let mut last: Option<Value> = None;
         let mut next = Some(first);
         loop {
             let chunk = match next.take() {
@@ -1223,6 +1148,9 @@ fn relay_sse(
                         out.finished();
                         break;
                     }
+                    // After `[DONE]` the answer is whole: how the upstream
+                    // closes the connection then does not matter.
+                    Ok(Some(Err(_))) | Err(_) if out.done => break,
                     Ok(Some(Err(e))) => {
                         tracing::warn!(request_id = %out.rec.request_id, error = %e, "upstream stream broke");
                         out.done = true;
@@ -1243,9 +1171,20 @@ fn relay_sse(
                 if let Some(data) = ev.data.as_deref() {
                     if data.trim() == "[DONE]" {
                         out.done = true;
+                        if include_usage && !out.usage_seen {
+                            // The upstream ignores `stream_options` (llama.cpp's
+                            // Python server does): the client asked for usage,
+                            // so it gets the gateway's count.
+                            if let Some(last) = &last {
+                                pass.extend_from_slice(&usage_event(last, out.prompt_estimate, out.streamed));
+                            }
+                        }
                     }
                     if let Ok(v) = serde_json::from_str::<Value>(data) {
                         out.streamed += content_choices(&v);
+                        if include_usage && !out.usage_seen {
+                            last = Some(v.clone());
+                        }
                         if v.get("usage").is_some_and(|u| u.is_object()) {
                             out.usage(&v);
                             let usage_only = v["choices"].as_array().is_some_and(|c| c.is_empty());
@@ -1280,6 +1219,19 @@ fn content_choices(v: &Value) -> u64 {
             some(&d["content"]) || some(&d["reasoning_content"]) || d["tool_calls"].is_array() || some(&c["text"])
         })
         .count() as u64
+}
+
+/// A final usage chunk as OpenAI sends it (no choices), counted here.
+fn usage_event(last: &Value, prompt: u64, completion: u64) -> Vec<u8> {
+    let v = serde_json::json!({
+        "id": last["id"],
+        "object": last["object"],
+        "created": last["created"],
+        "model": last["model"],
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    });
+    format!("data: {v}\n\n").into_bytes()
 }
 
 fn error_event(message: &str) -> Bytes {

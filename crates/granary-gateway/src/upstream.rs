@@ -305,6 +305,12 @@ impl Upstream {
         }
     }
 
+    /// Its KV events feed the index: a Granary engine's over HTTP (once its
+    /// layout is known), or vLLM's over ZeroMQ.
+    pub fn publishes_events(&self) -> bool {
+        self.cfg.kv_events_zmq.is_some() || (self.cfg.kv_events && self.kv_info().is_some())
+    }
+
     pub fn kv_info(&self) -> Option<KvInfo> {
         self.kv.read().clone()
     }
@@ -586,7 +592,18 @@ impl Upstreams {
         let interval = Duration::from_millis(section.health.interval_ms);
         let timeout = Duration::from_millis(section.health.timeout_ms);
         tokio::spawn(health_loop(u.clone(), first_check, interval, timeout));
-        if u.cfg.kv_events && u.cfg.granary != Some(false) {
+        if let Some(endpoint) = &u.cfg.kv_events_zmq {
+            tokio::spawn(crate::routing::vllm::follow(crate::routing::vllm::Follow {
+                name: u.cfg.name.clone(),
+                upstream: u.id,
+                endpoint: endpoint.clone(),
+                topic: u.cfg.kv_events_topic.clone(),
+                chain: crate::routing::vllm::third_party_chain(u.cfg.kv_block_tokens),
+                index: self.index.clone(),
+                metrics: self.metrics.clone(),
+                stop: u.stop.clone(),
+            }));
+        } else if u.cfg.kv_events && u.cfg.granary != Some(false) {
             tokio::spawn(follow_events(u.clone(), self.index.clone(), self.metrics.clone()));
         }
     }
