@@ -113,6 +113,8 @@ pub struct GatewaySection {
     /// into the limiter (raising counters, never lowering them), which
     /// rebuilds Redis counters that were lost; 0: only at start.
     pub budget_reload_s: u64,
+    /// The response cache for deterministic requests (off by default).
+    pub response_cache: crate::cache::CacheConfig,
 }
 
 impl Default for GatewaySection {
@@ -143,6 +145,7 @@ impl Default for GatewaySection {
             audit_spool_dir: None,
             audit_spool_max_bytes: 1 << 30,
             budget_reload_s: 60,
+            response_cache: crate::cache::CacheConfig::default(),
         }
     }
 }
@@ -501,6 +504,13 @@ impl GatewayConfig {
         }
         if g.metrics_max_tenants == 0 {
             return Err(bad("gateway.metrics_max_tenants", "must be at least 1"));
+        }
+        let rc = &g.response_cache;
+        if rc.enabled && rc.backend == crate::cache::CacheBackend::Redis && g.redis.is_none() {
+            return Err(bad("gateway.response_cache.backend", "\"redis\" needs gateway.redis"));
+        }
+        if rc.enabled && (rc.ttl_s == 0 || rc.max_entries == 0) {
+            return Err(bad("gateway.response_cache", "ttl_s and max_entries must be at least 1"));
         }
         if g.database.trim().is_empty() {
             return Err(bad("gateway.database", "must not be empty"));

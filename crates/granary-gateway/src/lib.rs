@@ -14,6 +14,7 @@
 //! request.
 
 pub mod agents;
+pub mod cache;
 pub mod config;
 pub mod error;
 pub mod identity;

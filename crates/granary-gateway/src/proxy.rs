@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use serde_json::Value;
 
 use crate::agents::Agents;
+use crate::cache::{deterministic, CacheKey, Directives, ResponseCache, CACHE_HEADER};
 use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
 use crate::identity::{AuditRecord, Identity};
@@ -28,6 +29,9 @@ use crate::upstream::{Origin, Slot, SseParser, Upstream, Upstreams};
 /// The header carrying the tenant's KV namespace to engines (set by the
 /// gateway from the verified key; a client's own value is dropped).
 pub const NAMESPACE_HEADER: &str = "x-granary-namespace";
+/// The audit record's upstream for answers the response cache gave (not a
+/// valid upstream name, so never one of them).
+pub const CACHE_UPSTREAM: &str = "(cache)";
 /// The request id header, on every response.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
@@ -136,6 +140,8 @@ pub struct Gateway {
     pub(crate) agents: Agents,
     admission: Arc<Admission<Slot>>,
     tokenizers: Arc<Tokenizers>,
+    /// Whole answers to deterministic requests (`[gateway.response_cache]`).
+    cache: Option<ResponseCache>,
     /// The scoped operator tokens read from `agent_token_env` and
     /// `metrics_token_env` (the admin token is the caller's to pass).
     pub(crate) scoped: ScopedTokens,
@@ -206,6 +212,8 @@ impl Gateway {
         // The agents' pools' policy must build too.
         let agents_cfg = config.gateway.agents.clone();
         Pool::new(agent_pool_config("check", &agents_cfg), &upstreams)?;
+        let cache =
+            ResponseCache::new(&config.gateway.response_cache, config.gateway.redis.as_deref(), metrics.clone())?;
         let gw = Arc::new(Gateway {
             cfg: config.gateway.clone(),
             identity,
@@ -219,6 +227,7 @@ impl Gateway {
             rebuilding: Mutex::new(()),
             admission: Arc::new(Admission::new()),
             tokenizers: Arc::new(Tokenizers::load(&config.upstreams)?),
+            cache,
             scoped: ScopedTokens::from_env(&config.gateway)?,
         });
         gw.rebuild();
@@ -369,6 +378,10 @@ struct Outcome {
     quota: Quota,
     /// The tokens reserved at admission; settled with the real usage on drop.
     reservation: Option<Reservation>,
+    /// Where a deterministic request's answer is kept, once it comes.
+    cache_key: Option<CacheKey>,
+    /// `hit` or `miss`, for the `x-granary-cache` header.
+    cache_state: Option<&'static str>,
 }
 
 impl Outcome {
@@ -394,6 +407,8 @@ impl Outcome {
             prompt_estimate: 0,
             quota: Quota::default(),
             reservation: None,
+            cache_key: None,
+            cache_state: None,
         }
     }
 
@@ -413,6 +428,8 @@ impl Outcome {
             prompt_estimate: self.prompt_estimate,
             quota: self.quota,
             reservation: self.reservation.take(),
+            cache_key: None,
+            cache_state: self.cache_state,
         }
     }
 
@@ -644,6 +661,9 @@ pub async fn handle(
     };
     out.done = true;
     out.quota.apply(resp.headers_mut());
+    if let Some(state) = out.cache_state {
+        resp.headers_mut().insert(CACHE_HEADER, HeaderValue::from_static(state));
+    }
     resp
 }
 
@@ -717,7 +737,27 @@ async fn serve(
         }
     }
     out.principal = Some(principal.clone());
-    // 5. Route.
+    // 5. The response cache, for whole answers to deterministic requests
+    // (after the limits: a hit is a request like any other).
+    if let Some(cache) = gw.cache.as_ref().filter(|_| !parsed.stream && deterministic(&parsed.body)) {
+        let d = Directives::of(headers);
+        let key = CacheKey::new(principal.tenant_id, endpoint.path(), &parsed.body, d.store);
+        out.cache_state = Some("miss");
+        if d.lookup {
+            if let Some(body) = cache.get(&key).await {
+                // No engine worked: no tokens are charged.
+                out.cache_state = Some("hit");
+                out.rec.upstream = Some(CACHE_UPSTREAM.into());
+                return Ok(Response::builder()
+                    .status(StatusCode::OK)
+                    .header(header::CONTENT_TYPE, "application/json")
+                    .body(Body::from(body))
+                    .unwrap_or_else(|_| ApiError::bad_gateway("bad cached answer").into_response()));
+            }
+        }
+        out.cache_key = Some(key);
+    }
+    // 6. Route.
     if parsed.stream {
         // Usage arrives in a last chunk; the client sees it only if it asked.
         let opts = parsed.body.entry("stream_options").or_insert_with(|| Value::Object(Default::default()));
@@ -1104,6 +1144,11 @@ async fn attempt_one(
     up.attempt(if code.is_success() { "ok" } else { "status_4xx" });
     up.breaker.success();
     drop(slot);
+    if let Some(key) = out.cache_key.take().filter(|k| code == StatusCode::OK && k.store) {
+        if let Some(cache) = &gw.cache {
+            cache.put(&key, Bytes::from(buf.clone()));
+        }
+    }
     if let Some(v) = &json {
         out.usage(v);
         if !code.is_success() {

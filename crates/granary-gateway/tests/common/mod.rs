@@ -142,3 +142,48 @@ impl Gw {
         self.identity.audit(&AuditQuery { limit: 1000, ..Default::default() }).await.unwrap()
     }
 }
+
+/// A throwaway `redis-server` on a free port (killed when dropped).
+pub struct RedisServer {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl RedisServer {
+    /// Starts one, or returns `None` (after a notice) when the binary is missing.
+    pub fn start() -> Option<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let spawned = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn();
+        let child = match spawned {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return need(None, "redis-server"),
+            Err(e) => panic!("cannot start redis-server: {e}"),
+        };
+        let server = RedisServer { child, port };
+        let t0 = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(10), "redis-server did not start");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        Some(server)
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub async fn client(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url()).unwrap().get_multiplexed_async_connection().await.unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
