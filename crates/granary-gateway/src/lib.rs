@@ -24,6 +24,7 @@ pub mod prompt;
 pub mod proxy;
 pub mod routing;
 pub mod server;
+pub mod sse;
 pub mod tls;
 pub mod types;
 pub mod upstream;

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{BreakerConfig, GatewaySection, Role, UpstreamConfig, UpstreamTls};
 use crate::metrics::GatewayMetrics;
 use crate::routing::{KvEventMsg, KvIndex};
+use crate::sse::SseParser;
 
 /// A circuit breaker: closed (traffic flows), open (none, until a pause
 /// passes), half-open (one probe decides).
@@ -698,41 +699,6 @@ async fn follow_events(u: Arc<Upstream>, index: Arc<KvIndex>, metrics: Arc<Gatew
     }
 }
 
-/// An incremental parser of `text/event-stream`: feed it chunks as they
-/// come, get the `data` of each complete event.
-#[derive(Default)]
-pub struct SseParser {
-    line: Vec<u8>,
-    data: Vec<String>,
-}
-
-impl SseParser {
-    /// The events completed by `chunk` (their `data` lines joined by `\n`).
-    pub fn push(&mut self, chunk: &[u8]) -> Vec<String> {
-        let mut out = Vec::new();
-        for &b in chunk {
-            if b != b'\n' {
-                self.line.push(b);
-                continue;
-            }
-            if self.line.last() == Some(&b'\r') {
-                self.line.pop();
-            }
-            if self.line.is_empty() {
-                if !self.data.is_empty() {
-                    out.push(self.data.join("\n"));
-                    self.data.clear();
-                }
-            } else if let Some(rest) = self.line.strip_prefix(b"data:") {
-                let rest = rest.strip_prefix(b" ").unwrap_or(rest);
-                self.data.push(String::from_utf8_lossy(rest).into_owned());
-            }
-            self.line.clear();
-        }
-        out
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -785,16 +751,5 @@ mod tests {
         b.health_failed();
         b.health_passed();
         assert_eq!(b.view(), BreakerView::Open, "not before the pause is over");
-    }
-
-    #[test]
-    fn sse_parser_handles_split_chunks_and_multiline_data() {
-        let mut p = SseParser::default();
-        assert!(p.push(b"event: stored\ndata: {\"a\"").is_empty());
-        assert_eq!(
-            p.push(b":1}\n\n: comment\n\ndata: x\r\ndata: y\r\n\r\n"),
-            vec!["{\"a\":1}".to_string(), "x\ny".into()]
-        );
-        assert!(p.push(b"data: partial").is_empty());
     }
 }
