@@ -12,6 +12,7 @@ use axum::{Extension, Json, Router};
 use serde_json::json;
 
 use crate::error::ApiError;
+use crate::identity::keys::bearer;
 use crate::identity::{admin_router_with, AdminOptions, AdminToken};
 use crate::proxy::{handle, Endpoint, Gateway, REQUEST_ID_HEADER};
 
@@ -84,15 +85,6 @@ async fn completions(
     body: Body,
 ) -> Response {
     handle(gw, Endpoint::Completions, id.0, headers, body).await
-}
-
-fn bearer(headers: &HeaderMap) -> &str {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("")
-        .trim()
 }
 
 /// The models the caller's key may use, OpenAI's list shape.

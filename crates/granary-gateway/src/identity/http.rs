@@ -116,13 +116,7 @@ async fn require_token(State(state): State<AdminState>, req: Request, next: Next
 
 /// Middleware: the request must carry `Authorization: Bearer <admin token>`.
 pub(crate) async fn require_admin(State(token): State<AdminToken>, req: Request, next: Next) -> Response {
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, token)| token.trim());
+    let presented = Some(super::keys::bearer(req.headers())).filter(|t| !t.is_empty());
     match presented {
         Some(t) if token.verify(t) => next.run(req).await,
         Some(_) => ApiError::unauthorized("invalid_admin_token", "Incorrect admin token provided.").into_response(),

@@ -39,6 +39,7 @@ use sqlx::{AnyPool, Row};
 use tokio::sync::mpsc;
 
 use crate::error::ErrorType;
+pub(crate) use crate::types::now_ms;
 use crate::{ApiError, KeyId, Limits, Principal, Priority, TenantId};
 
 pub use cli::{run_admin, AdminCmd, KeyCmd, LimitArgs, TenantCmd};
@@ -1291,11 +1292,6 @@ fn u64_col(r: &AnyRow, i: usize) -> Result<u64, sqlx::Error> {
 fn priority_col(r: &AnyRow, i: usize) -> Result<Priority, sqlx::Error> {
     let s: String = r.try_get(i)?;
     s.parse().map_err(|e: String| decode_err(i, std::io::Error::other(e)))
-}
-
-/// Now, unix milliseconds.
-pub(crate) fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
 }
 
 /// The current UTC calendar month, `[first day, first day of the next)`, in

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use axum::body::Body;
@@ -18,13 +18,14 @@ use crate::agents::Agents;
 use crate::cache::{deterministic, CacheKey, Directives, ResponseCache, CACHE_HEADER};
 use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
+use crate::identity::keys::bearer;
 use crate::identity::{AuditRecord, Identity};
 use crate::limits::{Limiter, Quota, Reservation};
 use crate::metrics::GatewayMetrics;
 use crate::prompt::{jobs_for, PromptBlocks, PromptText, Tokenizers};
 use crate::routing::{build_policy_with, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
 use crate::sse::EventFilter;
-use crate::types::Principal;
+use crate::types::{now_ms, Principal};
 use crate::upstream::{Origin, Slot, Upstream, Upstreams};
 
 mod attempt;
@@ -34,10 +35,10 @@ mod relay;
 mod request;
 
 use attempt::{attempt_all, prefill_first};
-use outcome::{now_ms, Outcome};
+use outcome::Outcome;
 use plan::{payload_for, prompt_blocks, route, Choice};
 use relay::relay_sse;
-use request::{bearer, parse_body, Parsed};
+use request::{parse_body, Parsed};
 
 /// The header carrying the tenant's KV namespace to engines (set by the
 /// gateway from the verified key; a client's own value is dropped).

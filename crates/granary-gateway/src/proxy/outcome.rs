@@ -3,10 +3,6 @@
 
 use super::*;
 
-pub(super) fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
-}
-
 /// What happened to one request; recorded (audit, metrics, token charge)
 /// exactly once, when it is dropped — also when a client goes away
 /// mid-stream.

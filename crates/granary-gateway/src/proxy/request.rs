@@ -107,14 +107,6 @@ pub(super) fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, Api
     Ok(Parsed { body, model, stream, include_usage, estimate, prompt_estimate, max_tokens })
 }
 
-pub(super) fn bearer(headers: &HeaderMap) -> &str {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).unwrap_or(v).trim())
-        .unwrap_or("")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,13 +145,5 @@ mod tests {
         assert!(ok.stream && !ok.include_usage);
         assert_eq!(ok.model, "m");
         assert!(ok.estimate >= 100);
-    }
-
-    #[test]
-    fn bearer_tokens_are_read_from_the_authorization_header() {
-        let mut h = HeaderMap::new();
-        assert_eq!(bearer(&h), "");
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer gk_abc"));
-        assert_eq!(bearer(&h), "gk_abc");
     }
 }
