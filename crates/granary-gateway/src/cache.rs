@@ -255,6 +255,11 @@ impl ResponseCache {
                 let Some(url) = redis_url else {
                     anyhow::bail!("gateway.response_cache.backend: \"redis\" needs gateway.redis");
                 };
+                if url.contains(',') {
+                    anyhow::bail!(
+                        "gateway.response_cache.backend: \"redis\" needs a single Redis server; with a Redis Cluster, use \"memory\""
+                    );
+                }
                 let client = redis::Client::open(url)
                     .map_err(|_| anyhow::anyhow!("gateway.response_cache: the Redis URL is not valid"))?;
                 let slot = Arc::new(RwLock::new(None));
