@@ -8,6 +8,7 @@
 mod agents;
 mod budgets;
 mod credentials;
+mod durability;
 mod metering;
 mod path;
 mod routing;
