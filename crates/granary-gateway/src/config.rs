@@ -113,6 +113,8 @@ pub struct GatewaySection {
     /// into the limiter (raising counters, never lowering them), which
     /// rebuilds Redis counters that were lost; 0: only at start.
     pub budget_reload_s: u64,
+    /// Per-model prices, for the cost column of usage reports.
+    pub prices: crate::pricing::Prices,
     /// The response cache for deterministic requests (off by default).
     pub response_cache: crate::cache::CacheConfig,
 }
@@ -145,6 +147,7 @@ impl Default for GatewaySection {
             audit_spool_dir: None,
             audit_spool_max_bytes: 1 << 30,
             budget_reload_s: 60,
+            prices: crate::pricing::Prices::default(),
             response_cache: crate::cache::CacheConfig::default(),
         }
     }
@@ -505,6 +508,7 @@ impl GatewayConfig {
         if g.metrics_max_tenants == 0 {
             return Err(bad("gateway.metrics_max_tenants", "must be at least 1"));
         }
+        g.prices.validate().map_err(|(field, message)| bad(field, message))?;
         let rc = &g.response_cache;
         if rc.enabled && rc.backend == crate::cache::CacheBackend::Redis && g.redis.is_none() {
             return Err(bad("gateway.response_cache.backend", "\"redis\" needs gateway.redis"));

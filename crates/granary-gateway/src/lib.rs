@@ -20,6 +20,7 @@ pub mod error;
 pub mod identity;
 pub mod limits;
 pub mod metrics;
+pub mod pricing;
 pub mod prompt;
 pub mod proxy;
 pub mod routing;

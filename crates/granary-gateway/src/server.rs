@@ -55,7 +55,10 @@ pub fn router(gw: Arc<Gateway>, admin: Option<AdminToken>) -> Router {
         .with_state(gw.clone());
     app = app.merge(crate::agents::admin_routes(gw.clone(), admin.clone(), scoped.agent.clone()));
     if let Some(token) = admin.clone() {
-        let options = AdminOptions { rotation_grace: std::time::Duration::from_secs(gw.cfg.key_rotation_grace_s) };
+        let options = AdminOptions {
+            rotation_grace: std::time::Duration::from_secs(gw.cfg.key_rotation_grace_s),
+            prices: gw.cfg.prices.clone(),
+        };
         app = app.merge(admin_router_with(gw.identity.clone(), token, options));
     } else {
         app = app.route("/admin/v1/{*rest}", axum::routing::any(admin_disabled));

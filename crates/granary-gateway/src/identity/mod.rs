@@ -50,7 +50,7 @@ pub(crate) use crate::types::now_ms;
 use crate::{ApiError, KeyId, Limits, Principal, Priority, TenantId};
 
 pub use cli::{run_admin, AdminCmd, KeyCmd, LimitArgs, TenantCmd};
-pub use http::{admin_router, admin_router_with, usage_csv, AdminOptions, AdminToken};
+pub use http::{admin_router, admin_router_with, usage_csv, usage_csv_priced, AdminOptions, AdminToken};
 pub(crate) use http::{parse_json_body, query_params, require_admin};
 use key_cache::*;
 use store::*;
