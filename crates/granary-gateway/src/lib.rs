@@ -14,14 +14,18 @@
 //! request.
 
 pub mod agents;
+pub mod cache;
 pub mod config;
 pub mod error;
 pub mod identity;
 pub mod limits;
 pub mod metrics;
+pub mod pricing;
+pub mod prompt;
 pub mod proxy;
 pub mod routing;
 pub mod server;
+pub mod sse;
 pub mod tls;
 pub mod types;
 pub mod upstream;

@@ -42,6 +42,13 @@ pub struct GatewayMetrics {
     pub kv_index_blocks: Gauge,
     pub routed_hit_blocks: Family<Labels, Counter>,
     pub routed_blocks: Family<Labels, Counter>,
+    /// vLLM KV events read, by outcome (`stored`, `removed`, `cleared`
+    /// blocks; `unknown_parent`, `lora`, `wrong_block_size` blocks not
+    /// indexed; `undecodable`, `missed_batches` batches).
+    pub vllm_kv_events: Family<Labels, Counter>,
+    /// Response cache lookups and writes, by event (`hit`, `miss`, `store`,
+    /// `too_large`, `error`).
+    pub response_cache: Family<Labels, Counter>,
     pub audit_dropped: Counter,
     /// Audit records waiting in the on-disk spool.
     pub audit_spooled: Gauge,
@@ -88,6 +95,8 @@ impl GatewayMetrics {
             kv_index_blocks: Gauge::default(),
             routed_hit_blocks: Family::default(),
             routed_blocks: Family::default(),
+            vllm_kv_events: Family::default(),
+            response_cache: Family::default(),
             audit_dropped: Counter::default(),
             audit_spooled: Gauge::default(),
             audit_write_errors: Counter::default(),
@@ -139,6 +148,16 @@ impl GatewayMetrics {
         );
         registry.register(base(names::ROUTED_BLOCKS), "Prompt blocks of routed requests", m.routed_blocks.clone());
         registry.register(base(names::AUDIT_DROPPED), "Audit records dropped", m.audit_dropped.clone());
+        registry.register(
+            "granary_gateway_response_cache",
+            "Response cache lookups and writes, by event",
+            m.response_cache.clone(),
+        );
+        registry.register(
+            "granary_gateway_vllm_kv_events",
+            "vLLM KV event blocks and batches read, by outcome",
+            m.vllm_kv_events.clone(),
+        );
         registry.register(
             "granary_gateway_audit_spooled_records",
             "Audit records waiting in the spool for the database",

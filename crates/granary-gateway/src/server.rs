@@ -12,6 +12,7 @@ use axum::{Extension, Json, Router};
 use serde_json::json;
 
 use crate::error::ApiError;
+use crate::identity::keys::bearer;
 use crate::identity::{admin_router_with, AdminOptions, AdminToken};
 use crate::proxy::{handle, Endpoint, Gateway, REQUEST_ID_HEADER};
 
@@ -54,7 +55,10 @@ pub fn router(gw: Arc<Gateway>, admin: Option<AdminToken>) -> Router {
         .with_state(gw.clone());
     app = app.merge(crate::agents::admin_routes(gw.clone(), admin.clone(), scoped.agent.clone()));
     if let Some(token) = admin.clone() {
-        let options = AdminOptions { rotation_grace: std::time::Duration::from_secs(gw.cfg.key_rotation_grace_s) };
+        let options = AdminOptions {
+            rotation_grace: std::time::Duration::from_secs(gw.cfg.key_rotation_grace_s),
+            prices: gw.cfg.prices.clone(),
+        };
         app = app.merge(admin_router_with(gw.identity.clone(), token, options));
     } else {
         app = app.route("/admin/v1/{*rest}", axum::routing::any(admin_disabled));
@@ -84,15 +88,6 @@ async fn completions(
     body: Body,
 ) -> Response {
     handle(gw, Endpoint::Completions, id.0, headers, body).await
-}
-
-fn bearer(headers: &HeaderMap) -> &str {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("")
-        .trim()
 }
 
 /// The models the caller's key may use, OpenAI's list shape.

@@ -96,3 +96,8 @@ impl Principal {
         self.models.as_ref().is_none_or(|m| m.iter().any(|x| x == model))
     }
 }
+
+/// Now, in unix milliseconds: the one clock of records, limits and agents.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{BreakerConfig, GatewaySection, Role, UpstreamConfig, UpstreamTls};
 use crate::metrics::GatewayMetrics;
 use crate::routing::{KvEventMsg, KvIndex};
+use crate::sse::SseParser;
 
 /// A circuit breaker: closed (traffic flows), open (none, until a pause
 /// passes), half-open (one probe decides).
@@ -305,6 +306,12 @@ impl Upstream {
         }
     }
 
+    /// Its KV events feed the index: a Granary engine's over HTTP (once its
+    /// layout is known), or vLLM's over ZeroMQ.
+    pub fn publishes_events(&self) -> bool {
+        self.cfg.kv_events_zmq.is_some() || (self.cfg.kv_events && self.kv_info().is_some())
+    }
+
     pub fn kv_info(&self) -> Option<KvInfo> {
         self.kv.read().clone()
     }
@@ -586,7 +593,18 @@ impl Upstreams {
         let interval = Duration::from_millis(section.health.interval_ms);
         let timeout = Duration::from_millis(section.health.timeout_ms);
         tokio::spawn(health_loop(u.clone(), first_check, interval, timeout));
-        if u.cfg.kv_events && u.cfg.granary != Some(false) {
+        if let Some(endpoint) = &u.cfg.kv_events_zmq {
+            tokio::spawn(crate::routing::vllm::follow(crate::routing::vllm::Follow {
+                name: u.cfg.name.clone(),
+                upstream: u.id,
+                endpoint: endpoint.clone(),
+                topic: u.cfg.kv_events_topic.clone(),
+                chain: crate::routing::vllm::third_party_chain(u.cfg.kv_block_tokens),
+                index: self.index.clone(),
+                metrics: self.metrics.clone(),
+                stop: u.stop.clone(),
+            }));
+        } else if u.cfg.kv_events && u.cfg.granary != Some(false) {
             tokio::spawn(follow_events(u.clone(), self.index.clone(), self.metrics.clone()));
         }
     }
@@ -681,41 +699,6 @@ async fn follow_events(u: Arc<Upstream>, index: Arc<KvIndex>, metrics: Arc<Gatew
     }
 }
 
-/// An incremental parser of `text/event-stream`: feed it chunks as they
-/// come, get the `data` of each complete event.
-#[derive(Default)]
-pub struct SseParser {
-    line: Vec<u8>,
-    data: Vec<String>,
-}
-
-impl SseParser {
-    /// The events completed by `chunk` (their `data` lines joined by `\n`).
-    pub fn push(&mut self, chunk: &[u8]) -> Vec<String> {
-        let mut out = Vec::new();
-        for &b in chunk {
-            if b != b'\n' {
-                self.line.push(b);
-                continue;
-            }
-            if self.line.last() == Some(&b'\r') {
-                self.line.pop();
-            }
-            if self.line.is_empty() {
-                if !self.data.is_empty() {
-                    out.push(self.data.join("\n"));
-                    self.data.clear();
-                }
-            } else if let Some(rest) = self.line.strip_prefix(b"data:") {
-                let rest = rest.strip_prefix(b" ").unwrap_or(rest);
-                self.data.push(String::from_utf8_lossy(rest).into_owned());
-            }
-            self.line.clear();
-        }
-        out
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -768,16 +751,5 @@ mod tests {
         b.health_failed();
         b.health_passed();
         assert_eq!(b.view(), BreakerView::Open, "not before the pause is over");
-    }
-
-    #[test]
-    fn sse_parser_handles_split_chunks_and_multiline_data() {
-        let mut p = SseParser::default();
-        assert!(p.push(b"event: stored\ndata: {\"a\"").is_empty());
-        assert_eq!(
-            p.push(b":1}\n\n: comment\n\ndata: x\r\ndata: y\r\n\r\n"),
-            vec!["{\"a\":1}".to_string(), "x\ny".into()]
-        );
-        assert!(p.push(b"data: partial").is_empty());
     }
 }

@@ -567,3 +567,62 @@ async fn every_limiter_call_stays_in_one_cluster_slot() {
     let r = l.admit_at(&p, 0, T0).await.unwrap_err();
     assert_eq!(r.limit, "requests_per_minute");
 }
+
+/// Issue 14, point 2: a real Redis Cluster of three masters, made by the
+/// test with `redis-server --cluster-enabled yes` and `redis-cli --cluster
+/// create`. Two limiters given the seed nodes (comma-separated URLs)
+/// enforce limits together for tenants whose keys live on different
+/// masters, with no error from any call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_14_limits_hold_on_a_redis_cluster_of_three_masters() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut servers = Vec::new();
+    for i in 0..3 {
+        let nodes = dir.path().join(format!("nodes-{i}.conf"));
+        let args = ["--cluster-enabled", "yes", "--cluster-config-file", nodes.to_str().unwrap()];
+        let Some(s) = RedisServer::start_with(free_port(), &args) else { return };
+        servers.push(s);
+    }
+    let addrs: Vec<String> = servers.iter().map(|s| format!("127.0.0.1:{}", s.port)).collect();
+    let created = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .expect("redis-cli runs");
+    assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stdout));
+    for s in &servers {
+        let mut c = s.client().await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let info: String = redis::cmd("CLUSTER").arg("INFO").query_async(&mut c).await.unwrap();
+            if info.contains("cluster_state:ok") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the cluster did not come up: {info}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let urls = servers.iter().map(|s| s.url()).collect::<Vec<_>>().join(",");
+    let a = Limiter::redis(&urls, options("granary:limits:")).await.unwrap();
+    let b = Limiter::redis(&urls, options("granary:limits:")).await.unwrap();
+    // Twelve tenants, each allowed 3 requests a minute across both limiters.
+    for tenant in 1..=12 {
+        let p = principal(100 + tenant, tenant, rpm(1000), rpm(3));
+        let mut admitted = 0;
+        for limiter in [&a, &b, &a, &b, &a] {
+            if limiter.admit_at(&p, 0, T0).await.is_ok() {
+                admitted += 1;
+            }
+        }
+        assert_eq!(admitted, 3, "tenant {tenant}");
+    }
+    assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0), "every call reached the right master");
+    // The tenants' keys are spread over the masters, not all on one.
+    let mut holding = 0;
+    for s in &servers {
+        let n: i64 = redis::cmd("DBSIZE").query_async(&mut s.client().await).await.unwrap();
+        holding += usize::from(n > 0);
+    }
+    assert!(holding >= 2, "keys on {holding} master(s)");
+}

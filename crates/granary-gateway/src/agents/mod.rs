@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use parking_lot::Mutex;
@@ -30,6 +30,7 @@ use tokio::sync::watch;
 use crate::config::{AgentsConfig, UpstreamConfig};
 use crate::error::ApiError;
 use crate::proxy::Gateway;
+use crate::types::now_ms;
 use crate::upstream::{Origin, Upstream};
 
 mod http;
@@ -193,10 +194,6 @@ pub struct Agents {
     failed: Mutex<HashMap<String, Instant>>,
     http: reqwest::Client,
     reaper: AtomicBool,
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
 
 /// Where to ask for a load.

@@ -81,11 +81,13 @@ pub struct AdminOptions {
     /// How long a key's previous secret keeps working after a rotation
     /// that does not say (`grace_s`).
     pub rotation_grace: std::time::Duration,
+    /// Prices for the usage report's cost (none: no cost column).
+    pub prices: crate::pricing::Prices,
 }
 
 impl Default for AdminOptions {
     fn default() -> Self {
-        AdminOptions { rotation_grace: std::time::Duration::from_secs(24 * 3600) }
+        AdminOptions { rotation_grace: std::time::Duration::from_secs(24 * 3600), prices: Default::default() }
     }
 }
 
@@ -116,13 +118,7 @@ async fn require_token(State(state): State<AdminState>, req: Request, next: Next
 
 /// Middleware: the request must carry `Authorization: Bearer <admin token>`.
 pub(crate) async fn require_admin(State(token): State<AdminToken>, req: Request, next: Next) -> Response {
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, token)| token.trim());
+    let presented = Some(super::keys::bearer(req.headers())).filter(|t| !t.is_empty());
     match presented {
         Some(t) if token.verify(t) => next.run(req).await,
         Some(_) => ApiError::unauthorized("invalid_admin_token", "Incorrect admin token provided.").into_response(),
@@ -216,10 +212,17 @@ fn time_error(field: &str, s: &str) -> ApiError {
 
 /// Writes usage rows as CSV, with a header line.
 pub fn usage_csv(rows: &[UsageRow]) -> String {
-    let mut out = String::from("tenant,model,requests,errors,prompt_tokens,completion_tokens,cached_tokens\n");
+    usage_csv_priced(rows, None)
+}
+
+/// [`usage_csv`] with `cost` and `currency` columns when `prices` are given
+/// (the cost cell is empty for a model without a price).
+pub fn usage_csv_priced(rows: &[UsageRow], prices: Option<&crate::pricing::Prices>) -> String {
+    let mut out = String::from("tenant,model,requests,errors,prompt_tokens,completion_tokens,cached_tokens");
+    out.push_str(if prices.is_some() { ",cost,currency\n" } else { "\n" });
     for r in rows {
         out.push_str(&format!(
-            "{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{}",
             csv_field(&r.tenant),
             csv_field(&r.model),
             r.requests,
@@ -228,15 +231,28 @@ pub fn usage_csv(rows: &[UsageRow]) -> String {
             r.completion_tokens,
             r.cached_tokens
         ));
+        if let Some(p) = prices {
+            let cost = p.cost(&r.model, r.prompt_tokens, r.cached_tokens, r.completion_tokens);
+            out.push_str(&format!(
+                ",{},{}",
+                cost.map(|c| format!("{c:.6}")).unwrap_or_default(),
+                csv_field(&p.currency)
+            ));
+        }
+        out.push('\n');
     }
     out
 }
 
+/// A CSV cell: quoted when needed, and a text starting like a formula
+/// (`=`, `+`, `-`, `@`, tab, carriage return) made inert with a leading `'`,
+/// since model names in the report come from clients.
 fn csv_field(s: &str) -> String {
+    let s = if s.starts_with(['=', '+', '-', '@', '\t', '\r']) { format!("'{s}") } else { s.to_string() };
     if s.contains([',', '"', '\n', '\r']) {
         format!("\"{}\"", s.replace('"', "\"\""))
     } else {
-        s.to_string()
+        s
     }
 }
 
@@ -415,6 +431,8 @@ async fn revoke_key(State(s): State<AdminState>, Path(id): Path<String>) -> Resu
 
 async fn usage(State(s): State<AdminState>, RawQuery(q): RawQuery) -> Result<Response, ApiError> {
     let params = query_params(q, &["from", "to", "tenant", "format"])?;
+    // Prices configured: a cost per row (in the report's currency).
+    let priced = Some(&s.options.prices).filter(|p| !p.models.is_empty());
     let (month_from, month_to) = current_month_ms();
     let from_ms = param(&params, "from").map(|v| parse_time("from", v)).transpose()?.unwrap_or(month_from);
     let to_ms = param(&params, "to").map(|v| parse_time("to", v)).transpose()?.unwrap_or(month_to);
@@ -434,9 +452,16 @@ async fn usage(State(s): State<AdminState>, RawQuery(q): RawQuery) -> Result<Res
     if csv {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/csv; charset=utf-8"));
-        return Ok((headers, usage_csv(&rows)).into_response());
+        return Ok((headers, usage_csv_priced(&rows, priced)).into_response());
     }
-    Ok(Json(serde_json::json!({ "object": "list", "from_ms": from_ms, "to_ms": to_ms, "data": rows })).into_response())
+    let mut body = serde_json::json!({ "object": "list", "from_ms": from_ms, "to_ms": to_ms, "data": rows });
+    if let Some(p) = priced {
+        body["currency"] = p.currency.clone().into();
+        for (v, r) in body["data"].as_array_mut().into_iter().flatten().zip(&rows) {
+            v["cost"] = p.cost(&r.model, r.prompt_tokens, r.cached_tokens, r.completion_tokens).into();
+        }
+    }
+    Ok(Json(body).into_response())
 }
 
 async fn audit(State(s): State<AdminState>, RawQuery(q): RawQuery) -> Result<Response, ApiError> {

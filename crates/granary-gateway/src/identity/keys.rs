@@ -52,6 +52,12 @@ pub fn hashes_equal(a: &str, b: &str) -> bool {
     a.len() == b.len() && bool::from(a.as_bytes().ct_eq(b.as_bytes()))
 }
 
+/// The token a request's `Authorization` header carries ([`strip_bearer`]);
+/// empty when it has none.
+pub fn bearer(headers: &axum::http::HeaderMap) -> &str {
+    headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(strip_bearer).unwrap_or("")
+}
+
 /// The token in an `Authorization` value: `Bearer <token>` (scheme in any
 /// case) or the bare token; surrounding blanks are ignored, and a lone
 /// `Bearer` is no token at all.
@@ -100,6 +106,16 @@ mod tests {
         assert!(!well_formed(&String::from_utf8(bad).unwrap()));
         // A multi-byte character of the right byte length must not panic.
         assert!(!well_formed(&format!("gk_é{}", "a".repeat(KEY_LEN - 5))));
+    }
+
+    #[test]
+    fn the_authorization_headers_token_is_read_once_for_all_routes() {
+        let mut h = axum::http::HeaderMap::new();
+        assert_eq!(bearer(&h), "");
+        h.insert(axum::http::header::AUTHORIZATION, "Bearer gk_abc".parse().unwrap());
+        assert_eq!(bearer(&h), "gk_abc");
+        h.insert(axum::http::header::AUTHORIZATION, "BEARER  gk_abc ".parse().unwrap());
+        assert_eq!(bearer(&h), "gk_abc");
     }
 
     #[test]

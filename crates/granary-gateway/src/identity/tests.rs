@@ -324,6 +324,36 @@ fn usage_csv_has_a_header_and_quotes_when_needed() {
     );
 }
 
+/// Issue 14, point 2: usage reports with cost, and cells that start like a
+/// formula (model names come from clients) made inert.
+#[test]
+fn usage_csv_prices_rows_and_neutralises_formulas() {
+    let mut prices = crate::pricing::Prices::default();
+    prices.models.insert(
+        "llama".into(),
+        crate::pricing::ModelPrice { input_per_million: 1.0, cached_input_per_million: None, output_per_million: 2.0 },
+    );
+    let rows = vec![
+        UsageRow {
+            tenant: "acme".into(),
+            model: "llama".into(),
+            prompt_tokens: 1_000,
+            completion_tokens: 500,
+            ..Default::default()
+        },
+        UsageRow { tenant: "acme".into(), model: "=HYPERLINK(\"http://x\")".into(), requests: 1, ..Default::default() },
+        UsageRow { tenant: "acme".into(), model: "+1".into(), ..Default::default() },
+        UsageRow { tenant: "acme".into(), model: "@sum".into(), ..Default::default() },
+        UsageRow { tenant: "acme".into(), model: "-2".into(), ..Default::default() },
+    ];
+    let csv = usage_csv_priced(&rows, Some(&prices));
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines[0], "tenant,model,requests,errors,prompt_tokens,completion_tokens,cached_tokens,cost,currency");
+    assert_eq!(lines[1], "acme,llama,0,0,1000,500,0,0.002000,USD");
+    assert_eq!(lines[2], "acme,\"'=HYPERLINK(\"\"http://x\"\")\",1,0,0,0,0,,USD", "no price: an empty cost");
+    assert_eq!(&lines[3..], ["acme,'+1,0,0,0,0,0,,USD", "acme,'@sum,0,0,0,0,0,,USD", "acme,'-2,0,0,0,0,0,,USD"]);
+}
+
 #[test]
 fn admin_token_verifies_only_its_secret() {
     let t = AdminToken::new("s3cret");
@@ -821,4 +851,36 @@ async fn issue_14_spooled_audit_batches_are_replayed_after_a_restart() {
     plain.record(rec("acme", "llama", 200, 1, 1, 0, 99));
     plain.flush().await;
     assert_eq!(plain.audit_dropped(), 1);
+}
+
+/// Issue 14, point 2: with prices configured, the usage report gives each
+/// row's cost and the currency; a model without a price has none.
+#[tokio::test]
+async fn usage_reports_cost_when_prices_are_configured() {
+    let id = mem().await;
+    tenant(&id, "acme").await;
+    id.record(rec("acme", "llama", 200, 2_000_000, 1_000_000, 1_000_000, 1_700_000_000_000));
+    id.record(rec("acme", "free", 200, 10, 10, 0, 1_700_000_000_001));
+    id.flush().await;
+    let mut prices = crate::pricing::Prices { currency: "EUR".into(), ..Default::default() };
+    prices.models.insert(
+        "llama".into(),
+        crate::pricing::ModelPrice {
+            input_per_million: 1.0,
+            cached_input_per_million: Some(0.5),
+            output_per_million: 3.0,
+        },
+    );
+    let r = admin_router_with(id, AdminToken::new(ADMIN), AdminOptions { prices, ..Default::default() });
+    let uri = "/admin/v1/usage?from=2023-11-14T00:00:00Z&to=2023-11-15T00:00:00Z";
+    let (status, _, json, _) = call(&r, Method::GET, uri, Some(ADMIN), None).await;
+    assert_eq!(status, StatusCode::OK, "{json}");
+    assert_eq!(json["currency"], "EUR");
+    let cost =
+        |model: &str| json["data"].as_array().unwrap().iter().find(|r| r["model"] == model).unwrap()["cost"].clone();
+    // 1M fresh × 1 + 1M cached × 0.5 + 1M out × 3.
+    assert_eq!(cost("llama"), serde_json::json!(4.5));
+    assert_eq!(cost("free"), serde_json::Value::Null);
+    let (_, _, _, text) = call(&r, Method::GET, &format!("{uri}&format=csv"), Some(ADMIN), None).await;
+    assert!(text.contains("acme,llama,1,0,2000000,1000000,1000000,4.500000,EUR\n"), "{text}");
 }

@@ -44,6 +44,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Datelike, NaiveDate, Utc};
 
+use crate::types::now_ms;
 use crate::{ApiError, Limits, Principal};
 
 pub use self::redis_store::RedisOptions;
@@ -405,11 +406,6 @@ fn blocking(checks: &[Check], failed: &[(usize, u64)], now_ms: i64) -> Option<Re
         }
     }
     best.map(|(i, used)| checks[i].rejection(used, now_ms))
-}
-
-/// The current time in unix milliseconds.
-fn now_ms() -> i64 {
-    Utc::now().timestamp_millis()
 }
 
 enum Backend {

@@ -19,6 +19,10 @@
 //! the limiter fails open (the request is admitted, the charge dropped),
 //! counts the error and logs a warning at most every 10 seconds; the
 //! connection manager reconnects on its own.
+//!
+//! Several URLs, comma-separated, name the seed nodes of a Redis Cluster:
+//! the cluster client follows the slot map (and `MOVED` answers), and the
+//! hash tag keeps each script call in one slot.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -26,7 +30,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use parking_lot::RwLock;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Value};
 use serde::Deserialize;
 
 use super::Check;
@@ -167,9 +173,73 @@ const GRACE_SECS: i64 = 1;
 const WARN_EVERY: Duration = Duration::from_secs(10);
 const NEVER: u64 = u64::MAX;
 
+/// A connection to one server, or to a cluster.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Where to connect: one server, or a cluster's seed nodes.
+#[derive(Clone)]
+enum Target {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
+impl Target {
+    fn parse(url: &str) -> anyhow::Result<Target> {
+        let urls: Vec<&str> = url.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
+        if urls.len() > 1 {
+            let client = redis::cluster::ClusterClientBuilder::new(urls)
+                .connection_timeout(Duration::from_secs(1))
+                .build()
+                .context("limits: the Redis Cluster URLs are not valid")?;
+            return Ok(Target::Cluster(client));
+        }
+        // The URL may hold a password: the error names the field, not the URL.
+        Ok(Target::Single(redis::Client::open(url).context("limits: the Redis URL is not valid")?))
+    }
+
+    async fn connect(&self, config: &ConnectionManagerConfig) -> redis::RedisResult<Conn> {
+        match self {
+            Target::Single(c) => Ok(Conn::Single(ConnectionManager::new_with_config(c.clone(), config.clone()).await?)),
+            Target::Cluster(c) => Ok(Conn::Cluster(c.get_async_connection().await?)),
+        }
+    }
+}
+
 /// What the background connector and the callers share.
 struct Shared {
-    conn: RwLock<Option<ConnectionManager>>,
+    conn: RwLock<Option<Conn>>,
     errors: AtomicU64,
     /// Milliseconds after `started` of the last warning, or [`NEVER`].
     last_warn_ms: AtomicU64,
@@ -209,8 +279,7 @@ impl RedisStore {
         if options.timeout_ms == 0 {
             bail!("limits: redis timeout_ms must be at least 1");
         }
-        // The URL may hold a password: the error names the field, not the URL.
-        let client = redis::Client::open(url).context("limits: the Redis URL is not valid")?;
+        let client = Target::parse(url)?;
         let shared = Arc::new(Shared {
             conn: RwLock::new(None),
             errors: AtomicU64::new(0),
@@ -249,7 +318,7 @@ impl RedisStore {
 
     /// The connection, or `None` (counted as an error) while the first one
     /// is still being made.
-    fn connection(&self, what: &str) -> Option<ConnectionManager> {
+    fn connection(&self, what: &str) -> Option<Conn> {
         let conn = self.shared.conn.read().clone();
         if conn.is_none() {
             self.shared.failed(what, &"not connected yet (connecting in the background)");
@@ -352,7 +421,7 @@ fn ttl_secs(check: &Check, now_ms: i64) -> i64 {
 /// Makes the first connection, retrying with backoff until it succeeds or
 /// the store is dropped. From then on the connection manager reconnects
 /// by itself whenever a call meets a broken connection.
-async fn connect_loop(client: redis::Client, shared: Weak<Shared>, ready: tokio::sync::oneshot::Sender<()>) {
+async fn connect_loop(client: Target, shared: Weak<Shared>, ready: tokio::sync::oneshot::Sender<()>) {
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Duration::from_secs(1))
         .set_number_of_retries(1)
@@ -363,7 +432,7 @@ async fn connect_loop(client: redis::Client, shared: Weak<Shared>, ready: tokio:
         if shared.strong_count() == 0 {
             return;
         }
-        match ConnectionManager::new_with_config(client.clone(), config.clone()).await {
+        match client.connect(&config).await {
             Ok(conn) => {
                 if let Some(shared) = shared.upgrade() {
                     *shared.conn.write() = Some(conn);

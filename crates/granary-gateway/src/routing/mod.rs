@@ -25,6 +25,7 @@ use crate::types::Priority;
 mod admission;
 #[cfg(test)]
 mod tests;
+pub mod vllm;
 
 pub use admission::Admission;
 
@@ -68,6 +69,19 @@ pub struct RouteRequest<'a> {
     pub session: Option<&'a str>,
     /// The prompt's block hashes (empty when the tokenizer or layout is not known).
     pub blocks: &'a [BlockHash],
+    /// The prompt's blocks as some upstreams name them, where that differs
+    /// from `blocks` (third-party engines: [`vllm::third_party_chain`]).
+    pub by_upstream: &'a [(usize, Arc<[BlockHash]>)],
+}
+
+impl RouteRequest<'_> {
+    /// The prompt's blocks as `upstream` names them.
+    pub fn blocks_for(&self, upstream: usize) -> &[BlockHash] {
+        match self.by_upstream.iter().find(|(u, _)| *u == upstream) {
+            Some((_, b)) => b,
+            None => self.blocks,
+        }
+    }
 }
 
 /// A routing policy.
@@ -271,7 +285,9 @@ impl KvAware {
         KvAware { index, approx: ApproxIndex::new(approx_capacity_blocks), load_penalty, next: AtomicUsize::new(0) }
     }
 
-    fn matched(&self, c: &Candidate, blocks: &[BlockHash]) -> usize {
+    /// Leading blocks of the prompt `c` holds.
+    pub fn matched(&self, c: &Candidate, req: &RouteRequest<'_>) -> usize {
+        let blocks = req.blocks_for(c.index);
         if blocks.is_empty() {
             0
         } else if c.publishes_events {
@@ -289,7 +305,7 @@ impl Policy for KvAware {
     fn rank(&self, req: &RouteRequest<'_>, candidates: &[Candidate]) -> Vec<usize> {
         let mut scored: Vec<(&Candidate, f64)> = rotated(candidates, &self.next)
             .into_iter()
-            .map(|c| (c, self.matched(c, req.blocks) as f64 - self.load_penalty * c.active as f64))
+            .map(|c| (c, self.matched(c, req) as f64 - self.load_penalty * c.active as f64))
             .collect();
         scored.sort_by(|(a, sa), (b, sb)| {
             a.full().cmp(&b.full()).then(sb.total_cmp(sa)).then(a.load().total_cmp(&b.load()))
@@ -297,8 +313,9 @@ impl Policy for KvAware {
         scored.into_iter().map(|(c, _)| c.index).collect()
     }
     fn routed(&self, req: &RouteRequest<'_>, upstream: usize) {
-        if !req.blocks.is_empty() {
-            self.approx.insert(upstream, req.blocks);
+        let blocks = req.blocks_for(upstream);
+        if !blocks.is_empty() {
+            self.approx.insert(upstream, blocks);
         }
     }
     fn forget(&self, upstream: usize) {

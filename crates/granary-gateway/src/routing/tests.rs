@@ -15,7 +15,7 @@ fn cands(loads: &[(usize, usize)]) -> Vec<Candidate> {
 }
 
 fn req(blocks: &[BlockHash]) -> RouteRequest<'_> {
-    RouteRequest { namespace: "t", session: None, blocks }
+    RouteRequest { namespace: "t", session: None, blocks, by_upstream: &[] }
 }
 
 fn blocks(n: usize, seed: u32) -> Vec<BlockHash> {
@@ -55,8 +55,9 @@ fn least_load_picks_the_idlest_relative_to_capacity() {
 fn sessions_stick_and_move_minimally() {
     let p = Session::default();
     let c = cands(&[(0, 0), (5, 0), (0, 0), (0, 0)]);
-    let place =
-        |c: &[Candidate], s: &str| p.rank(&RouteRequest { namespace: "t", session: Some(s), blocks: &[] }, c)[0];
+    let place = |c: &[Candidate], s: &str| {
+        p.rank(&RouteRequest { namespace: "t", session: Some(s), blocks: &[], by_upstream: &[] }, c)[0]
+    };
     let sessions: Vec<String> = (0..200).map(|i| format!("conversation-{i}")).collect();
     let before: Vec<usize> = sessions.iter().map(|s| place(&c, s)).collect();
     assert_eq!(before, sessions.iter().map(|s| place(&c, s)).collect::<Vec<_>>(), "stable");
@@ -262,7 +263,7 @@ fn issue_14_sessions_stick_to_the_same_upstream_name_on_every_replica() {
     let one = replica(&[0, 1, 2, 3]);
     let two = replica(&[3, 1, 0, 2]);
     let name_of = |(c, p): &(Vec<Candidate>, Session), order: &[usize], s: &str| {
-        let first = p.rank(&RouteRequest { namespace: "t", session: Some(s), blocks: &[] }, c)[0];
+        let first = p.rank(&RouteRequest { namespace: "t", session: Some(s), blocks: &[], by_upstream: &[] }, c)[0];
         names[order[c.iter().position(|x| x.index == first).unwrap()]]
     };
     let mut spread = HashSet::new();

@@ -144,7 +144,7 @@ fn replay(trace: &[TraceRequest], label: &str, cfg: &PolicyConfig, events: bool,
         let now = r.timestamp as f64 / 1000.0 * a.time_scale;
         let blocks: Vec<BlockHash> = r.hash_ids.iter().map(|&id| block_hash(id)).collect();
         let session = r.hash_ids.get(1).map(u64::to_string);
-        let req = RouteRequest { namespace: "bench", session: session.as_deref(), blocks: &blocks };
+        let req = RouteRequest { namespace: "bench", session: session.as_deref(), blocks: &blocks, by_upstream: &[] };
         let cands: Vec<Candidate> = engines
             .iter_mut()
             .enumerate()

@@ -1,0 +1,254 @@
+//! Attempts: a slot on an upstream, the request, retries before the first
+//! byte, and prefill before decode in disaggregated pools.
+
+use super::*;
+
+/// Takes a slot on the first upstream of `order` with room; waits (by
+/// priority) when all are full.
+pub(super) async fn acquire(gw: &Arc<Gateway>, order: &[Arc<Upstream>], p: &Principal) -> Result<Slot, ApiError> {
+    let try_take = || order.iter().find_map(|u| u.try_acquire());
+    let slot = match try_take() {
+        Some(s) => s,
+        None => {
+            let prio = vec![("priority", p.priority.as_str().to_string())];
+            gw.metrics.queue_waiting.get_or_create(&prio).inc();
+            let t0 = Instant::now();
+            let wants: Vec<usize> = order.iter().map(|u| u.id).collect();
+            let got = gw.admission.acquire(p.priority, &wants, gw.cfg.queue_timeout(), try_take).await;
+            gw.metrics.queue_waiting.get_or_create(&prio).dec();
+            gw.metrics.queue_seconds.get_or_create(&prio).observe(t0.elapsed().as_secs_f64());
+            got.ok_or_else(|| {
+                ApiError::unavailable("Every upstream for this model is at capacity; try again later.")
+                    .retry_after(Duration::from_secs(1))
+            })?
+        }
+    };
+    // Released, the slot's capacity goes straight to the best request
+    // waiting for this upstream.
+    let admission = gw.admission.clone();
+    let up = slot.upstream.clone();
+    Ok(slot.on_release(move || admission.offer(up.id, || up.try_acquire())))
+}
+
+pub(super) enum AttemptError {
+    /// Worth trying elsewhere: nothing reached the client.
+    Retryable(&'static str, String),
+    /// A final answer to pass on.
+    Final(Response),
+}
+
+pub(super) fn request_to(
+    up: &Upstream,
+    path: &str,
+    p: &Principal,
+    request_id: &str,
+    payload: Bytes,
+    timeout: Duration,
+) -> reqwest::RequestBuilder {
+    let mut req =
+        up.client.post(up.url(path)).header(header::CONTENT_TYPE, "application/json").timeout(timeout).body(payload);
+    // Granary headers go to Granary engines only: a tenant's namespace is
+    // its name by default, and must not reach a third party; and servers
+    // may read `x-request-id` their own way (llama-cpp-python's answers a
+    // bare 400 to any id that is not a UUID).
+    if up.is_granary() {
+        req = req.header(REQUEST_ID_HEADER, request_id);
+        if up.cfg.send_namespace {
+            req = req.header(NAMESPACE_HEADER, &p.namespace);
+        }
+    }
+    if let Some(a) = &up.auth {
+        req = req.header(header::AUTHORIZATION, a);
+    }
+    req
+}
+
+pub(super) async fn prefill_first(
+    gw: &Arc<Gateway>,
+    endpoint: Endpoint,
+    parsed: &Parsed,
+    model: &str,
+    p: &Principal,
+    out: &Outcome,
+    order: &[Arc<Upstream>],
+) {
+    let Ok(slot) = acquire(gw, order, p).await else { return };
+    let up = slot.upstream.clone();
+    let mut body = parsed.body.clone();
+    body.insert("stream".into(), Value::Bool(false));
+    body.insert("model".into(), Value::String(up.wire_model(model).to_string()));
+    body.remove("stream_options");
+    let Ok(payload) = serde_json::to_vec(&body) else { return };
+    let res = request_to(&up, endpoint.path(), p, &out.rec.request_id, payload.into(), gw.cfg.first_byte_timeout())
+        .send()
+        .await;
+    match res {
+        Ok(r) if r.status().is_success() => {
+            let _ = r.bytes().await;
+            up.attempt("ok");
+            up.breaker.success();
+        }
+        Ok(r) => {
+            up.attempt(if r.status().is_server_error() { "status_5xx" } else { "status_4xx" });
+            tracing::warn!(upstream = %up.name(), status = %r.status(), "prefill failed; decoding computes the prompt");
+        }
+        Err(e) => {
+            up.attempt("connect_error");
+            up.breaker.failure();
+            tracing::warn!(upstream = %up.name(), error = %e, "prefill failed; decoding computes the prompt");
+        }
+    }
+}
+
+pub(super) async fn attempt_all(
+    gw: &Arc<Gateway>,
+    out: &mut Outcome,
+    endpoint: Endpoint,
+    parsed: &Parsed,
+    p: &Principal,
+    plan: Vec<Choice>,
+) -> Result<Response, ApiError> {
+    let mut payloads: Vec<(String, Bytes)> = Vec::new();
+    // The model each upstream serves the request as (the first choice
+    // naming it: the requested model before fallbacks).
+    let mut order: Vec<Arc<Upstream>> = Vec::new();
+    let mut models: HashMap<usize, String> = HashMap::new();
+    for c in plan {
+        if let std::collections::hash_map::Entry::Vacant(e) = models.entry(c.upstream.id) {
+            e.insert(c.model);
+            order.push(c.upstream);
+        }
+    }
+    let mut tried: Vec<usize> = Vec::new();
+    let mut backoff = Duration::from_millis(gw.cfg.retry_backoff_ms);
+    let mut last = String::new();
+    for attempt in 0..gw.cfg.max_attempts {
+        // Prefer upstreams not tried yet; come back to tried ones only when
+        // nothing else is left.
+        let fresh: Vec<Arc<Upstream>> = order.iter().filter(|u| !tried.contains(&u.id)).cloned().collect();
+        let candidates: Vec<Arc<Upstream>> = if fresh.is_empty() { order.clone() } else { fresh };
+        let candidates: Vec<Arc<Upstream>> =
+            candidates.into_iter().filter(|u| u.breaker.is_available() && !u.is_removed()).collect();
+        if candidates.is_empty() {
+            break;
+        }
+        if attempt > 0 {
+            gw.metrics.retries.inc();
+            tokio::time::sleep(backoff).await;
+            backoff *= 2;
+        }
+        let slot = acquire(gw, &candidates, p).await?;
+        let up = slot.upstream.clone();
+        if !up.breaker.allow() {
+            continue;
+        }
+        tried.push(up.id);
+        out.rec.upstream = Some(up.name().to_string());
+        let model = models.get(&up.id).cloned().unwrap_or_else(|| parsed.model.clone());
+        let payload = payload_for(&mut payloads, &parsed.body, up.wire_model(&model))?;
+        out.rec.model = Some(model);
+        match attempt_one(gw, out, endpoint, parsed, p, slot, payload).await {
+            Ok(resp) => return Ok(resp),
+            Err(AttemptError::Final(resp)) => return Ok(resp),
+            Err(AttemptError::Retryable(outcome, why)) => {
+                up.attempt(outcome);
+                up.breaker.failure();
+                tracing::warn!(upstream = %up.name(), request_id = %out.rec.request_id, attempt, error = %why, "upstream attempt failed");
+                last = why;
+            }
+        }
+    }
+    let _ = last;
+    Err(ApiError::bad_gateway("The upstream engines failed to answer this request; try again."))
+}
+
+pub(super) async fn attempt_one(
+    gw: &Arc<Gateway>,
+    out: &mut Outcome,
+    endpoint: Endpoint,
+    parsed: &Parsed,
+    p: &Principal,
+    slot: Slot,
+    payload: Bytes,
+) -> Result<Response, AttemptError> {
+    let up = slot.upstream.clone();
+    let first_byte = gw.cfg.first_byte_timeout();
+    // No total timeout on the request: streams may run long; silence is
+    // bounded per chunk instead.
+    let send = request_to(&up, endpoint.path(), p, &out.rec.request_id, payload, Duration::from_secs(24 * 3600)).send();
+    let resp = match tokio::time::timeout(first_byte, send).await {
+        Err(_) => return Err(AttemptError::Retryable("timeout", "no response headers in time".into())),
+        Ok(Err(e)) if e.is_connect() => return Err(AttemptError::Retryable("connect_error", e.to_string())),
+        Ok(Err(e)) => return Err(AttemptError::Retryable("connect_error", e.to_string())),
+        Ok(Ok(r)) => r,
+    };
+    let status = resp.status();
+    if status.is_server_error() {
+        return Err(AttemptError::Retryable("status_5xx", format!("status {status}")));
+    }
+    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let is_sse =
+        content_type.as_ref().and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
+    let mut body = resp.bytes_stream();
+    // The first body byte: until it arrives, a failure is retried elsewhere.
+    let first = match tokio::time::timeout(first_byte, body.next()).await {
+        Err(_) => return Err(AttemptError::Retryable("timeout", "no first byte in time".into())),
+        Ok(Some(Err(e))) => return Err(AttemptError::Retryable("bad_response", e.to_string())),
+        Ok(None) => Bytes::new(),
+        Ok(Some(Ok(b))) => b,
+    };
+    out.first_byte();
+    let code = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    out.rec.status = code.as_u16();
+    if parsed.stream && is_sse && code.is_success() {
+        up.attempt("ok");
+        up.breaker.success();
+        let owned = out.take();
+        let stream = relay_sse(first, body, owned, slot, parsed.include_usage, gw.cfg.idle_timeout());
+        return Ok(Response::builder()
+            .status(code)
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::from_stream(stream))
+            .unwrap_or_else(|_| ApiError::bad_gateway("bad upstream response").into_response()));
+    }
+    // Whole answers: read to the end (a failure here is still retryable:
+    // the client has received nothing).
+    let mut buf = first.to_vec();
+    loop {
+        match tokio::time::timeout(gw.cfg.idle_timeout(), body.next()).await {
+            Err(_) => return Err(AttemptError::Retryable("timeout", "upstream went silent".into())),
+            Ok(Some(Err(e))) => return Err(AttemptError::Retryable("bad_response", e.to_string())),
+            Ok(Some(Ok(b))) => {
+                if buf.len() + b.len() > 64 << 20 {
+                    return Err(AttemptError::Retryable("bad_response", "answer over 64 MiB".into()));
+                }
+                buf.extend_from_slice(&b);
+            }
+            Ok(None) => break,
+        }
+    }
+    let json: Option<Value> = serde_json::from_slice(&buf).ok();
+    if code.is_success() && json.as_ref().is_none_or(|v| !v.is_object()) {
+        return Err(AttemptError::Retryable("bad_response", "the upstream's answer is not a JSON object".into()));
+    }
+    up.attempt(if code.is_success() { "ok" } else { "status_4xx" });
+    up.breaker.success();
+    drop(slot);
+    if let Some(key) = out.cache_key.take().filter(|k| code == StatusCode::OK && k.store) {
+        if let Some(cache) = &gw.cache {
+            cache.put(&key, Bytes::from(buf.clone()));
+        }
+    }
+    if let Some(v) = &json {
+        out.usage(v);
+        if !code.is_success() {
+            out.rec.error_code = v["error"]["code"].as_str().map(str::to_string);
+        }
+    }
+    let mut r = Response::builder().status(code);
+    r = r.header(header::CONTENT_TYPE, content_type.unwrap_or(HeaderValue::from_static("application/json")));
+    Err(AttemptError::Final(
+        r.body(Body::from(buf)).unwrap_or_else(|_| ApiError::bad_gateway("bad upstream response").into_response()),
+    ))
+}

@@ -1,0 +1,181 @@
+//! What happened to one request, recorded once when it ends: the audit
+//! record, the metrics, and the settling of its token reservation.
+
+use super::*;
+
+/// What happened to one request; recorded (audit, metrics, token charge)
+/// exactly once, when it is dropped — also when a client goes away
+/// mid-stream.
+pub(super) struct Outcome {
+    pub(super) gw: Arc<Gateway>,
+    pub(super) start: Instant,
+    pub(super) rec: AuditRecord,
+    pub(super) principal: Option<Principal>,
+    pub(super) ttft: Option<Duration>,
+    pub(super) armed: bool,
+    /// The answer was handed over whole (or the stream ran to its end);
+    /// dropped before that, the client went away: status 499.
+    pub(super) done: bool,
+    /// The upstream's usage object arrived (then it is the truth).
+    pub(super) usage_seen: bool,
+    /// Completion tokens counted from streamed chunks so far.
+    pub(super) streamed: u64,
+    /// The prompt's size in tokens (estimated from its bytes unless it was
+    /// tokenized for routing), for a stream without a usage chunk.
+    pub(super) prompt_estimate: u64,
+    /// What the limits left, for the response's `x-ratelimit-*` headers.
+    pub(super) quota: Quota,
+    /// The tokens reserved at admission; settled with the real usage on drop.
+    pub(super) reservation: Option<Reservation>,
+    /// Where a deterministic request's answer is kept, once it comes.
+    pub(super) cache_key: Option<CacheKey>,
+    /// `hit` or `miss`, for the `x-granary-cache` header.
+    pub(super) cache_state: Option<&'static str>,
+}
+
+impl Outcome {
+    pub(super) fn new(gw: Arc<Gateway>, endpoint: Endpoint, request_id: String) -> Outcome {
+        gw.metrics.active.inc();
+        let rec = AuditRecord {
+            time_ms: now_ms(),
+            request_id,
+            endpoint: endpoint.path().to_string(),
+            status: 200,
+            ..Default::default()
+        };
+        Outcome {
+            gw,
+            start: Instant::now(),
+            rec,
+            principal: None,
+            ttft: None,
+            armed: true,
+            done: false,
+            usage_seen: false,
+            streamed: 0,
+            prompt_estimate: 0,
+            quota: Quota::default(),
+            reservation: None,
+            cache_key: None,
+            cache_state: None,
+        }
+    }
+
+    /// Moves the record into a new owner (a response stream).
+    pub(super) fn take(&mut self) -> Outcome {
+        self.armed = false;
+        Outcome {
+            gw: self.gw.clone(),
+            start: self.start,
+            rec: self.rec.clone(),
+            principal: self.principal.clone(),
+            ttft: self.ttft,
+            armed: true,
+            done: false,
+            usage_seen: self.usage_seen,
+            streamed: self.streamed,
+            prompt_estimate: self.prompt_estimate,
+            quota: self.quota,
+            reservation: self.reservation.take(),
+            cache_key: None,
+            cache_state: self.cache_state,
+        }
+    }
+
+    pub(super) fn fail(&mut self, e: &ApiError) {
+        self.rec.status = e.status.as_u16();
+        self.rec.error_code = e.code.map(str::to_string);
+    }
+
+    /// A stream that had started broke: the client saw a 200, the record
+    /// says what happened.
+    pub(super) fn broke(&mut self, status: u16, code: &str) {
+        self.rec.status = status;
+        self.rec.error_code = Some(code.to_string());
+    }
+
+    /// The answer is complete (or ended by the upstream): not the client's
+    /// hang-up.
+    pub(super) fn finished(&mut self) {
+        self.done = true;
+    }
+
+    pub(super) fn first_byte(&mut self) {
+        if self.ttft.is_none() {
+            self.ttft = Some(self.start.elapsed());
+        }
+    }
+
+    pub(super) fn usage(&mut self, v: &Value) {
+        let n = |x: &Value| x.as_u64().unwrap_or(0);
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            self.usage_seen = true;
+            self.rec.prompt_tokens = n(&u["prompt_tokens"]);
+            self.rec.completion_tokens = n(&u["completion_tokens"]);
+            self.rec.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
+        }
+    }
+}
+
+impl Drop for Outcome {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if !self.done {
+            // The client went away before the answer was complete: the
+            // upstream request is already dropped with the future or stream
+            // that owned it.
+            self.rec.status = 499;
+            self.rec.error_code = Some("client_closed_request".into());
+        }
+        if !self.usage_seen && self.streamed > 0 {
+            // A stream cut before its usage chunk: charge what was produced.
+            self.rec.completion_tokens = self.streamed;
+            self.rec.prompt_tokens = self.prompt_estimate;
+        }
+        let m = &self.gw.metrics;
+        m.active.dec();
+        let elapsed = self.start.elapsed();
+        self.rec.latency_ms = elapsed.as_secs_f64() * 1e3;
+        self.rec.ttft_ms = self.ttft.map(|t| t.as_secs_f64() * 1e3);
+        let tenant = m.tenant_label(self.rec.tenant.as_deref());
+        let model = m.model_label(self.rec.model.as_deref());
+        m.requests
+            .get_or_create(&vec![
+                ("tenant", tenant.clone()),
+                ("model", model.clone()),
+                ("status", self.rec.status.to_string()),
+            ])
+            .inc();
+        m.latency.get_or_create(&vec![("model", model.clone())]).observe(elapsed.as_secs_f64());
+        if let Some(t) = self.ttft {
+            m.ttft.get_or_create(&vec![("model", model.clone())]).observe(t.as_secs_f64());
+        }
+        for (kind, n) in [
+            ("prompt", self.rec.prompt_tokens),
+            ("completion", self.rec.completion_tokens),
+            ("cached", self.rec.cached_tokens),
+        ] {
+            if n > 0 {
+                m.tokens
+                    .get_or_create(&vec![("tenant", tenant.clone()), ("model", model.clone()), ("kind", kind.into())])
+                    .inc_by(n);
+            }
+        }
+        let spent = self.rec.prompt_tokens + self.rec.completion_tokens;
+        if let Some(p) = self.principal.take() {
+            let limiter = self.gw.limiter.clone();
+            let reservation = self.reservation.take().unwrap_or_default();
+            // Settling releases what was reserved and not used, so it runs
+            // also when nothing was spent.
+            if spent != reservation.tokens {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(async move { limiter.settle(&p, &reservation, spent).await });
+                }
+            }
+        }
+        self.gw.identity.record(std::mem::take(&mut self.rec));
+        self.gw.refresh_counters();
+    }
+}
