@@ -396,15 +396,21 @@ def check_json_schema_always_parses():
     print(f"    {len(samples[:100])} samples parsed, e.g. {samples[0]}")
 
 
-def check_json_object_mode_streamed():
+def check_json_schema_streamed():
     import json
 
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
     stream = client.chat.completions.create(
         model=model_id(),
-        messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
-        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}},
         temperature=0,
-        max_tokens=200,
+        max_tokens=60,
         stream=True,
     )
     text, finish = "", None
@@ -413,7 +419,27 @@ def check_json_object_mode_streamed():
             text += c.delta.content or ""
             finish = c.finish_reason or finish
     assert finish == "stop", (finish, text)
-    assert isinstance(json.loads(text), dict), text
+    v = json.loads(text)
+    assert set(v) == {"city", "country"}, text
+
+
+def check_json_object_mode():
+    """JSON mode: the answer is a JSON object from its first character (an
+    unconstrained greedy answer to this prompt starts with prose)."""
+    import json
+
+    r = chat(
+        messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=40,
+    )
+    c = r.choices[0]
+    assert c.message.content.startswith("{"), c.message.content
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict), c.message.content
+    plain = chat(messages=[{"role": "user", "content": "Give the capital of France as JSON."}], temperature=0, max_tokens=8)
+    assert not plain.choices[0].message.content.startswith("{"), "the check needs a prompt answered in prose unconstrained"
 
 
 def check_guided_choice():
@@ -508,7 +534,8 @@ CHECKS = [
     check_unsupported_fields_are_refused,
     check_structured_parse,
     check_json_schema_always_parses,
-    check_json_object_mode_streamed,
+    check_json_schema_streamed,
+    check_json_object_mode,
     check_guided_choice,
     check_tool_call_round_trip,
     check_tool_call_streamed,
