@@ -79,8 +79,9 @@ class Context:
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
 
-    def decode(self, items):
-        """items: (token, pos, seq, wants_logits); returns argmax per item that wants logits."""
+    def decode(self, items, top2=None):
+        """items: (token, pos, seq, wants_logits); returns argmax per item that wants logits.
+        With `top2` (a list), the two highest (id, logit) of the first such item are appended to it."""
         b = self.batch
         assert len(items) <= self.batch_cap
         for i, (tok, pos, seq, logits) in enumerate(items):
@@ -99,6 +100,10 @@ class Context:
                 ptr = llama_cpp.llama_get_logits_ith(self.ctx, i)
                 row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
                 out.append(int(row.argmax()))
+                if top2 is not None and len(out) == 1:
+                    best = np.argpartition(row, -2)[-2:]
+                    best = best[np.argsort(-row[best])]
+                    top2.append([[int(t), float(row[t])] for t in best])
         return out
 
     def perf(self):
@@ -117,20 +122,23 @@ def run_level(model, prompt, gen, n_seq, threads, batch):
     c = Context(model, n_seq, n_ctx, threads, batch)
     try:
         tokens = [[] for _ in range(n_seq)]
+        # The first sequence's two best logits at each step (concurrency 1
+        # only), so a disagreement with granary shows whether it is a tie.
+        top2 = [] if n_seq == 1 else None
         t0 = time.perf_counter()
         for s in range(n_seq):
             for start in range(0, len(prompt), batch):
                 chunk = prompt[start : start + batch]
                 last = start + len(chunk) == len(prompt)
                 items = [(t, start + j, s, last and j == len(chunk) - 1) for j, t in enumerate(chunk)]
-                got = c.decode(items)
+                got = c.decode(items, top2 if last else None)
                 if last:
                     tokens[s].append(got[0])
         t1 = time.perf_counter()
         for step in range(gen - 1):
             pos = len(prompt) + step
             items = [(tokens[s][-1], pos, s, True) for s in range(n_seq)]
-            for s, t in enumerate(c.decode(items)):
+            for s, t in enumerate(c.decode(items, top2)):
                 tokens[s].append(t)
         t2 = time.perf_counter()
         prefill_s = t1 - t0
@@ -147,6 +155,7 @@ def run_level(model, prompt, gen, n_seq, threads, batch):
             "decode_s": decode_s,
             "decode_tok_s": decoded / decode_s if decode_s > 0 else None,
             "tokens": tokens,
+            "top2": top2 or [],
             "perf": c.perf(),
         }
     finally:

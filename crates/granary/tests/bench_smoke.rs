@@ -197,6 +197,9 @@ fn engine_quick_run_without_the_anchor() {
         assert_eq!(l["first_stream_ids"].as_array().unwrap().len(), 4);
     }
     assert!(r["llama_cpp"]["unavailable"].is_string(), "{}", r["llama_cpp"]);
+    // Without an anchor there is nothing to alternate with: one round.
+    assert_eq!(r["rounds"], 1, "{}", r["rounds"]);
+    assert_eq!(r["spread"].as_array().unwrap().len(), 2, "{}", r["spread"]);
     let goals = r["goals"].as_array().expect("goals");
     assert_eq!(goals.len(), 3);
     for g in &goals[..2] {

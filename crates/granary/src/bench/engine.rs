@@ -1,6 +1,9 @@
 //! `granary bench engine`: prefill and decode throughput of the engine
 //! against llama.cpp on the same GGUF, the same prompt ids and the same
-//! thread count, in the same run.
+//! thread count (`--threads`, every core by default: granary's pool is set
+//! to it, llama.cpp gets it), in the same run, over `--rounds` alternating
+//! rounds (granary, llama.cpp, granary, ...); the figures are each level's
+//! median with the spread (lowest to highest) beside it.
 //!
 //! Granary: for each concurrency level, a fresh engine (no warehouse) gets
 //! that many copies of the prompt at once, each in its own tenant namespace
@@ -38,8 +41,11 @@ use super::warehouse::report::{command_line, utc_timestamp, Goal, Host, Table};
 /// The anchor script, shipped inside the binary so the benchmark runs from
 /// anywhere; its source is `scripts/bench/llama_cpp_engine.py`.
 const SCRIPT: &str = include_str!("../../../../scripts/bench/llama_cpp_engine.py");
-const PREFILL_GOAL: f64 = 0.5;
-const DECODE_GOAL: f64 = 0.7;
+const PREFILL_GOAL: f64 = 1.0;
+const DECODE_GOAL: f64 = 1.0;
+/// Aggregate decode against llama.cpp's at [`MANY_STREAMS`] streams.
+const MANY_DECODE_GOAL: f64 = 1.5;
+const MANY_STREAMS: usize = 16;
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
@@ -58,9 +64,12 @@ pub struct Args {
     /// Python interpreter with llama-cpp-python (the anchor).
     #[arg(long, default_value = "python3")]
     python: String,
-    /// Threads llama.cpp uses (granary's pool uses every core).
-    #[arg(long, default_value_t = 2)]
-    threads: usize,
+    /// Threads of both engines [default: every core].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Alternating rounds (granary, llama.cpp, granary, ...).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Prompt tokens per step: granary's `--max-batch-tokens`, llama.cpp's `n_batch`.
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
@@ -89,6 +98,10 @@ struct GranaryLevel {
     total_s: f64,
     /// The tokens the first stream generated.
     first_stream_ids: Vec<u32>,
+    /// Concurrency 1: the two most likely tokens (id, log probability) at
+    /// each step.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    first_stream_top2: Vec<Vec<(u32, f32)>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -97,6 +110,9 @@ struct AnchorLevel {
     level: Level,
     #[serde(default)]
     tokens: Vec<Vec<u32>>,
+    /// Concurrency 1: the two highest (id, logit) at each step.
+    #[serde(default)]
+    top2: Vec<Vec<(u32, f32)>>,
     #[serde(default)]
     perf: serde_json::Value,
 }
@@ -129,6 +145,54 @@ struct Anchor {
     errors: Vec<serde_json::Value>,
 }
 
+/// One engine's figures at one level, every round.
+#[derive(Debug, Clone, Serialize)]
+struct Spread {
+    engine: &'static str,
+    concurrency: usize,
+    prefill_tok_s: Vec<f64>,
+    decode_tok_s: Vec<f64>,
+}
+
+impl Spread {
+    fn of(engine: &'static str, levels: &[&Level]) -> Spread {
+        Spread {
+            engine,
+            concurrency: levels.first().map_or(0, |l| l.concurrency),
+            prefill_tok_s: levels.iter().map(|l| l.prefill_tok_s).collect(),
+            decode_tok_s: levels.iter().filter_map(|l| l.decode_tok_s).collect(),
+        }
+    }
+
+    fn line(&self) -> String {
+        let fmt = |xs: &[f64], prec: usize| {
+            if xs.is_empty() {
+                return "-".to_string();
+            }
+            let lo = xs.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!("{:.prec$} ({lo:.prec$}-{hi:.prec$})", llm::median(xs))
+        };
+        format!(
+            "  {:<9} c={:<3} prefill tok/s {:<24} decode tok/s {}",
+            self.engine,
+            self.concurrency,
+            fmt(&self.prefill_tok_s, 0),
+            fmt(&self.decode_tok_s, 1)
+        )
+    }
+}
+
+/// `levels` (one per round) as one, prefill and decode each the median.
+fn median_level(levels: &[&Level]) -> Level {
+    let mut l = levels[0].clone();
+    let prefill: Vec<f64> = levels.iter().map(|l| l.prefill_tok_s).collect();
+    let decode: Vec<f64> = levels.iter().filter_map(|l| l.decode_tok_s).collect();
+    l.prefill_tok_s = llm::median(&prefill);
+    l.decode_tok_s = (!decode.is_empty()).then(|| llm::median(&decode));
+    l
+}
+
 #[derive(Serialize)]
 struct Report {
     run_with: String,
@@ -140,6 +204,12 @@ struct Report {
     prompt_tokens: usize,
     gen_tokens: usize,
     max_batch_tokens: usize,
+    threads: usize,
+    rounds: usize,
+    /// Every round's figures per engine and level.
+    spread: Vec<Spread>,
+    /// Per level: the median round's figures (prefill and decode are each
+    /// the median over the rounds).
     granary: Vec<GranaryLevel>,
     llama_cpp: Anchor,
     /// Leading greedy tokens granary and llama.cpp agree on at concurrency 1.
@@ -151,7 +221,15 @@ struct Report {
     goals: Vec<Goal>,
 }
 
-pub async fn run(args: Args) -> Result<()> {
+pub async fn run(mut args: Args) -> Result<()> {
+    anyhow::ensure!(args.rounds >= 1, "--rounds must be at least 1");
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    anyhow::ensure!(threads >= 1, "--threads must be at least 1");
+    args.threads = Some(threads);
+    // Granary's pool (candle's and rayon's) gets the same threads as
+    // llama.cpp; set before the model loads, when the pools start.
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
     anyhow::ensure!(args.prompt_tokens >= 1, "--prompt-tokens must be at least 1");
     anyhow::ensure!(args.gen_tokens >= 2, "--gen-tokens must be at least 2 (decode is timed after the first)");
     anyhow::ensure!(!args.concurrency.is_empty(), "--concurrency: give at least one level");
@@ -164,6 +242,7 @@ pub async fn run(args: Args) -> Result<()> {
     println!("Date:     {date}");
     println!("Host:     {}", host.describe());
     println!("Build:    {}", if release { "release" } else { "debug (figures not representative)" });
+    println!("Threads:  {threads} for each engine; {} alternating rounds", args.rounds);
     let m = llm::load(&args.model)?;
     let context = m.model.context_len();
     anyhow::ensure!(
@@ -180,20 +259,58 @@ pub async fn run(args: Args) -> Result<()> {
     println!();
     let prompt = llm::prompt(&m.tokenizer, args.prompt_tokens, 7)?;
 
-    // Granary first, then the anchor, so neither competes with the other.
+    // Rounds alternate granary and llama.cpp, one after the other, so
+    // neither competes with the other and drifts in the machine hit both.
     warm_up(&m, &args).await?;
-    let mut granary = Vec::new();
-    for &c in &args.concurrency {
-        eprintln!("engine: granary, concurrency {c} ...");
-        let g = granary_level(&m, &args, &prompt, c).await.with_context(|| format!("granary at concurrency {c}"))?;
-        eprintln!(
-            "engine: granary, concurrency {c}: prefill {:.0} tok/s, decode {} tok/s",
-            g.level.prefill_tok_s,
-            g.level.decode_tok_s.map_or("-".into(), |d| format!("{d:.1}"))
-        );
-        granary.push(g);
+    let mut granary_rounds: Vec<Vec<GranaryLevel>> = Vec::new();
+    let mut anchor_rounds: Vec<Vec<AnchorLevel>> = Vec::new();
+    let mut anchor = None;
+    for round in 1..=args.rounds {
+        let mut levels = Vec::new();
+        for &c in &args.concurrency {
+            eprintln!("engine: round {round}/{}, granary, concurrency {c} ...", args.rounds);
+            let g =
+                granary_level(&m, &args, &prompt, c).await.with_context(|| format!("granary at concurrency {c}"))?;
+            eprintln!(
+                "engine: round {round}, granary, concurrency {c}: prefill {:.0} tok/s, decode {} tok/s",
+                g.level.prefill_tok_s,
+                g.level.decode_tok_s.map_or("-".into(), |d| format!("{d:.1}"))
+            );
+            levels.push(g);
+        }
+        granary_rounds.push(levels);
+        let (a, levels) = run_anchor(&m, &args, &prompt);
+        let stop = a.unavailable.is_some();
+        anchor = Some(a);
+        anchor_rounds.push(levels);
+        if stop {
+            break; // no anchor: the other rounds would time granary alone
+        }
     }
-    let (anchor, anchor_levels) = run_anchor(&m, &args, &prompt);
+    let anchor = anchor.expect("at least one round");
+    let mut spread = Vec::new();
+    let mut granary = Vec::new();
+    let mut anchor_levels = Vec::new();
+    for &c in &args.concurrency {
+        let g: Vec<&GranaryLevel> =
+            granary_rounds.iter().filter_map(|r| r.iter().find(|g| g.level.concurrency == c)).collect();
+        let gl: Vec<&Level> = g.iter().map(|g| &g.level).collect();
+        if let Some(first) = g.first() {
+            spread.push(Spread::of("granary", &gl));
+            let mut one = (*first).clone();
+            one.level = median_level(&gl);
+            granary.push(one);
+        }
+        let a: Vec<&AnchorLevel> =
+            anchor_rounds.iter().filter_map(|r| r.iter().find(|a| a.level.concurrency == c)).collect();
+        let al: Vec<&Level> = a.iter().map(|a| &a.level).collect();
+        if let Some(first) = a.first() {
+            spread.push(Spread::of("llama.cpp", &al));
+            let mut one = (*first).clone();
+            one.level = median_level(&al);
+            anchor_levels.push(one);
+        }
+    }
     let greedy_agreement = match (
         granary.iter().find(|g| g.level.concurrency == 1),
         anchor_levels.iter().find(|a| a.level.concurrency == 1),
@@ -216,6 +333,9 @@ pub async fn run(args: Args) -> Result<()> {
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         max_batch_tokens: args.max_batch_tokens,
+        threads: args.threads.unwrap_or(1),
+        rounds: granary_rounds.len(),
+        spread: spread.clone(),
         granary,
         llama_cpp: anchor,
         greedy_agreement,
@@ -224,6 +344,10 @@ pub async fn run(args: Args) -> Result<()> {
         goals,
     };
     println!("{}", table(&report, &anchor_levels).render());
+    println!("Median (lowest-highest) over {} rounds:", report.rounds);
+    for row in &spread {
+        println!("{}", row.line());
+    }
     if let Some(why) = &report.llama_cpp.unavailable {
         println!("llama.cpp anchor unavailable: {why}");
     }
@@ -235,6 +359,9 @@ pub async fn run(args: Args) -> Result<()> {
             "Greedy output, concurrency 1: granary and llama.cpp agree on the first {n} of {} tokens",
             args.gen_tokens
         );
+        if n < args.gen_tokens {
+            println!("{}", divergence(&report, &anchor_levels, n, &m));
+        }
     }
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let svg = args.out.join("engine.svg");
@@ -255,6 +382,32 @@ pub async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// Where the greedy outputs part: both engines' two most likely tokens at
+/// that step, so a near tie (both sides quantize activations) is visible.
+fn divergence(r: &Report, anchor: &[AnchorLevel], n: usize, m: &Loaded) -> String {
+    let text = |id: u32| format!("{:?}", m.tokenizer.decode(&[id], false).unwrap_or_default());
+    let g = r.granary.iter().find(|g| g.level.concurrency == 1).and_then(|g| g.first_stream_top2.get(n));
+    let a = anchor.iter().find(|a| a.level.concurrency == 1).and_then(|a| a.top2.get(n));
+    let mut out = format!("  step {n}:");
+    if let Some([(t1, l1), (t2, l2)]) = g.map(|v| v.as_slice()) {
+        out.push_str(&format!(
+            " granary {} {l1:.3}, {} {l2:.3} (log probs, margin {:.3});",
+            text(*t1),
+            text(*t2),
+            l1 - l2
+        ));
+    }
+    if let Some([(t1, l1), (t2, l2)]) = a.map(|v| v.as_slice()) {
+        out.push_str(&format!(
+            " llama.cpp {} {l1:.3}, {} {l2:.3} (logits, margin {:.3})",
+            text(*t1),
+            text(*t2),
+            l1 - l2
+        ));
+    }
+    out
+}
+
 async fn warm_up(m: &Loaded, args: &Args) -> Result<()> {
     let engine = llm::start(m, llm::engine_config(&m.id, 256, args.max_batch_tokens, 0), None)?;
     let p = llm::prompt(&m.tokenizer, 64.min(args.prompt_tokens), u64::MAX)?;
@@ -270,7 +423,10 @@ async fn granary_level(m: &Loaded, args: &Args, prompt: &[u32], c: usize) -> Res
     let streams: Vec<_> = (0..c)
         .map(|i| {
             let engine = engine.clone();
-            let req = llm::request(&format!("stream-{i}"), prompt.to_vec(), args.gen_tokens);
+            let mut req = llm::request(&format!("stream-{i}"), prompt.to_vec(), args.gen_tokens);
+            if c == 1 {
+                req.sampling.logprobs = Some(2);
+            }
             tokio::spawn(async move { llm::run(&engine, req, t0).await })
         })
         .collect();
@@ -303,6 +459,7 @@ async fn granary_level(m: &Loaded, args: &Args, prompt: &[u32], c: usize) -> Res
         ttft_ms: lines.iter().map(|l| ms(l.ttft())).collect(),
         total_s: last.as_secs_f64(),
         first_stream_ids: lines.first().map(|l| l.ids()).unwrap_or_default(),
+        first_stream_top2: if c == 1 { lines.first().map(|l| l.top.clone()).unwrap_or_default() } else { Vec::new() },
     })
 }
 
@@ -318,7 +475,7 @@ fn run_anchor(m: &Loaded, args: &Args, prompt: &[u32]) -> (Anchor, Vec<AnchorLev
         llama_cpp_python: None,
         system_info: None,
         omp_wait_policy: wait.clone().unwrap_or_else(|| "default".into()),
-        threads: args.threads,
+        threads: args.threads.unwrap_or(1),
         levels: Vec::new(),
         errors: Vec::new(),
     };
@@ -380,7 +537,7 @@ fn anchor_subprocess(m: &Loaded, args: &Args, prompt: &[u32], wait: Option<&str>
         "prompt": prompt,
         "gen_tokens": args.gen_tokens,
         "concurrency": args.concurrency,
-        "threads": args.threads,
+        "threads": args.threads.unwrap_or(1),
         "batch": args.max_batch_tokens,
     });
     let mut cmd = Command::new(&args.python);
@@ -443,6 +600,18 @@ fn goals(granary: &[GranaryLevel], anchor: &[AnchorLevel], unavailable: Option<&
             out.push(Goal::unmeasured("engine", format!("prefill >= {PREFILL_GOAL}x llama.cpp at concurrency 1"), why));
             out.push(Goal::unmeasured("engine", format!("decode >= {DECODE_GOAL}x llama.cpp at concurrency 1"), why));
         }
+    }
+    let gm = granary.iter().find(|g| g.level.concurrency == MANY_STREAMS).and_then(|g| g.level.decode_tok_s);
+    let am = anchor.iter().find(|a| a.level.concurrency == MANY_STREAMS).and_then(|a| a.level.decode_tok_s);
+    let name = format!("aggregate decode >= {MANY_DECODE_GOAL}x llama.cpp at {MANY_STREAMS} streams");
+    match (gm, am) {
+        (Some(g), Some(a)) => out.push(Goal::new(
+            "engine",
+            name,
+            g / a >= MANY_DECODE_GOAL,
+            format!("{g:.1} vs {a:.1} tok/s ({:.2}x)", g / a),
+        )),
+        _ => out.push(Goal::unmeasured("engine", name, "no level of 16 streams on both")),
     }
     let mut levels: Vec<(usize, f64)> =
         granary.iter().map(|g| (g.level.concurrency, g.level.decode_tok_s.unwrap_or(0.0))).collect();

@@ -139,6 +139,9 @@ pub struct Timeline {
     /// The generated tokens and when each arrived.
     pub tokens: Vec<(u32, Duration)>,
     pub usage: Usage,
+    /// Each token's top alternatives (id, log probability), when the
+    /// request asked for them.
+    pub top: Vec<Vec<(u32, f32)>>,
 }
 
 impl Timeline {
@@ -157,15 +160,17 @@ impl Timeline {
 pub async fn run(engine: &Engine, req: GenerateRequest, t0: Instant) -> Result<Timeline> {
     let mut rx = engine.generate(req).map_err(|e| anyhow::anyhow!("request refused: {e}"))?;
     let mut tokens = Vec::new();
+    let mut top = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Started { .. } | Event::Logprobs(_) => {}
+            Event::Started { .. } => {}
+            Event::Logprobs(lp) => top.push(lp.top),
             Event::Token(t) => tokens.push((t, t0.elapsed())),
             Event::Finished { usage, .. } => {
                 if tokens.is_empty() {
                     bail!("the request finished without a token");
                 }
-                return Ok(Timeline { tokens, usage });
+                return Ok(Timeline { tokens, usage, top });
             }
             Event::Failed(e) => bail!("the request failed: {e}"),
         }
