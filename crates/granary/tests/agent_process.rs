@@ -104,9 +104,13 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     // End to end: a chat request for the model no engine serves yet.
     let r = gw.chat();
     let status = r.status();
+    // The answer says where the model was loaded and why.
+    let placement = r.headers().get("x-granary-placement").map(|v| v.to_str().unwrap().to_string());
     let v: Value = r.json().unwrap();
     assert_eq!(status, 200, "{v}");
     assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= 1, "{v}");
+    let placement = placement.expect("no x-granary-placement on the answer that waited for the load");
+    assert!(placement.starts_with("loaded on node-a (weights: "), "{placement}");
     let e = agent.engine().expect("the gateway had the agent load the model");
     assert_eq!((e["state"].as_str(), e["tier"].as_str()), (Some("ready"), Some("registry")), "{e}");
     let upstream = e["upstream"].as_str().unwrap().to_string();

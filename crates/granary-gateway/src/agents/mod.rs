@@ -16,6 +16,14 @@
 //! {agent}/models/{model}/load`): one load per model at a time, every
 //! request for it waiting on that one for up to `load_timeout_ms`. The
 //! agent's answer names the new engine, which joins the set at once.
+//!
+//! Which agent loads it is chosen by locality first, ServerlessLLM-style:
+//! an agent holding the model's weights in RAM, then on local disk, then
+//! one that must download them ([`Heartbeat::weights`]); among equals the
+//! one running fewest engines, then the one with the most free memory
+//! ([`Heartbeat::resources`]). The request that waited on the load is
+//! answered with `x-granary-placement` saying which agent loaded the model
+//! and why.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,7 +82,66 @@ pub struct Heartbeat {
     /// The models it can load on request.
     #[serde(default)]
     pub models: Vec<String>,
+    /// Model revisions laid out on the node and where their weights are.
+    #[serde(default)]
+    pub weights: Vec<WeightsReport>,
+    /// Free capacity of the node.
+    #[serde(default)]
+    pub resources: Option<ResourcesReport>,
 }
+
+/// Where a model revision's weights are on an agent's node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightsReport {
+    pub model: String,
+    #[serde(default)]
+    pub revision: String,
+    /// `ram`, `disk` or `none`.
+    pub tier: String,
+}
+
+impl WeightsReport {
+    /// Lower is closer: RAM, disk, anything else (to be fetched).
+    fn rank(&self) -> u8 {
+        match self.tier.as_str() {
+            "ram" => 0,
+            "disk" => 1,
+            _ => 2,
+        }
+    }
+}
+
+/// A node's free capacity, as its agent reports it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ResourcesReport {
+    #[serde(default)]
+    pub host_memory_free: u64,
+    #[serde(default)]
+    pub gpus: Vec<GpuReport>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct GpuReport {
+    #[serde(default)]
+    pub memory_free: u64,
+}
+
+impl ResourcesReport {
+    /// Memory an engine could use: the GPUs' when the node has some.
+    fn free(&self) -> u64 {
+        if self.gpus.is_empty() {
+            self.host_memory_free
+        } else {
+            self.gpus.iter().map(|g| g.memory_free).max().unwrap_or(0)
+        }
+    }
+}
+
+const TIER_NAMES: [&str; 3] = ["ram", "disk", "none"];
+
+/// How good an agent is for a load, lower first: the weights' tier, the
+/// engines it runs, then its free memory (more first).
+type PlacementRank = (u8, usize, std::cmp::Reverse<u64>);
 
 /// One engine in a heartbeat.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -147,6 +214,9 @@ impl Heartbeat {
         if self.models.len() > MAX_MODELS {
             return Err(invalid("models", format!("Too many `models`: at most {MAX_MODELS}.")));
         }
+        if self.weights.len() > MAX_MODELS {
+            return Err(invalid("weights", format!("Too many `weights`: at most {MAX_MODELS}.")));
+        }
         for (i, m) in self.models.iter().enumerate() {
             if !valid_model_name(m) {
                 return Err(invalid(
@@ -176,6 +246,10 @@ struct Agent {
     engines: BTreeMap<String, Engine>,
     last_seen: Instant,
     last_seen_ms: i64,
+    /// Per model, the closest tier holding its weights (0 RAM, 1 disk).
+    weights: HashMap<String, u8>,
+    /// Free memory for an engine, bytes (0: not reported).
+    free_memory: u64,
 }
 
 /// A load in progress, as its waiters see it.
@@ -192,6 +266,8 @@ pub struct Agents {
     state: Mutex<HashMap<String, Agent>>,
     loads: Mutex<HashMap<String, watch::Receiver<LoadState>>>,
     failed: Mutex<HashMap<String, Instant>>,
+    /// Why the last load of each model went where it did.
+    placements: Mutex<HashMap<String, String>>,
     http: reqwest::Client,
     reaper: AtomicBool,
 }
@@ -201,6 +277,8 @@ struct LoadTarget {
     agent_id: String,
     url: String,
     token: Option<String>,
+    /// Its rank, for the placement header.
+    why: String,
 }
 
 /// An agent as `GET /admin/v1/agents` shows it (never its token).
@@ -242,6 +320,7 @@ impl Agents {
             state: Mutex::new(HashMap::new()),
             loads: Mutex::new(HashMap::new()),
             failed: Mutex::new(HashMap::new()),
+            placements: Mutex::new(HashMap::new()),
             http: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(5))
                 .tcp_nodelay(true)
@@ -285,20 +364,38 @@ impl Agents {
         self.state.lock().values().filter(|a| self.live(a, now)).count()
     }
 
-    /// Live agents listing `model`: those running fewest engines first.
+    /// Live agents listing `model`, best first: weights in RAM, then on
+    /// disk, then elsewhere; then fewest engines; then most free memory.
     fn load_targets(&self, model: &str) -> Vec<LoadTarget> {
         let now = Instant::now();
         let st = self.state.lock();
-        let mut found: Vec<(usize, &String, &Agent)> = st
+        let mut found: Vec<(PlacementRank, &String, &Agent)> = st
             .iter()
             .filter(|(_, a)| self.live(a, now) && a.models.iter().any(|m| m == model))
-            .map(|(id, a)| (a.engines.len(), id, a))
+            .map(|(id, a)| {
+                let tier = a.weights.get(model).copied().unwrap_or(2).min(2);
+                ((tier, a.engines.len(), std::cmp::Reverse(a.free_memory)), id, a)
+            })
             .collect();
         found.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(y.1)));
         found
             .into_iter()
-            .map(|(_, id, a)| LoadTarget { agent_id: id.clone(), url: a.url.clone(), token: a.token.clone() })
+            .map(|((tier, engines, free), id, a)| LoadTarget {
+                agent_id: id.clone(),
+                url: a.url.clone(),
+                token: a.token.clone(),
+                why: format!(
+                    "{id} (weights: {}, {engines} engine(s), {} MiB free)",
+                    TIER_NAMES[tier as usize],
+                    free.0 >> 20
+                ),
+            })
             .collect()
+    }
+
+    /// Why the last successful load of `model` went where it did.
+    pub fn placement(&self, model: &str) -> Option<String> {
+        self.placements.lock().get(model).cloned()
     }
 
     /// Asks an agent to load `model`; the new engine's base URL.
@@ -361,8 +458,16 @@ impl Gateway {
                     engines: BTreeMap::new(),
                     last_seen: now,
                     last_seen_ms: now_ms(),
+                    weights: HashMap::new(),
+                    free_memory: 0,
                 }
             });
+            agent.weights.clear();
+            for w in &hb.weights {
+                let r = agent.weights.entry(w.model.clone()).or_insert(u8::MAX);
+                *r = (*r).min(w.rank());
+            }
+            agent.free_memory = hb.resources.as_ref().map_or(0, ResourcesReport::free);
             agent.url = hb.url.clone();
             agent.token = hb.token.clone().filter(|t| !t.is_empty());
             agent.last_seen = now;
@@ -577,12 +682,20 @@ impl Gateway {
         if targets.is_empty() {
             tracing::warn!(model = %model, "no live agent can load the model any more");
         }
-        for t in targets {
-            tracing::info!(agent = %t.agent_id, model = %model, "asking the agent to load the model");
-            match self.agents.call_load(&t, &model).await {
+        let ranked: Vec<String> = targets.iter().map(|t| t.why.clone()).collect();
+        for (i, t) in targets.iter().enumerate() {
+            tracing::info!(agent = %t.agent_id, model = %model, rank = %t.why, "asking the agent to load the model");
+            match self.agents.call_load(t, &model).await {
                 Ok(upstream) => match self.engine_loaded(&t.agent_id, &model, &upstream) {
                     Ok(()) => {
                         ok = true;
+                        let mut why = format!("loaded on {}", t.why);
+                        let others: Vec<&str> =
+                            ranked.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, r)| r.as_str()).collect();
+                        if !others.is_empty() {
+                            why.push_str(&format!("; ranked after: {}", others.join(", ")));
+                        }
+                        self.agents.placements.lock().insert(model.clone(), why);
                         break;
                     }
                     Err(e) => tracing::warn!(agent = %t.agent_id, model = %model, error = %e, "load answer not usable"),

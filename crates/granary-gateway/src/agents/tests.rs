@@ -51,7 +51,39 @@ fn hb(agent: &str, engines: &[(&str, String, bool)], models: &[&str]) -> Heartbe
             })
             .collect(),
         models: models.iter().map(|m| m.to_string()).collect(),
+        weights: vec![],
+        resources: None,
     }
+}
+
+#[tokio::test]
+async fn loads_go_where_the_weights_are_closest() {
+    let gw = gateway(|_| {}).await;
+    let weights = |tier: &str| vec![WeightsReport { model: "m".into(), revision: "r1".into(), tier: tier.into() }];
+    let free = |mib: u64| Some(ResourcesReport { host_memory_free: mib << 20, gpus: vec![] });
+    // far: nothing here, idle, most memory; disk: weights on disk, one
+    // engine; ram: weights in RAM, two engines; ram2: the same with less memory.
+    gw.heartbeat(Heartbeat { resources: free(64_000), ..hb("far", &[], &["m"]) }).unwrap();
+    let one = vec![("x", "http://127.0.0.1:10".to_string(), true)];
+    gw.heartbeat(Heartbeat { weights: weights("disk"), resources: free(8_000), ..hb("disk", &one, &["m", "x"]) })
+        .unwrap();
+    let two = vec![("x", "http://127.0.0.1:11".to_string(), true), ("y", "http://127.0.0.1:12".to_string(), true)];
+    gw.heartbeat(Heartbeat { weights: weights("ram"), resources: free(4_000), ..hb("ram", &two, &["m", "x", "y"]) })
+        .unwrap();
+    let two_more = vec![("x", "http://127.0.0.1:13".to_string(), true), ("y", "http://127.0.0.1:14".to_string(), true)];
+    gw.heartbeat(Heartbeat {
+        weights: weights("ram"),
+        resources: free(2_000),
+        ..hb("ram2", &two_more, &["m", "x", "y"])
+    })
+    .unwrap();
+    let order: Vec<String> = gw.agents.load_targets("m").into_iter().map(|t| t.agent_id).collect();
+    assert_eq!(order, ["ram", "ram2", "disk", "far"]);
+    let why = gw.agents.load_targets("m")[0].why.clone();
+    assert_eq!(why, "ram (weights: ram, 2 engine(s), 4000 MiB free)");
+    // Without locality reports, fewest engines first (then the name).
+    let order: Vec<String> = gw.agents.load_targets("x").into_iter().map(|t| t.agent_id).collect();
+    assert_eq!(order, ["disk", "ram", "ram2"]);
 }
 
 fn anyone() -> Principal {

@@ -43,6 +43,9 @@ use request::{parse_body, Parsed};
 /// The header carrying the tenant's KV namespace to engines (set by the
 /// gateway from the verified key; a client's own value is dropped).
 pub const NAMESPACE_HEADER: &str = "x-granary-namespace";
+/// On an answer that waited for a model to load: which agent loaded it and
+/// why (weights' tier, engines, free memory, and the agents ranked after).
+pub const PLACEMENT_HEADER: &str = "x-granary-placement";
 /// The audit record's upstream for answers the response cache gave (not a
 /// valid upstream name, so never one of them).
 pub const CACHE_UPSTREAM: &str = "(cache)";
@@ -385,6 +388,9 @@ pub async fn handle(
     if let Some(state) = out.cache_state {
         resp.headers_mut().insert(CACHE_HEADER, HeaderValue::from_static(state));
     }
+    if let Some(why) = out.placement.as_deref().and_then(|w| HeaderValue::from_str(w).ok()) {
+        resp.headers_mut().insert(PLACEMENT_HEADER, why);
+    }
     resp
 }
 
@@ -489,6 +495,7 @@ async fn serve(
     // Nobody serves it yet: an agent loads it while the request waits.
     if loadable {
         gw.load_model(&parsed.model).await?;
+        out.placement = gw.agents.placement(&parsed.model);
         topo = gw.topology();
     }
     let prompt = PromptText::of(endpoint, &parsed.body);

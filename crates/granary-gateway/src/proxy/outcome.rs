@@ -31,6 +31,8 @@ pub(super) struct Outcome {
     pub(super) cache_key: Option<CacheKey>,
     /// `hit` or `miss`, for the `x-granary-cache` header.
     pub(super) cache_state: Option<&'static str>,
+    /// Where a load this request waited on went, for `x-granary-placement`.
+    pub(super) placement: Option<String>,
 }
 
 impl Outcome {
@@ -58,6 +60,7 @@ impl Outcome {
             reservation: None,
             cache_key: None,
             cache_state: None,
+            placement: None,
         }
     }
 
@@ -79,6 +82,7 @@ impl Outcome {
             reservation: self.reservation.take(),
             cache_key: None,
             cache_state: self.cache_state,
+            placement: self.placement.take(),
         }
     }
 
