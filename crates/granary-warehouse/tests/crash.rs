@@ -101,7 +101,10 @@ async fn check(store: &Store, model: &Model, round: usize, seed: u64) {
 
 async fn writer(store: Store, model: Model, keys: Vec<String>, durable: bool, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
-    for _ in 0..WRITES_PER_ROUND {
+    // The background writer writes faster, so that flushes find many files
+    // dirty (past the tier's syncfs threshold).
+    let writes = if durable { WRITES_PER_ROUND } else { 4 * WRITES_PER_ROUND };
+    for _ in 0..writes {
         let key = &keys[rng.random_range(0..keys.len())];
         let version = {
             let mut m = model.lock();
@@ -128,7 +131,7 @@ async fn writer(store: Store, model: Model, keys: Vec<String>, durable: bool, se
 /// subdirectories with every other writer's (the layout is in the disk
 /// tier's docs), so that one writer's renames land between another's file
 /// and directory syncs.
-fn crowded_keys(w: usize) -> Vec<String> {
+fn crowded_keys(w: usize, n: usize) -> Vec<String> {
     (0..)
         .map(|i| format!("w{w}-k{i}"))
         .filter(|k| {
@@ -138,7 +141,7 @@ fn crowded_keys(w: usize) -> Vec<String> {
             h.update(k.as_bytes());
             h.finalize().as_bytes()[0] < 2
         })
-        .take(KEYS_PER_WRITER)
+        .take(n)
         .collect()
 }
 
@@ -158,7 +161,7 @@ fn round(mnt: &Path, image: Image, model: &Model, round: usize, rng: &mut StdRng
             // Writer 0 writes without waiting for disk: its offloads keep
             // the dirty set large while the others flush.
             let durable = w != 0;
-            let keys = crowded_keys(w);
+            let keys = crowded_keys(w, if durable { KEYS_PER_WRITER } else { 8 * KEYS_PER_WRITER });
             tasks.push(tokio::spawn(writer(store.clone(), model.clone(), keys, durable, writer_seed ^ w as u64)));
         }
         for t in tasks {
