@@ -22,7 +22,6 @@ use crate::resp::glob::glob_match;
 use crate::resp::reply::Out;
 use crate::resp::table::{self, CommandSpec};
 use crate::server::ServerCtx;
-use crate::store::MAX_NAMESPACE;
 use crate::types::{Condition, PutOptions, Ttl};
 
 /// Values shorter than this are copied out of the request frame before
@@ -198,13 +197,7 @@ fn own(v: Bytes) -> Bytes {
 }
 
 fn check_namespace(ns: &[u8]) -> Result<String, CmdError> {
-    if ns.is_empty() || ns.len() > MAX_NAMESPACE {
-        return Err(CmdError::BadNamespace("must be 1 to 128 bytes"));
-    }
-    if !ns.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
-        return Err(CmdError::BadNamespace("may hold only ASCII letters, digits, '-', '_' and '.'"));
-    }
-    Ok(String::from_utf8_lossy(ns).into_owned())
+    crate::types::check_namespace(ns).map(str::to_owned).map_err(CmdError::BadNamespace)
 }
 
 /// Redis-style rounding of a remaining TTL to seconds.
