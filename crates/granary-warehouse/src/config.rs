@@ -83,7 +83,8 @@ pub struct NamespaceConfig {
     pub disk_quota: Option<ByteSize>,
 }
 
-/// Limits of the network front ends against idle or abusive clients.
+/// Limits of the network front ends against idle or abusive clients, and
+/// the `lm://` listener (which has no settings of its own elsewhere).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeLimits {
@@ -93,15 +94,38 @@ pub struct ServeLimits {
     /// Seconds a RESP connection may wait between commands before it is
     /// closed; 0 keeps idle connections open (Redis's `timeout`).
     pub idle_timeout_secs: u64,
+    /// Listen address of LMCache's `lm://` protocol ([`crate::lm`]), e.g.
+    /// `127.0.0.1:65432`; `off` (the default) serves none. The protocol
+    /// has no authentication.
+    pub lm_listen: String,
+    /// The namespace `lm://` clients read and write.
+    pub lm_namespace: String,
 }
 
 impl Default for ServeLimits {
     fn default() -> Self {
-        ServeLimits { max_connections: 10_000, idle_timeout_secs: 0 }
+        ServeLimits {
+            max_connections: 10_000,
+            idle_timeout_secs: 0,
+            lm_listen: "off".into(),
+            lm_namespace: crate::auth::DEFAULT_NAMESPACE.into(),
+        }
     }
 }
 
 impl ServeLimits {
+    /// The `lm://` listen address; `None` when off, an error naming the
+    /// field when it is not an address.
+    pub fn lm_addr(&self) -> Result<Option<std::net::SocketAddr>, String> {
+        match self.lm_listen.trim() {
+            "" | "off" | "none" => Ok(None),
+            v => v
+                .parse()
+                .map(Some)
+                .map_err(|e| format!("warehouse.limits.lm_listen: {v:?} is not an address like 127.0.0.1:65432 ({e})")),
+        }
+    }
+
     pub fn idle_timeout(&self) -> Option<Duration> {
         (self.idle_timeout_secs != 0).then(|| Duration::from_secs(self.idle_timeout_secs))
     }

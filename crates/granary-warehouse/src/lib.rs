@@ -12,6 +12,7 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod lm;
 pub mod metrics;
 mod offload;
 pub mod policy;

@@ -157,7 +157,7 @@ fn collect(reg: &mut Registry, ctx: &ServerCtx, uptime: Duration) {
         &[(vec![("tier", "disk")], s.promotions_from_disk), (vec![("tier", "remote")], s.promotions_from_remote)],
     );
 
-    let protocols = [("http", ctx.http.snapshot()), ("resp", ctx.resp.snapshot())];
+    let protocols = [("http", ctx.http.snapshot()), ("resp", ctx.resp.snapshot()), ("lm", ctx.lm.snapshot())];
     let mut requests = Vec::new();
     for (p, snap) in &protocols {
         requests.push((vec![("protocol", *p), ("outcome", "ok")], snap.requests_ok));

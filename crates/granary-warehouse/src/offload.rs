@@ -4,8 +4,8 @@
 //! durable write, a delete, an expiry, a stale-copy removal — goes through
 //! the key's lane, so the tier applies one key's operations in the order
 //! the store decided them (the store decides under the key's lock, see
-//! `store.rs`). Each lower tier has [`LANES`] lanes, each drained in order
-//! by one worker; a key always uses the same lane.
+//! `store/mod.rs`). Each lower tier has [`LANES`] lanes, each drained in order
+//! by one worker (`store/lanes.rs`); a key always uses the same lane.
 //!
 //! Beside the queues, a map of *pending* keys (operations queued, not yet
 //! applied) records what the tier will hold once they land. Reads consult

@@ -54,6 +54,8 @@ pub struct ServerCtx {
     pub auth: Auth,
     pub resp: ProtocolStats,
     pub http: ProtocolStats,
+    /// LMCache's `lm://` protocol ([`crate::lm`]).
+    pub lm: ProtocolStats,
     /// Set once the store is open and the listeners are bound (`/ready`).
     pub ready: std::sync::atomic::AtomicBool,
     /// Connection limits of the front ends.
@@ -67,6 +69,7 @@ impl ServerCtx {
             auth,
             resp: ProtocolStats::default(),
             http: ProtocolStats::default(),
+            lm: ProtocolStats::default(),
             ready: std::sync::atomic::AtomicBool::new(true),
             limits: ServeLimits::default(),
         }

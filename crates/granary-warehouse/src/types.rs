@@ -81,6 +81,21 @@ pub enum Condition {
     IfPresent,
 }
 
+/// Longest accepted namespace name.
+pub const MAX_NAMESPACE: usize = 128;
+
+/// Checks a namespace name: 1 to 128 of `A-Za-z0-9-_.`. The one rule the
+/// store and every front end apply; the error says what is wrong.
+pub fn check_namespace(ns: &[u8]) -> Result<&str, &'static str> {
+    if ns.is_empty() || ns.len() > MAX_NAMESPACE {
+        return Err("must be 1 to 128 bytes");
+    }
+    if !ns.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
+        return Err("may hold only ASCII letters, digits, '-', '_' and '.'");
+    }
+    Ok(std::str::from_utf8(ns).expect("checked ASCII"))
+}
+
 /// Options of [`crate::Store::put`].
 #[derive(Debug, Clone, Default)]
 pub struct PutOptions {

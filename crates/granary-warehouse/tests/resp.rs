@@ -212,6 +212,8 @@ fn redis_cli_commands() {
     let info = cli(p, &[b"INFO", b"keyspace"]);
     assert!(info.contains("db0:keys=32,expires=0,avg_ttl=0"), "{info}");
     assert!(cli(p, &[b"INFO"]).contains("redis_version:7.2.0"));
+    // valkey-glide finds a standalone server's primary by this line.
+    assert!(cli(p, &[b"INFO", b"replication"]).contains("role:master"));
     assert!(srv.ctx.resp.snapshot().requests_ok > 40);
 }
 
@@ -525,7 +527,7 @@ fn unauthenticated_clients_are_limited_like_redis() {
 /// connection idle past `idle_timeout_secs` is closed.
 #[test]
 fn connection_cap_and_idle_timeout() {
-    let limits = ServeLimits { max_connections: 2, idle_timeout_secs: 1 };
+    let limits = ServeLimits { max_connections: 2, idle_timeout_secs: 1, ..Default::default() };
     let srv = Server::start_limited(StoreConfig::memory_only(1 << 20), Auth::default(), limits);
     let mut a = srv.connect();
     let mut b = srv.connect();

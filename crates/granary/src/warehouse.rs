@@ -42,6 +42,7 @@ pub async fn run(cfg: WarehouseConfig) -> Result<()> {
         println!("granary warehouse: http listening on {}", l.local_addr()?);
         tasks.push(tokio::spawn(granary_warehouse::http::serve(l, ctx.clone(), stopped(stop_rx.clone()))));
     }
+    tasks.extend(granary_warehouse::lm::spawn(ctx.clone(), stopped(stop_rx.clone())).await?);
     println!("granary warehouse: ready");
     shutdown_signal().await;
     tracing::info!("shutting down: draining offloads");

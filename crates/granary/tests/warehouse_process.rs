@@ -225,3 +225,63 @@ fn bad_flags_fail_fast_naming_the_field() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("random"));
 }
+
+/// LMCache's own connectors (`redis://`, `resp://`, `valkey://`, `lm://`)
+/// against the real process, storing and reading back LMCache memory
+/// objects byte for byte (`granary-warehouse/tests/python/lmcache_connectors.py`).
+/// LMCache and PyPI's torch take about 5.5 GB, so this runs only with
+/// `GRANARY_LMCACHE=1` (`GRANARY_LMCACHE=1 scripts/test.sh` installs them in
+/// `.venv-lmcache`; `GRANARY_LMCACHE_PYTHON` names another interpreter).
+#[test]
+fn lmcache_connectors_store_and_read_back_memory_objects() {
+    use std::io::BufRead;
+    if std::env::var("GRANARY_LMCACHE").as_deref() != Ok("1") {
+        eprintln!("skipping LMCache's connectors: set GRANARY_LMCACHE=1 (needs lmcache and torch, about 5.5 GB)");
+        return;
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let python = std::env::var("GRANARY_LMCACHE_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| root.join(".venv-lmcache/bin/python"));
+    let probe = std::process::Command::new(&python).args(["-c", "import lmcache, torch, glide_sync"]).output();
+    assert!(
+        probe.as_ref().is_ok_and(|o| o.status.success()),
+        "GRANARY_LMCACHE=1 but {} cannot import lmcache, torch and glide_sync: {:?}",
+        python.display(),
+        probe.map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+    );
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_granary"))
+        .args(["warehouse", "--resp", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+        .env("GRANARY_WAREHOUSE__LIMITS__LM_LISTEN", "127.0.0.1:0")
+        .env("GRANARY_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut resp, mut lm) = (None, None);
+    for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if let Some(a) = line.strip_prefix("granary warehouse: resp listening on ") {
+            resp = Some(a.rsplit(':').next().unwrap().to_string());
+        } else if let Some(a) = line.strip_prefix("granary warehouse: lm listening on ") {
+            lm = Some(a.rsplit(':').next().unwrap().to_string());
+        } else if line == "granary warehouse: ready" {
+            break;
+        }
+    }
+    let script = root.join("crates/granary-warehouse/tests/python/lmcache_connectors.py");
+    let out = std::process::Command::new(&python)
+        .arg(script)
+        .args([resp.expect("a resp port"), lm.expect("an lm port")])
+        .output()
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "LMCache's connectors failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr).lines().filter(|l| !l.contains(" INFO:")).collect::<Vec<_>>().join("\n")
+    );
+    assert!(stdout.contains("all LMCache connectors passed"));
+}

@@ -22,7 +22,6 @@ use crate::resp::glob::glob_match;
 use crate::resp::reply::Out;
 use crate::resp::table::{self, CommandSpec};
 use crate::server::ServerCtx;
-use crate::store::MAX_NAMESPACE;
 use crate::types::{Condition, PutOptions, Ttl};
 
 /// Values shorter than this are copied out of the request frame before
@@ -198,14 +197,13 @@ fn own(v: Bytes) -> Bytes {
 }
 
 fn check_namespace(ns: &[u8]) -> Result<String, CmdError> {
-    if ns.is_empty() || ns.len() > MAX_NAMESPACE {
-        return Err(CmdError::BadNamespace("must be 1 to 128 bytes"));
-    }
-    if !ns.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
-        return Err(CmdError::BadNamespace("may hold only ASCII letters, digits, '-', '_' and '.'"));
-    }
-    Ok(String::from_utf8_lossy(ns).into_owned())
+    crate::types::check_namespace(ns).map(str::to_owned).map_err(CmdError::BadNamespace)
 }
+
+/// INFO's replication section: a lone primary. Clients that look for the
+/// primary of a standalone deployment (valkey-glide, so LMCache's
+/// `valkey://` connector) read `role:master` here.
+const REPLICATION_INFO: &str = "# Replication\r\nrole:master\r\nconnected_slaves:0\r\n\r\n";
 
 /// Redis-style rounding of a remaining TTL to seconds.
 fn ttl_secs(d: Duration) -> i64 {
@@ -1127,6 +1125,9 @@ impl<'a> Session<'a> {
             let mine = self.info.clients.lock().values().filter(|c| c.namespace == self.ns).count();
             let _ = write!(t, "# Clients\r\nconnected_clients:{mine}\r\n\r\n");
         }
+        if want("replication") {
+            t.push_str(REPLICATION_INFO);
+        }
         let mem = usage.iter().find(|u| u.tier == crate::TierKind::Memory);
         if want("memory") {
             let _ = write!(
@@ -1189,6 +1190,9 @@ impl<'a> Session<'a> {
         }
         if want("clients") {
             let _ = write!(t, "# Clients\r\nconnected_clients:{}\r\n\r\n", p.connections_open);
+        }
+        if want("replication") {
+            t.push_str(REPLICATION_INFO);
         }
         let mem = stats.tiers.first().cloned().unwrap_or_default();
         if want("memory") {

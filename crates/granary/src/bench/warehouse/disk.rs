@@ -4,8 +4,10 @@
 //! opened disk tier, counting until `flush()` returns (data fsynced), drops
 //! the written files from the page cache, then reads every block back. The
 //! anchor is the raw sequential bandwidth of the same filesystem measured
-//! in the same run by `fio` with the same block size and total bytes
-//! (buffered, `--end_fsync=1` for writes, `--invalidate=1` for reads); when
+//! in the same run by `fio` with the same block size and total bytes, at
+//! the tier's depth: `--ioengine=libaio --iodepth=4` (the tier keeps 4
+//! blocks in flight, [`IN_FLIGHT`]) with `--direct=1`, since libaio only
+//! queues I/O that bypasses the page cache (`--end_fsync=1` for writes); when
 //! `fio` is missing, a plain `std::fs` sequential write + fsync and read of
 //! one file stands in, and the report says so.
 
@@ -69,7 +71,7 @@ pub async fn run(ctx: &Ctx) -> Result<DiskReport> {
     let total = if ctx.quick { 32u64 << 20 } else { 1u64 << 30 };
     let fio = fio_version();
     let anchor = match &fio {
-        Some(v) => v.clone(),
+        Some(v) => format!("{v} libaio iodepth={IN_FLIGHT} direct"),
         None => {
             eprintln!(
                 "disk: fio not found on PATH; the raw anchor falls back to a std::fs sequential write+fsync/read"
@@ -116,8 +118,7 @@ pub async fn run(ctx: &Ctx) -> Result<DiskReport> {
 }
 
 /// Blocks in flight at once, as an engine saving or loading a prompt's
-/// prefix has them (fio's single stream overlaps I/O through readahead and
-/// write-behind instead).
+/// prefix has them; fio's anchor runs at the same depth.
 const IN_FLIGHT: usize = 4;
 
 /// Writes `n` blocks through a fresh disk tier and reads them back;
@@ -179,7 +180,9 @@ fn fio_pass(file: &Path, rw: &str, bs: u64, total: u64) -> Result<f64> {
         .arg(format!("--rw={rw}"))
         .arg(format!("--bs={bs}"))
         .arg(format!("--size={total}"))
-        .arg("--ioengine=psync")
+        .arg("--ioengine=libaio")
+        .arg(format!("--iodepth={IN_FLIGHT}"))
+        .arg("--direct=1")
         .arg("--output-format=json");
     cmd.arg(if rw == "write" { "--end_fsync=1" } else { "--invalidate=1" });
     let out = cmd.output().context("running fio")?;

@@ -3,8 +3,11 @@
 //! Starts the real `granary warehouse` process (this executable) and a real
 //! `redis-server` with persistence off, checks that both answer PING, then
 //! drives each identically with `redis-benchmark` (SET then GET, 16
-//! clients) for 64 KiB, 1 MiB and 4 MiB values, and reads requests per
-//! second and p50/p99 latency from its CSV output.
+//! clients, random keys over a keyspace of about 1 GiB of values: `-r`)
+//! for 64 KiB, 1 MiB and 4 MiB values, and reads requests per second and
+//! p50/p99 latency from its CSV output. Each size runs three rounds per
+//! server, alternating which server goes first, and reports the median
+//! round (req/s, p50 and p99 each) with the spread of req/s.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -20,6 +23,10 @@ use super::report::{bar, size_label, Goal, Table};
 use super::{Ctx, Unavailable};
 
 const CLIENTS: u32 = 16;
+/// Rounds per server and size (one with `--quick`).
+const ROUNDS: usize = 3;
+/// Bytes of values the random keys of one run cover.
+const KEYSPACE_BYTES: u64 = 1 << 30;
 const GOAL_SIZE: u64 = 1 << 20;
 
 #[derive(Debug, Clone, Serialize)]
@@ -32,6 +39,12 @@ pub struct RespRow {
     pub gbps: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
+    /// Rounds behind the medians, and the lowest and highest round's req/s.
+    pub rounds: usize,
+    pub rps_min: f64,
+    pub rps_max: f64,
+    /// Distinct keys the requests were spread over (`redis-benchmark -r`).
+    pub keyspace: u64,
     /// granary / redis, on the granary row.
     pub rps_ratio: Option<f64>,
     pub p99_ratio: Option<f64>,
@@ -132,38 +145,53 @@ pub fn run(ctx: &Ctx) -> Result<RespReport> {
     }
 
     let cases = cases(ctx.quick);
+    let rounds = if ctx.quick { 1 } else { ROUNDS };
     let servers = if granary.is_ok() { 2 } else { 1 };
-    let pb = bar((cases.len() * servers) as u64, "resp");
+    let pb = bar((cases.len() * servers * rounds) as u64, "resp");
     let mut rows = Vec::new();
     for (size, n) in cases {
-        pb.set_message(format!("{} x{n} against redis", size_label(size)));
-        let anchor = redis_benchmark(redis_port, size, n).with_context(|| format!("redis: {}", redis.stderr_tail()))?;
-        pb.inc(1);
-        let measured = match &granary {
-            Ok((proc, port)) => {
-                pb.set_message(format!("{} x{n} against granary", size_label(size)));
-                let m = redis_benchmark(*port, size, n).with_context(|| format!("granary: {}", proc.stderr_tail()))?;
-                pb.inc(1);
-                m
+        let (mut anchor_runs, mut granary_runs) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            // Alternating who goes first, so neither always gets the warmer machine.
+            let redis_first = round % 2 == 0;
+            for which in [redis_first, !redis_first] {
+                if which {
+                    pb.set_message(format!("{} x{n} against redis, round {}", size_label(size), round + 1));
+                    let m = redis_benchmark(redis_port, size, n)
+                        .with_context(|| format!("redis: {}", redis.stderr_tail()))?;
+                    anchor_runs.push(m);
+                    pb.inc(1);
+                } else if let Ok((proc, port)) = &granary {
+                    pb.set_message(format!("{} x{n} against granary, round {}", size_label(size), round + 1));
+                    let m =
+                        redis_benchmark(*port, size, n).with_context(|| format!("granary: {}", proc.stderr_tail()))?;
+                    granary_runs.push(m);
+                    pb.inc(1);
+                }
             }
-            Err(_) => Vec::new(),
-        };
-        let row = |server, (op, rps, p50, p99): &Measured, anchor: Option<&Measured>| RespRow {
+        }
+        let anchor = medians(&anchor_runs);
+        let measured = medians(&granary_runs);
+        let row = |server, m: &Summary, anchor: Option<&Summary>| RespRow {
             value_bytes: size,
-            op: op.clone(),
+            op: m.op.clone(),
             server,
             requests: n,
-            rps: *rps,
-            gbps: rps * size as f64 / 1e9,
-            p50_ms: *p50,
-            p99_ms: *p99,
-            rps_ratio: anchor.map(|a| rps / a.1),
-            p99_ratio: anchor.map(|a| p99 / a.3),
+            rps: m.rps,
+            gbps: m.rps * size as f64 / 1e9,
+            p50_ms: m.p50,
+            p99_ms: m.p99,
+            rounds: m.rounds,
+            rps_min: m.rps_min,
+            rps_max: m.rps_max,
+            keyspace: keyspace(size),
+            rps_ratio: anchor.map(|a| m.rps / a.rps),
+            p99_ratio: anchor.map(|a| m.p99 / a.p99),
         };
         // Each redis row, then granary's row for the same op.
         for r in &anchor {
             rows.push(row("redis", r, None));
-            if let Some(g) = measured.iter().find(|g| g.0 == r.0) {
+            if let Some(g) = measured.iter().find(|g| g.op == r.op) {
                 rows.push(row("granary", g, Some(r)));
             }
         }
@@ -245,11 +273,64 @@ fn ping(addr: &str, within: Duration) -> Result<()> {
 /// One test's result: (op, req/s, p50 ms, p99 ms).
 type Measured = (String, f64, f64, f64);
 
+/// Distinct keys for values of `size`: about [`KEYSPACE_BYTES`] of them.
+fn keyspace(size: u64) -> u64 {
+    (KEYSPACE_BYTES / size.max(1)).clamp(1, 100_000)
+}
+
+/// The median round of one op (each figure's own median) and the spread of req/s.
+#[derive(Debug, Clone, PartialEq)]
+struct Summary {
+    op: String,
+    rps: f64,
+    p50: f64,
+    p99: f64,
+    rounds: usize,
+    rps_min: f64,
+    rps_max: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Per op (in the first round's order), the medians over `runs`.
+fn medians(runs: &[Vec<Measured>]) -> Vec<Summary> {
+    let Some(first) = runs.first() else { return Vec::new() };
+    first
+        .iter()
+        .map(|(op, ..)| {
+            let of = |f: fn(&Measured) -> f64| -> Vec<f64> {
+                runs.iter().filter_map(|r| r.iter().find(|m| &m.0 == op)).map(f).collect()
+            };
+            let rps = of(|m| m.1);
+            Summary {
+                op: op.clone(),
+                rounds: rps.len(),
+                rps_min: rps.iter().copied().fold(f64::INFINITY, f64::min),
+                rps_max: rps.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+                rps: median(rps),
+                p50: median(of(|m| m.2)),
+                p99: median(of(|m| m.3)),
+            }
+        })
+        .collect()
+}
+
 /// One `redis-benchmark` run, a result per test.
 fn redis_benchmark(port: u16, size: u64, n: u64) -> Result<Vec<Measured>> {
     let mut child = Command::new("redis-benchmark")
         .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-t", "set,get", "-d", &size.to_string()])
-        .args(["-c", &CLIENTS.to_string(), "-n", &n.to_string(), "--csv"])
+        .args(["-c", &CLIENTS.to_string(), "-n", &n.to_string(), "-r", &keyspace(size).to_string(), "--csv"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -303,18 +384,26 @@ fn parse_csv(out: &str) -> Result<Vec<Measured>> {
 
 pub fn tables(r: &RespReport) -> Vec<Table> {
     let mut t = Table::new(
-        format!("resp: redis-benchmark -t set,get -c {} against granary and {} (persistence off)", r.clients, {
+        format!(
+            "resp: redis-benchmark -t set,get -c {} -r <keys> against granary and {} (persistence off); medians of alternating rounds",
+            r.clients,
             r.redis_version.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-        }),
-        &["size", "op", "server", "requests", "req/s", "GB/s", "p50 ms", "p99 ms", "req/s ratio", "p99 ratio"],
+        ),
+        &[
+            "size", "op", "server", "keys", "requests", "rounds", "req/s", "req/s range", "GB/s", "p50 ms", "p99 ms",
+            "req/s ratio", "p99 ratio",
+        ],
     );
     for row in &r.rows {
         t.row(vec![
             size_label(row.value_bytes),
             row.op.clone(),
             row.server.to_string(),
+            row.keyspace.to_string(),
             row.requests.to_string(),
+            row.rounds.to_string(),
             format!("{:.0}", row.rps),
+            format!("{:.0}-{:.0}", row.rps_min, row.rps_max),
             format!("{:.3}", row.gbps),
             format!("{:.3}", row.p50_ms),
             format!("{:.3}", row.p99_ms),
@@ -354,5 +443,19 @@ mod tests {
         let rows = parse_csv(out).unwrap();
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[1], ("GET".to_string(), 1063.26, 6.239, 18.863));
+    }
+
+    #[test]
+    fn rounds_are_summarised_by_their_medians_and_spread() {
+        let run =
+            |rps: f64, p99: f64| vec![("SET".to_string(), rps / 2.0, 1.0, p99), ("GET".to_string(), rps, 0.5, p99)];
+        let s = medians(&[run(100.0, 9.0), run(300.0, 3.0), run(200.0, 5.0)]);
+        assert_eq!(s.len(), 2);
+        let get = &s[1];
+        assert_eq!((get.op.as_str(), get.rps, get.p99, get.rounds), ("GET", 200.0, 5.0, 3));
+        assert_eq!((get.rps_min, get.rps_max), (100.0, 300.0));
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(keyspace(1 << 20), 1024);
+        assert_eq!(keyspace(1), 100_000);
     }
 }

@@ -19,26 +19,37 @@
 //! take (larger than its budget, or no memory tier) is written to the next
 //! tier synchronously, and refused with [`WarehouseError::OutOfMemory`]
 //! when no tier takes it.
+//!
+//! The module is split by idea: this file holds the API; [`lanes`] the
+//! workers that apply each lower tier's queued operations, [`events`] the
+//! `stored` / `removed` announcements, [`sweeper`] the background expiry.
+
+mod events;
+mod lanes;
+mod sweeper;
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::Serialize;
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::broadcast;
 
 use crate::config::{OffloadMode, StoreConfig};
 use crate::error::{Result, WarehouseError};
-use crate::offload::{self, Action, Latest, Lower, Op, Outcome};
+use crate::offload::{Action, Latest, Lower, Outcome};
 use crate::tier::memory::{cut_page, MemoryTier};
 use crate::tier::{Tier, TierKind};
+pub use crate::types::MAX_NAMESPACE;
 use crate::types::{now_ms, Condition, EntryMeta, Event, EventKind, Evicted, PutOptions, ScanPage, TierStats, Ttl};
+use events::emit;
+use lanes::{offload_stats, offload_worker, wait};
+use sweeper::sweeper;
+pub use sweeper::REMOTE_SWEEP_PAGE;
 
-/// Longest accepted namespace name.
-pub const MAX_NAMESPACE: usize = 128;
 /// Longest accepted key.
 pub const MAX_KEY: usize = 4096;
 /// Key lock stripes (each also holds the version of its keys' last operation).
@@ -144,12 +155,7 @@ impl Drop for Lease {
 }
 
 fn validate(ns: &str, key: &[u8]) -> Result<()> {
-    if ns.is_empty() || ns.len() > MAX_NAMESPACE {
-        return Err(WarehouseError::invalid("namespace", format!("must be 1 to {MAX_NAMESPACE} bytes")));
-    }
-    if !ns.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
-        return Err(WarehouseError::invalid("namespace", "may hold only ASCII letters, digits, '-', '_' and '.'"));
-    }
+    crate::types::check_namespace(ns.as_bytes()).map_err(|e| WarehouseError::invalid("namespace", e))?;
     if key.is_empty() || key.len() > MAX_KEY {
         return Err(WarehouseError::invalid("key", format!("must be 1 to {MAX_KEY} bytes")));
     }
@@ -258,16 +264,6 @@ impl Store {
 
     fn lower_tier(&self, kind: TierKind) -> Option<&Arc<dyn Tier>> {
         self.lower().map(|l| &l.tier).find(|t| t.kind() == kind)
-    }
-
-    /// Subscribes to `stored` / `removed` events. A subscriber that falls
-    /// more than 8192 events behind loses the oldest (and is told so).
-    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
-        self.inner.events.subscribe()
-    }
-
-    fn emit(&self, kind: EventKind, ns: &str, key: &Bytes, tier: TierKind) {
-        emit(&self.inner.events, kind, ns, key, tier);
     }
 
     /// Reads a value in memory only, without an await or a copy.
@@ -756,153 +752,6 @@ impl Store {
             promotions_from_disk: self.inner.promoted_disk.load(Relaxed),
             promotions_from_remote: self.inner.promoted_remote.load(Relaxed),
             offload_mode: Some(self.inner.cfg.offload),
-        }
-    }
-}
-
-fn emit(events: &broadcast::Sender<Event>, kind: EventKind, ns: &str, key: &Bytes, tier: TierKind) {
-    if events.receiver_count() > 0 {
-        let _ = events.send(Event { kind, namespace: ns.to_string(), key: key.clone(), tier });
-    }
-}
-
-/// Waits for an operation queued on a lane.
-async fn wait(rx: oneshot::Receiver<Result<Outcome>>) -> Result<Outcome> {
-    rx.await.unwrap_or_else(|_| Err(WarehouseError::Config("offload worker stopped".into())))
-}
-
-fn offload_stats(l: &Lower) -> OffloadStats {
-    let c = &l.shared.c;
-    OffloadStats {
-        tier: Some(l.tier.kind()),
-        queued: c.queued.load(Relaxed),
-        written: c.written.load(Relaxed),
-        dropped: c.dropped.load(Relaxed),
-        errors: c.errors.load(Relaxed),
-    }
-}
-
-/// Evictions from a lower tier: announce; in `evicted` mode, disk
-/// evictions go on to the remote tier when the disk still had the bytes.
-fn handle_evicted_below(inner: &Inner, tier: TierKind, announces: bool, evicted: Vec<Evicted>) {
-    for e in evicted {
-        if !announces {
-            emit(&inner.events, EventKind::Removed, &e.namespace, &e.key, tier);
-        }
-        if tier == TierKind::Disk && inner.cfg.offload == OffloadMode::Evicted {
-            if let (Some(r), Some(value)) = (&inner.remote, e.value) {
-                let _v = inner.stripe(&e.namespace, &e.key).lock();
-                r.offer_copy(&e.namespace, &e.key, value, e.meta);
-            }
-        }
-    }
-}
-
-async fn offload_worker(
-    inner: Weak<Inner>,
-    tier: Arc<dyn Tier>,
-    mut rx: mpsc::UnboundedReceiver<Op>,
-    lane: Arc<offload::LaneState>,
-    shared: Arc<offload::Shared>,
-    // Whether the tier announces its own changes (else this worker does).
-    announces: bool,
-) {
-    let kind = tier.kind();
-    while let Some(op) = rx.recv().await {
-        let Op { ns, key, action, reply, copy } = op;
-        let result = match action {
-            Action::Put { value, meta } => {
-                if meta.is_expired(now_ms()) {
-                    // Gone already; but an older copy in the tier must not
-                    // outlive it (it would be served once memory lets go).
-                    let found = tier.remove(&ns, &key).await;
-                    if let (Ok(true), Some(inner), false) = (&found, inner.upgrade(), announces) {
-                        emit(&inner.events, EventKind::Removed, &ns, &key, kind);
-                    }
-                    found.map(|_| Outcome::Put(Vec::new()))
-                } else {
-                    match tier.put(&ns, key.clone(), value, meta).await {
-                        Ok(mut evicted) => {
-                            // A value the tier cannot take comes back among the evictions.
-                            let refused = evicted.iter().position(|e| e.namespace == ns && e.key == key);
-                            let refused = refused.map(|i| evicted.remove(i));
-                            let stored = refused.is_none();
-                            if let Some(inner) = inner.upgrade() {
-                                if stored && !announces {
-                                    emit(&inner.events, EventKind::Stored, &ns, &key, kind);
-                                }
-                                handle_evicted_below(&inner, kind, announces, evicted);
-                            }
-                            Ok(Outcome::Put(refused.into_iter().collect()))
-                        }
-                        Err(e) => Err(e),
-                    }
-                }
-            }
-            Action::Remove => {
-                let found = tier.remove(&ns, &key).await;
-                // A caller waiting for the result (DEL) announces it; a
-                // stale copy's removal is announced here.
-                if reply.is_none() && !announces && matches!(found, Ok(true)) {
-                    if let Some(inner) = inner.upgrade() {
-                        emit(&inner.events, EventKind::Removed, &ns, &key, kind);
-                    }
-                }
-                found.map(Outcome::Found)
-            }
-            Action::Expire { at } => tier.set_expiry(&ns, &key, at).await.map(Outcome::Found),
-            Action::RemoveNamespace => tier.remove_namespace(&ns).await.map(Outcome::Count),
-        };
-        offload::finish(&lane, &shared, &ns, &key, copy);
-        match &result {
-            // A copy the tier refused (too big for it) is not there: a loss.
-            Ok(Outcome::Put(refused)) if copy && !refused.is_empty() => {
-                shared.c.dropped.fetch_add(1, Relaxed);
-            }
-            Ok(Outcome::Put(_)) => {
-                shared.c.written.fetch_add(1, Relaxed);
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(tier = %kind, error = %e, "offload failed");
-                shared.c.errors.fetch_add(1, Relaxed);
-            }
-        }
-        if let Some(r) = reply {
-            let _ = r.send(result);
-        }
-    }
-}
-
-/// Drops expired entries in the background so they stop taking budget.
-/// Ticks of the sweeper between two pages of the remote tier's TTL sweep.
-const REMOTE_SWEEP_TICKS: u64 = 10;
-/// Objects one page of the remote TTL sweep examines: with a tick of 500 ms,
-/// at most about 50 listed objects and head reads a second per node.
-pub const REMOTE_SWEEP_PAGE: usize = 256;
-
-async fn sweeper(inner: Weak<Inner>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
-    let mut n = 0u64;
-    loop {
-        tick.tick().await;
-        n += 1;
-        let Some(inner) = inner.upgrade() else { return };
-        let _ = inner.memory.purge_expired(10_000).await;
-        if let Some(d) = &inner.disk {
-            let _ = d.tier.purge_expired(10_000).await;
-        }
-        if n.is_multiple_of(REMOTE_SWEEP_TICKS) {
-            if let Some(r) = &inner.remote {
-                // Apart from the tick loop, so a slow bucket never delays the
-                // memory and disk sweeps; a pass still running skips the next.
-                let r = r.tier.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = r.purge_expired(REMOTE_SWEEP_PAGE).await {
-                        tracing::debug!(error = %e, "remote TTL sweep failed");
-                    }
-                });
-            }
         }
     }
 }
