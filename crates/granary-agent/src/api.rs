@@ -100,7 +100,11 @@ async fn not_found() -> AgentError {
 async fn load(State(ctx): State<Ctx>, Path(name): Path<String>, body: Bytes) -> Result<Response, AgentError> {
     let req: LoadRequest = parse_body(&body)?;
     let r = ctx.agent.load(&name, req.revision.as_deref()).await?;
-    Ok(Json(r).into_response())
+    // What the heartbeat will say of the engine, so that a gateway adding
+    // it from this answer adds it as the heartbeat describes it.
+    let mut v = serde_json::to_value(&r).expect("engine statuses serialize");
+    v["kv_events"] = serde_json::json!(ctx.agent.config().engines.command.is_none());
+    Ok(Json(v).into_response())
 }
 
 async fn unload(State(ctx): State<Ctx>, Path(name): Path<String>) -> Result<Response, AgentError> {

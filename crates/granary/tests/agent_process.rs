@@ -180,6 +180,11 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     assert_eq!(e["restarts"], before["restarts"]);
     let again = agent.load();
     assert_eq!(again["upstream"], before["upstream"], "loading a loaded model answers at once");
+    // The new agent's first heartbeats may report the engine before it is
+    // adopted as ready; the gateway routes to it again once they say healthy.
+    wait_until("routable after the adoption", Duration::from_secs(10), || {
+        gw.agent("node-a").is_some_and(|a| a["engines"][0]["routable"] == true)
+    });
     assert_eq!(gw.chat().status(), 200);
 
     // Unload: the process group is gone, the port closed, the gateway

@@ -398,8 +398,9 @@ impl Agents {
         self.placements.lock().get(model).cloned()
     }
 
-    /// Asks an agent to load `model`; the new engine's base URL.
-    async fn call_load(&self, t: &LoadTarget, model: &str) -> anyhow::Result<String> {
+    /// Asks an agent to load `model`; the new engine's base URL and
+    /// whether it publishes KV events (as its heartbeats will say).
+    async fn call_load(&self, t: &LoadTarget, model: &str) -> anyhow::Result<(String, bool)> {
         let mut url = url::Url::parse(&t.url).context("the agent's url")?;
         url.path_segments_mut()
             .map_err(|_| anyhow::anyhow!("the agent's url cannot take a path"))?
@@ -419,7 +420,7 @@ impl Agents {
         }
         let upstream = body["upstream"].as_str().context("no `upstream` in the agent's answer")?;
         check_http_url("upstream", upstream).map_err(|e| anyhow::anyhow!("the agent's answer: {}", e.message))?;
-        Ok(upstream.to_string())
+        Ok((upstream.to_string(), body["kv_events"].as_bool().unwrap_or(true)))
     }
 }
 
@@ -686,7 +687,7 @@ impl Gateway {
         for (i, t) in targets.iter().enumerate() {
             tracing::info!(agent = %t.agent_id, model = %model, rank = %t.why, "asking the agent to load the model");
             match self.agents.call_load(t, &model).await {
-                Ok(upstream) => match self.engine_loaded(&t.agent_id, &model, &upstream) {
+                Ok((upstream, kv_events)) => match self.engine_loaded(&t.agent_id, &model, &upstream, kv_events) {
                     Ok(()) => {
                         ok = true;
                         let mut why = format!("loaded on {}", t.why);
@@ -727,7 +728,7 @@ impl Gateway {
 
     /// An agent answered a load: its engine joins now rather than at the
     /// next heartbeat.
-    fn engine_loaded(&self, agent_id: &str, model: &str, upstream: &str) -> Result<(), ApiError> {
+    fn engine_loaded(&self, agent_id: &str, model: &str, upstream: &str, kv_events: bool) -> Result<(), ApiError> {
         let now = Instant::now();
         let mut changed = false;
         let result = {
@@ -740,7 +741,7 @@ impl Gateway {
                 upstream: upstream.to_string(),
                 healthy: true,
                 max_active: 0,
-                kv_events: true,
+                kv_events,
             };
             match agent.engines.get(model) {
                 Some(cur) if cur.upstream.cfg.url == upstream => {

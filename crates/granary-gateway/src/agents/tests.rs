@@ -187,21 +187,25 @@ async fn a_loaded_engine_survives_a_heartbeat_sent_before_the_load() {
     let a = healthy_server().await;
     let t0 = Instant::now();
     gw.heartbeat_at(hb("node-a", &[], &["m"]), t0).unwrap();
-    gw.engine_loaded("node-a", "m", &format!("http://{a}")).unwrap();
+    gw.engine_loaded("node-a", "m", &format!("http://{a}"), false).unwrap();
     assert!(gw.serves("m"));
     // A heartbeat from before the load: the engine stays.
     gw.heartbeat_at(hb("node-a", &[], &["m"]), Instant::now()).unwrap();
     assert!(gw.serves("m"));
-    // Reported once, then missing: it goes.
+    // Reported once (as the load answer described it: the same upstream
+    // stays, so requests already routed to it are not cut), then missing: it goes.
+    let id = |gw: &Gateway| gw.agents.state.lock()["node-a"].engines["m"].upstream.id;
+    let loaded = id(&gw);
     gw.heartbeat_at(hb("node-a", &[("m", format!("http://{a}"), true)], &["m"]), Instant::now()).unwrap();
+    assert_eq!(id(&gw), loaded, "the heartbeat replaced the engine the load had added");
     gw.heartbeat_at(hb("node-a", &[], &["m"]), Instant::now()).unwrap();
     assert!(!gw.serves("m"));
     // Loaded again and never reported for a ttl: it goes too.
-    gw.engine_loaded("node-a", "m", &format!("http://{a}")).unwrap();
+    gw.engine_loaded("node-a", "m", &format!("http://{a}"), false).unwrap();
     gw.heartbeat_at(hb("node-a", &[], &["m"]), Instant::now() + Duration::from_millis(1_100)).unwrap();
     assert!(!gw.serves("m"));
     // An agent that went away cannot take a load answer.
-    assert!(gw.engine_loaded("nobody", "m", &format!("http://{a}")).is_err());
+    assert!(gw.engine_loaded("nobody", "m", &format!("http://{a}"), false).is_err());
 }
 
 #[tokio::test]
