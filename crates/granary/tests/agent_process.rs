@@ -181,9 +181,13 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     let again = agent.load();
     assert_eq!(again["upstream"], before["upstream"], "loading a loaded model answers at once");
     // The new agent's first heartbeats may report the engine before it is
-    // adopted as ready; the gateway routes to it again once they say healthy.
+    // adopted as ready; the gateway routes to it again once a heartbeat
+    // sent after the adoption says it is healthy.
+    let adopted_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
     wait_until("routable after the adoption", Duration::from_secs(10), || {
-        gw.agent("node-a").is_some_and(|a| a["engines"][0]["routable"] == true)
+        gw.agent("node-a").is_some_and(|a| {
+            a["last_seen_ms"].as_i64().unwrap_or(0) > adopted_ms && a["engines"][0]["routable"] == true
+        })
     });
     assert_eq!(gw.chat().status(), 200);
 
