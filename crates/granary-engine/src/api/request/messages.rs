@@ -1,0 +1,197 @@
+//! Chat messages as requests carry them (roles, text or content parts, an
+//! assistant's earlier tool calls, tool results), and their conversion to
+//! what the chat template sees.
+
+use std::fmt;
+
+use granary_tokenizer::ChatMessage;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::Deserialize;
+
+use super::super::error::ApiError;
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct Message {
+    pub role: Role,
+    /// Optional only for `assistant` messages.
+    #[serde(default)]
+    pub content: Option<Content>,
+    /// An assistant turn's tool calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// The call a `tool` message answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// One tool call of an earlier assistant turn.
+#[derive(Debug, Deserialize)]
+pub(crate) struct MessageToolCall {
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
+    pub function: MessageFunction,
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct MessageFunction {
+    pub name: String,
+    /// JSON text, as OpenAI sends it.
+    pub arguments: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Role {
+    /// The role the chat template sees. Open models' templates know no
+    /// `developer` role; OpenAI treats it as the system prompt.
+    fn template_role(self) -> &'static str {
+        match self {
+            Role::System | Role::Developer => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+}
+
+/// A message's content: a string or an array of content parts.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+/// One content part. Only `{"type": "text", "text": ...}` is supported;
+/// the others are refused in validation so the error names the part.
+#[derive(Debug, PartialEq, Deserialize)]
+pub(crate) struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+impl<'de> Deserialize<'de> for Content {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Content;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or an array of content parts")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Content, E> {
+                Ok(Content::Text(s.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, s: String) -> Result<Content, E> {
+                Ok(Content::Text(s))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Content, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = seq.next_element::<Part>()? {
+                    parts.push(p);
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Message `i` as the chat template sees it.
+pub(crate) fn chat_message(i: usize, mut m: Message) -> Result<ChatMessage, ApiError> {
+    let role = m.role.template_role().to_string();
+    let calls = m.tool_calls.take();
+    let (tool_call_id, name) = (m.tool_call_id.take(), m.name.take());
+    if m.role == Role::Tool && tool_call_id.is_none() {
+        let param = format!("messages[{i}].tool_call_id");
+        return Err(ApiError::invalid(
+            &param,
+            "missing_required_parameter",
+            format!("Missing required parameter: `{param}`."),
+        ));
+    }
+    let has_calls = calls.as_ref().is_some_and(|c| !c.is_empty());
+    let content = if has_calls && m.content.is_none() { String::new() } else { message_text(i, m)? };
+    let tool_calls = match calls {
+        Some(calls) if !calls.is_empty() => {
+            let mut out = Vec::with_capacity(calls.len());
+            for (j, c) in calls.into_iter().enumerate() {
+                // Templates take the arguments as an object (transformers' convention).
+                let args: serde_json::Value = serde_json::from_str(&c.function.arguments).map_err(|e| {
+                    let param = format!("messages[{i}].tool_calls[{j}].function.arguments");
+                    ApiError::invalid(&param, "invalid_value", format!("Invalid value for `{param}`: not JSON ({e})."))
+                })?;
+                if c.kind.as_deref().is_some_and(|k| k != "function") {
+                    let param = format!("messages[{i}].tool_calls[{j}].type");
+                    return Err(ApiError::invalid(
+                        &param,
+                        "invalid_value",
+                        format!("Invalid value for `{param}`: only `function` calls are supported."),
+                    ));
+                }
+                out.push(serde_json::json!({
+                    "id": c.id.unwrap_or_default(),
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": args},
+                }));
+            }
+            Some(serde_json::Value::Array(out))
+        }
+        _ => None,
+    };
+    Ok(ChatMessage { role, content, tool_calls, tool_call_id, name })
+}
+
+/// The text of message `i`; content parts are joined with newlines.
+fn message_text(i: usize, m: Message) -> Result<String, ApiError> {
+    let content = match m.content {
+        Some(c) => c,
+        None if m.role == Role::Assistant => return Ok(String::new()),
+        None => {
+            let param = format!("messages[{i}].content");
+            return Err(ApiError::invalid(
+                &param,
+                "missing_required_parameter",
+                format!("Missing required parameter: `{param}`."),
+            ));
+        }
+    };
+    match content {
+        Content::Text(s) => Ok(s),
+        Content::Parts(parts) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, p) in parts.into_iter().enumerate() {
+                if p.kind != "text" {
+                    let param = format!("messages[{i}].content[{j}].type");
+                    return Err(ApiError::invalid(
+                        &param,
+                        "unsupported_value",
+                        format!("Invalid value for `{param}`: content parts of type `{}` are not supported; only `text` is.", p.kind),
+                    ));
+                }
+                let Some(text) = p.text else {
+                    let param = format!("messages[{i}].content[{j}].text");
+                    return Err(ApiError::invalid(
+                        &param,
+                        "missing_required_parameter",
+                        format!("Missing required parameter: `{param}`."),
+                    ));
+                };
+                texts.push(text);
+            }
+            Ok(texts.join("\n"))
+        }
+    }
+}
