@@ -118,15 +118,18 @@ impl Constraint {
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
         let allowed = self.matcher.compute_mask_or_eos()?;
         let n = allowed.len().min(logits.len());
+        let mut any = false;
         for (id, l) in logits[..n].iter_mut().enumerate() {
-            if !allowed.is_allowed(id as u32) {
+            if allowed.is_allowed(id as u32) {
+                any |= *l != f32::NEG_INFINITY;
+            } else {
                 *l = f32::NEG_INFINITY;
             }
         }
         for l in &mut logits[n..] {
             *l = f32::NEG_INFINITY;
         }
-        if logits.iter().all(|l| *l == f32::NEG_INFINITY) {
+        if !any {
             return Err(anyhow!("the grammar allows no token here"));
         }
         Ok(())
