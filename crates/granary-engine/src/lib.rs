@@ -10,6 +10,7 @@ pub mod types;
 pub use types::*;
 pub mod engine;
 pub mod model;
+mod pypi;
 pub mod server;
 pub mod source;
 pub mod store;

