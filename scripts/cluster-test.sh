@@ -23,7 +23,9 @@
 # (the default model's GGUF), S3S_FS (default: s3s-fs on PATH or in
 # ~/.cargo/bin), CLUSTER_KEEP=1 keeps the run's directory (logs) after the
 # end, CLUSTER_ONLY="1 4" runs only those scenarios (1 shared tier, 2 node
-# killed, 3 gateway killed, 4 S3 partitioned, 5 added link latency).
+# killed, 3 gateway killed, 4 S3 partitioned, 5 KV from S3 vs local disk;
+# they run in the order 1 5 4 2 3, since 2 and 3 take hosts away).
+# See docs/cluster-test.md.
 #
 # Each scenario prints a row (scenario, PASS/FAIL/SKIP, figures); the script
 # exits non-zero if any failed. Every process runs inside the run's
