@@ -21,6 +21,10 @@ have redis-server || pkgs+=(redis-server)
 have redis-cli || pkgs+=(redis-tools)
 have promtool || pkgs+=(prometheus)
 have fio || pkgs+=(fio)
+# jq, curl and iproute2 for the cluster test (scripts/cluster-test.sh).
+have jq || pkgs+=(jq)
+have curl || pkgs+=(curl)
+have ip || pkgs+=(iproute2)
 # A C++ compiler for llama-cpp-python's build; python3 and its venv module
 # (a stock Debian has python3 without venv or pip).
 have g++ || pkgs+=(g++)
@@ -116,6 +120,13 @@ passed=$(grep -oE '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s+=$4
 failed=$(grep -oE '; [0-9]+ failed' "$log" | awk '{s+=$2} END {print s+0}')
 echo "== deploy checks"
 deploy/check.sh
+# The fleet on simulated hosts (network namespaces: needs root).
+if [ "$(id -u)" = 0 ]; then
+  echo "== cluster test"
+  GRANARY_BIN="$PWD/target/debug/granary" scripts/cluster-test.sh
+else
+  echo "SKIPPED: the cluster test needs root (network namespaces): sudo scripts/cluster-test.sh"
+fi
 if [ "${FUZZ_SECONDS:-15}" != 0 ] && [ -d fuzz ]; then
   echo "== fuzzing (${FUZZ_SECONDS:-15}s per target)"
   for target in $(cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz list); do
