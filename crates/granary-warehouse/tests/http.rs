@@ -1,6 +1,8 @@
 //! The HTTP server end to end: a real listener on 127.0.0.1, real requests
 //! through reqwest, real stores behind it.
 
+mod common;
+
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering::Relaxed;
@@ -629,4 +631,56 @@ async fn tenant_views_show_only_their_namespace() {
     }
     let admin: Value = s.get("/stats", Some(ADMIN)).await.json().await.unwrap();
     assert_eq!(admin["store"]["tiers"][0]["entries"], 4);
+}
+
+/// Issue 13, point 6: an object in a shared S3 bucket (a real `s3s-fs`)
+/// that fails verification is a miss on this node, counted in `/metrics`,
+/// and stays in the bucket byte for byte for the nodes that can read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_verify_failure_is_a_counted_miss_that_keeps_the_object() {
+    let Some(s3) = common::start_s3() else { return };
+    let cfg = StoreConfig {
+        memory: granary_core::ByteSize::mib(16),
+        remote: Some(s3.config("shared")),
+        ..Default::default()
+    };
+    let key = &hashes(1)[0];
+    let bystander = &hashes(2)[1];
+    // Another node writes both blocks durably to the bucket.
+    let writer = Store::open(cfg.clone()).await.unwrap();
+    let durable = granary_warehouse::PutOptions { durable: true, ..Default::default() };
+    writer.put("a", Bytes::from(key.clone()), block(1), durable.clone()).await.unwrap();
+    writer.put("a", Bytes::from(bystander.clone()), block(2), durable).await.unwrap();
+    let objects: Vec<_> = common::files_under(&s3.bucket_dir().join("shared"))
+        .into_iter()
+        .filter(|p| !p.to_string_lossy().contains(".s3s"))
+        .collect();
+    assert_eq!(objects.len(), 2, "{objects:?}");
+
+    // This node starts cold: its reads go to the bucket.
+    let s = Server::start(Store::open(cfg).await.unwrap(), Auth::from_plain(Some(ADMIN), &[("a", TOKEN_A)])).await;
+    let counter = "granary_warehouse_remote_verify_failed_total";
+    let before = s.get("/metrics", Some(ADMIN)).await.text().await.unwrap();
+    assert_eq!(metric(&before, counter), 0.0);
+    // Damage the victim's value: flip its last byte in the bucket's file.
+    let victim = objects
+        .iter()
+        .find(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            name == hex::encode(&blake3::hash(key.as_bytes()).as_bytes()[..16])
+        })
+        .expect("the victim's object");
+    let mut bytes = std::fs::read(victim).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x01;
+    std::fs::write(victim, &bytes).unwrap();
+
+    let r = s.get(&format!("/v1/blocks/a/{key}"), Some(TOKEN_A)).await;
+    assert_eq!(r.status(), StatusCode::NOT_FOUND, "a block that fails verification was served");
+    let r = s.get(&format!("/v1/blocks/a/{bystander}"), Some(TOKEN_A)).await;
+    assert_eq!((r.status(), r.bytes().await.unwrap()), (StatusCode::OK, block(2)));
+    let after = s.get("/metrics", Some(ADMIN)).await.text().await.unwrap();
+    assert_eq!(metric(&after, counter), 1.0, "one failed verification, counted once");
+    assert_eq!(metric(&after, r#"granary_warehouse_corrupt_dropped_total{tier="remote"}"#), 0.0);
+    assert_eq!(std::fs::read(victim).unwrap(), bytes, "the shared object was deleted or changed");
+    s.shutdown().await;
 }
