@@ -87,8 +87,9 @@ pub struct NamespaceConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeLimits {
-    /// Most RESP connections open at once; one more is answered
-    /// `-ERR max number of clients reached` and closed (Redis's `maxclients`).
+    /// Most connections open at once, per protocol; one more is answered
+    /// `-ERR max number of clients reached` on RESP (Redis's `maxclients`),
+    /// a 503 `too_many_connections` on HTTP, and closed.
     pub max_connections: usize,
     /// Seconds a RESP connection may wait between commands before it is
     /// closed; 0 keeps idle connections open (Redis's `timeout`).

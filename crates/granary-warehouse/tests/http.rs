@@ -684,3 +684,54 @@ async fn remote_verify_failure_is_a_counted_miss_that_keeps_the_object() {
     assert_eq!(std::fs::read(victim).unwrap(), bytes, "the shared object was deleted or changed");
     s.shutdown().await;
 }
+
+/// Issue 13, point 4: past `max_connections` an HTTP client gets a 503
+/// with the usual JSON error and a closed connection; the clients inside
+/// the cap are still served, and a slot frees when one of them leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_get_503() {
+    use granary_warehouse::config::ServeLimits;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let limits = ServeLimits { max_connections: 2, ..Default::default() };
+    let ctx = ServerCtx::new(Store::memory_only(1 << 20), Auth::default()).with_limits(limits);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ctx = Arc::new(ctx);
+    tokio::spawn(granary_warehouse::http::serve(listener, ctx.clone(), std::future::pending()));
+    let get_health = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n";
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(get_health).await.unwrap();
+        let mut buf = [0u8; 12];
+        c.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"HTTP/1.1 200");
+        held.push(c);
+    }
+    let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), extra.read_to_end(&mut answer)).await.unwrap().unwrap();
+    let answer = String::from_utf8(answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    let body: Value = serde_json::from_str(answer.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert_eq!(body["error"]["code"], "too_many_connections");
+    // The held clients keep working; once one leaves, a new one gets in.
+    let mut first = held.remove(0);
+    first.write_all(get_health).await.unwrap();
+    // What is left of the first answer, then the second one.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while got.windows(12).filter(|w| w == b"HTTP/1.1 200").count() < 1 {
+        let n = tokio::time::timeout(Duration::from_secs(5), first.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0, "the held connection was closed");
+        got.extend_from_slice(&buf[..n]);
+    }
+    drop(first);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while ctx.http.connections_open.load(Relaxed) > 1 {
+        assert!(std::time::Instant::now() < deadline, "the closed connection still counts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = reqwest::get(format!("http://{addr}/health")).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+}
