@@ -40,6 +40,10 @@ pub mod warehouse {
     pub const CORRUPT_DROPPED: &str = "granary_warehouse_corrupt_dropped_total";
     /// Tier I/O errors (counter; label `tier`).
     pub const TIER_ERRORS: &str = "granary_warehouse_tier_errors_total";
+    /// Remote-tier reads that failed verification (checksum, key, another
+    /// entry's record, an unknown format): skipped, the shared object left
+    /// in place (counter).
+    pub const REMOTE_VERIFY_FAILED: &str = "granary_warehouse_remote_verify_failed_total";
     /// Requests served per protocol and outcome (counter; labels `protocol`, `outcome`).
     pub const REQUESTS: &str = "granary_warehouse_requests_total";
     /// Request latency per protocol (histogram; label `protocol`).
@@ -79,6 +83,7 @@ pub mod warehouse {
         RECOVERED,
         CORRUPT_DROPPED,
         TIER_ERRORS,
+        REMOTE_VERIFY_FAILED,
         REQUESTS,
         REQUEST_SECONDS,
         CONNECTIONS,

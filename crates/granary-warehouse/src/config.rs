@@ -83,51 +83,94 @@ pub struct NamespaceConfig {
     pub disk_quota: Option<ByteSize>,
 }
 
-/// Limits of the network front ends against idle or abusive clients, and
-/// the `lm://` listener (which has no settings of its own elsewhere).
+/// Limits of the network front ends against idle or abusive clients.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeLimits {
-    /// Most RESP connections open at once; one more is answered
-    /// `-ERR max number of clients reached` and closed (Redis's `maxclients`).
+    /// Most connections open at once, per protocol; one more is answered
+    /// `-ERR max number of clients reached` on RESP (Redis's `maxclients`),
+    /// a 503 `too_many_connections` on HTTP, and closed.
     pub max_connections: usize,
     /// Seconds a RESP connection may wait between commands before it is
     /// closed; 0 keeps idle connections open (Redis's `timeout`).
     pub idle_timeout_secs: u64,
-    /// Listen address of LMCache's `lm://` protocol ([`crate::lm`]), e.g.
-    /// `127.0.0.1:65432`; `off` (the default) serves none. The protocol
-    /// has no authentication.
-    pub lm_listen: String,
-    /// The namespace `lm://` clients read and write.
-    pub lm_namespace: String,
+    /// Where the `lm://` listen address used to be set; now
+    /// `[warehouse.lm] listen`. Kept only so that an old file is refused by
+    /// [`ServeLimits::validate`] with the new name instead of being read
+    /// as something else.
+    #[serde(default, skip_serializing)]
+    pub lm_listen: Option<String>,
+    /// Likewise, now `[warehouse.lm] namespace`.
+    #[serde(default, skip_serializing)]
+    pub lm_namespace: Option<String>,
 }
 
 impl Default for ServeLimits {
     fn default() -> Self {
-        ServeLimits {
-            max_connections: 10_000,
-            idle_timeout_secs: 0,
-            lm_listen: "off".into(),
-            lm_namespace: crate::auth::DEFAULT_NAMESPACE.into(),
-        }
+        ServeLimits { max_connections: 10_000, idle_timeout_secs: 0, lm_listen: None, lm_namespace: None }
     }
 }
 
 impl ServeLimits {
-    /// The `lm://` listen address; `None` when off, an error naming the
-    /// field when it is not an address.
-    pub fn lm_addr(&self) -> Result<Option<std::net::SocketAddr>, String> {
-        match self.lm_listen.trim() {
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        (self.idle_timeout_secs != 0).then(|| Duration::from_secs(self.idle_timeout_secs))
+    }
+
+    /// Checks what serde cannot; the error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_connections == 0 {
+            return Err("warehouse.limits.max_connections must be positive".into());
+        }
+        if self.lm_listen.is_some() {
+            return Err("warehouse.limits.lm_listen has moved: set `listen` under [warehouse.lm] \
+                        (GRANARY_WAREHOUSE__LM__LISTEN)"
+                .into());
+        }
+        if self.lm_namespace.is_some() {
+            return Err("warehouse.limits.lm_namespace has moved: set `namespace` under [warehouse.lm] \
+                        (GRANARY_WAREHOUSE__LM__NAMESPACE)"
+                .into());
+        }
+        Ok(())
+    }
+}
+
+/// LMCache's `lm://` server protocol ([`crate::lm`]): `[warehouse.lm]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LmConfig {
+    /// Listen address, e.g. `127.0.0.1:65432`; `off` (the default) serves
+    /// none. The protocol has no authentication.
+    pub listen: String,
+    /// The one namespace `lm://` clients read and write.
+    pub namespace: String,
+}
+
+impl Default for LmConfig {
+    fn default() -> Self {
+        LmConfig { listen: "off".into(), namespace: crate::auth::DEFAULT_NAMESPACE.into() }
+    }
+}
+
+impl LmConfig {
+    /// The listen address; `None` when off, an error naming the field
+    /// when it is not an address.
+    pub fn addr(&self) -> Result<Option<std::net::SocketAddr>, String> {
+        match self.listen.trim() {
             "" | "off" | "none" => Ok(None),
             v => v
                 .parse()
                 .map(Some)
-                .map_err(|e| format!("warehouse.limits.lm_listen: {v:?} is not an address like 127.0.0.1:65432 ({e})")),
+                .map_err(|e| format!("warehouse.lm.listen: {v:?} is not an address like 127.0.0.1:65432 ({e})")),
         }
     }
 
-    pub fn idle_timeout(&self) -> Option<Duration> {
-        (self.idle_timeout_secs != 0).then(|| Duration::from_secs(self.idle_timeout_secs))
+    /// Checks the address and the namespace; the error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        self.addr()?;
+        crate::types::check_namespace(self.namespace.as_bytes())
+            .map(drop)
+            .map_err(|e| format!("warehouse.lm.namespace {:?} {e}", self.namespace))
     }
 }
 

@@ -18,7 +18,6 @@ mod offload;
 pub mod policy;
 pub mod resp;
 pub mod server;
-pub mod sim;
 pub mod store;
 pub mod tier;
 pub mod types;

@@ -24,8 +24,8 @@
 //! enum numbers, kept as they come.
 //!
 //! The protocol has no authentication: the listener is off unless
-//! configured (`ServeLimits::lm_listen`), serves one namespace
-//! (`ServeLimits::lm_namespace`), and shares the RESP connection cap and
+//! configured (`[warehouse.lm] listen`, [`crate::config::LmConfig`]), serves one namespace
+//! (`[warehouse.lm] namespace`), and shares the RESP connection cap and
 //! idle timeout. A malformed header, an unknown command or a value larger
 //! than the store's `max_value` closes the connection that sent it.
 
@@ -178,14 +178,14 @@ fn with_suffix(key: &[u8], suffix: &[u8]) -> Bytes {
     Bytes::from(k)
 }
 
-/// Binds and serves `lm://` when `ctx.limits.lm_listen` names an address,
+/// Binds and serves `lm://` when `ctx.lm_config.listen` names an address,
 /// printing `granary warehouse: lm listening on ADDR` as the other front
 /// ends do; `None` when it is off.
 pub async fn spawn(
     ctx: Arc<ServerCtx>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<Option<JoinHandle<std::io::Result<()>>>> {
-    let Some(addr) = ctx.limits.lm_addr().map_err(std::io::Error::other)? else { return Ok(None) };
+    let Some(addr) = ctx.lm_config.addr().map_err(std::io::Error::other)? else { return Ok(None) };
     let l = TcpListener::bind(addr)
         .await
         .map_err(|e| std::io::Error::new(e.kind(), format!("binding lm:// on {addr}: {e}")))?;
@@ -282,7 +282,7 @@ async fn connection(mut s: TcpStream, ctx: Arc<ServerCtx>, mut stop: watch::Rece
 async fn handle(s: &mut TcpStream, ctx: &ServerCtx, req: Request) -> std::io::Result<bool> {
     let stats = &ctx.lm;
     let store = &ctx.store;
-    let ns = ctx.limits.lm_namespace.as_str();
+    let ns = ctx.lm_config.namespace.as_str();
     match req.command {
         Command::Put => {
             let len = req.length as usize;

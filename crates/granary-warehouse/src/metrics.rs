@@ -24,6 +24,7 @@ use prometheus_client::registry::Registry;
 
 use crate::server::{ProtocolSnapshot, ServerCtx};
 use crate::store::StoreStats;
+use crate::tier::TierKind;
 
 /// Content type of [`render`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -125,6 +126,15 @@ fn collect(reg: &mut Registry, ctx: &ServerCtx, uptime: Duration) {
         &per_tier(&s, |t| t.corrupt_dropped),
     );
     counter_family(reg, names::TIER_ERRORS, "Tier I/O errors.", &per_tier(&s, |t| t.errors));
+    if let Some(remote) = s.tiers.iter().find(|t| t.tier == Some(TierKind::Remote)) {
+        let c = Counter::<u64>::default();
+        c.inc_by(remote.verify_failed);
+        reg.register(
+            names::counter_base(names::REMOTE_VERIFY_FAILED),
+            "Remote-tier reads that failed verification; skipped, the shared object left in place.",
+            c,
+        );
+    }
     counter_family(
         reg,
         names::RECOVERED,

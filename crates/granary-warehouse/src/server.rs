@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use serde::Serialize;
 
 use crate::auth::Auth;
-use crate::config::ServeLimits;
+use crate::config::{LmConfig, ServeLimits};
 use crate::store::Store;
 
 /// Counters of one protocol's front end.
@@ -60,6 +60,8 @@ pub struct ServerCtx {
     pub ready: std::sync::atomic::AtomicBool,
     /// Connection limits of the front ends.
     pub limits: ServeLimits,
+    /// The `lm://` listener's settings.
+    pub lm_config: LmConfig,
 }
 
 impl ServerCtx {
@@ -72,12 +74,19 @@ impl ServerCtx {
             lm: ProtocolStats::default(),
             ready: std::sync::atomic::AtomicBool::new(true),
             limits: ServeLimits::default(),
+            lm_config: LmConfig::default(),
         }
     }
 
     /// Replaces the default connection limits.
     pub fn with_limits(mut self, limits: ServeLimits) -> Self {
         self.limits = limits;
+        self
+    }
+
+    /// Sets where and for which namespace `lm://` is served.
+    pub fn with_lm(mut self, lm: LmConfig) -> Self {
+        self.lm_config = lm;
         self
     }
 }

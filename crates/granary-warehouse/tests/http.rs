@@ -1,6 +1,8 @@
 //! The HTTP server end to end: a real listener on 127.0.0.1, real requests
 //! through reqwest, real stores behind it.
 
+mod common;
+
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering::Relaxed;
@@ -629,4 +631,107 @@ async fn tenant_views_show_only_their_namespace() {
     }
     let admin: Value = s.get("/stats", Some(ADMIN)).await.json().await.unwrap();
     assert_eq!(admin["store"]["tiers"][0]["entries"], 4);
+}
+
+/// Issue 13, point 6: an object in a shared S3 bucket (a real `s3s-fs`)
+/// that fails verification is a miss on this node, counted in `/metrics`,
+/// and stays in the bucket byte for byte for the nodes that can read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_verify_failure_is_a_counted_miss_that_keeps_the_object() {
+    let Some(s3) = common::start_s3() else { return };
+    let cfg = StoreConfig {
+        memory: granary_core::ByteSize::mib(16),
+        remote: Some(s3.config("shared")),
+        ..Default::default()
+    };
+    let key = &hashes(1)[0];
+    let bystander = &hashes(2)[1];
+    // Another node writes both blocks durably to the bucket.
+    let writer = Store::open(cfg.clone()).await.unwrap();
+    let durable = granary_warehouse::PutOptions { durable: true, ..Default::default() };
+    writer.put("a", Bytes::from(key.clone()), block(1), durable.clone()).await.unwrap();
+    writer.put("a", Bytes::from(bystander.clone()), block(2), durable).await.unwrap();
+    let objects: Vec<_> = common::files_under(&s3.bucket_dir().join("shared"))
+        .into_iter()
+        .filter(|p| !p.to_string_lossy().contains(".s3s"))
+        .collect();
+    assert_eq!(objects.len(), 2, "{objects:?}");
+
+    // This node starts cold: its reads go to the bucket.
+    let s = Server::start(Store::open(cfg).await.unwrap(), Auth::from_plain(Some(ADMIN), &[("a", TOKEN_A)])).await;
+    let counter = "granary_warehouse_remote_verify_failed_total";
+    let before = s.get("/metrics", Some(ADMIN)).await.text().await.unwrap();
+    assert_eq!(metric(&before, counter), 0.0);
+    // Damage the victim's value: flip its last byte in the bucket's file.
+    let victim = objects
+        .iter()
+        .find(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            name == hex::encode(&blake3::hash(key.as_bytes()).as_bytes()[..16])
+        })
+        .expect("the victim's object");
+    let mut bytes = std::fs::read(victim).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x01;
+    std::fs::write(victim, &bytes).unwrap();
+
+    let r = s.get(&format!("/v1/blocks/a/{key}"), Some(TOKEN_A)).await;
+    assert_eq!(r.status(), StatusCode::NOT_FOUND, "a block that fails verification was served");
+    let r = s.get(&format!("/v1/blocks/a/{bystander}"), Some(TOKEN_A)).await;
+    assert_eq!((r.status(), r.bytes().await.unwrap()), (StatusCode::OK, block(2)));
+    let after = s.get("/metrics", Some(ADMIN)).await.text().await.unwrap();
+    assert_eq!(metric(&after, counter), 1.0, "one failed verification, counted once");
+    assert_eq!(metric(&after, r#"granary_warehouse_corrupt_dropped_total{tier="remote"}"#), 0.0);
+    assert_eq!(std::fs::read(victim).unwrap(), bytes, "the shared object was deleted or changed");
+    s.shutdown().await;
+}
+
+/// Issue 13, point 4: past `max_connections` an HTTP client gets a 503
+/// with the usual JSON error and a closed connection; the clients inside
+/// the cap are still served, and a slot frees when one of them leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_get_503() {
+    use granary_warehouse::config::ServeLimits;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let limits = ServeLimits { max_connections: 2, ..Default::default() };
+    let ctx = ServerCtx::new(Store::memory_only(1 << 20), Auth::default()).with_limits(limits);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ctx = Arc::new(ctx);
+    tokio::spawn(granary_warehouse::http::serve(listener, ctx.clone(), std::future::pending()));
+    let get_health = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n";
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(get_health).await.unwrap();
+        let mut buf = [0u8; 12];
+        c.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"HTTP/1.1 200");
+        held.push(c);
+    }
+    let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), extra.read_to_end(&mut answer)).await.unwrap().unwrap();
+    let answer = String::from_utf8(answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    let body: Value = serde_json::from_str(answer.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert_eq!(body["error"]["code"], "too_many_connections");
+    // The held clients keep working; once one leaves, a new one gets in.
+    let mut first = held.remove(0);
+    first.write_all(get_health).await.unwrap();
+    // What is left of the first answer, then the second one.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while got.windows(12).filter(|w| w == b"HTTP/1.1 200").count() < 1 {
+        let n = tokio::time::timeout(Duration::from_secs(5), first.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0, "the held connection was closed");
+        got.extend_from_slice(&buf[..n]);
+    }
+    drop(first);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while ctx.http.connections_open.load(Relaxed) > 1 {
+        assert!(std::time::Instant::now() < deadline, "the closed connection still counts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = reqwest::get(format!("http://{addr}/health")).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use granary_warehouse::auth::Auth;
-use granary_warehouse::config::ServeLimits;
+use granary_warehouse::config::{LmConfig, ServeLimits};
 use granary_warehouse::lm::{self, Command, Layout, Request, REPLY_LEN};
 use granary_warehouse::{ServerCtx, Store};
 
@@ -138,10 +138,25 @@ fn idle_connections_are_closed_after_the_timeout() {
 
 #[test]
 fn the_listen_address_is_checked() {
-    let mut l = ServeLimits::default();
-    assert_eq!(l.lm_addr(), Ok(None));
-    l.lm_listen = "127.0.0.1:65432".into();
-    assert_eq!(l.lm_addr().unwrap().unwrap().port(), 65432);
-    l.lm_listen = "nowhere".into();
-    assert!(l.lm_addr().unwrap_err().contains("warehouse.limits.lm_listen"));
+    let mut l = LmConfig::default();
+    assert_eq!(l.addr(), Ok(None));
+    l.listen = "127.0.0.1:65432".into();
+    assert_eq!(l.addr().unwrap().unwrap().port(), 65432);
+    assert_eq!(l.validate(), Ok(()));
+    l.listen = "nowhere".into();
+    assert!(l.addr().unwrap_err().contains("warehouse.lm.listen"));
+    let l = LmConfig { namespace: "a b".into(), ..Default::default() };
+    assert!(l.validate().unwrap_err().contains("warehouse.lm.namespace"));
+}
+
+/// The settings' old place under `[warehouse.limits]` is refused with the
+/// new one's name, not silently ignored.
+#[test]
+fn the_old_limits_keys_name_their_new_place() {
+    let old: ServeLimits = serde_json::from_str(r#"{"lm_listen": "127.0.0.1:65432"}"#).unwrap();
+    let err = old.validate().unwrap_err();
+    assert!(err.contains("warehouse.limits.lm_listen") && err.contains("[warehouse.lm]"), "{err}");
+    let old: ServeLimits = serde_json::from_str(r#"{"lm_namespace": "x"}"#).unwrap();
+    assert!(old.validate().unwrap_err().contains("`namespace` under [warehouse.lm]"));
+    assert_eq!(ServeLimits::default().validate(), Ok(()));
 }

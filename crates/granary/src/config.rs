@@ -45,6 +45,8 @@ pub struct WarehouseConfig {
     pub metrics_token: Option<TokenConfig>,
     /// Connection cap and idle timeout of the RESP front end.
     pub limits: granary_warehouse::config::ServeLimits,
+    /// LMCache's `lm://` protocol: listen address and namespace.
+    pub lm: granary_warehouse::config::LmConfig,
 }
 
 impl Default for WarehouseConfig {
@@ -58,6 +60,7 @@ impl Default for WarehouseConfig {
             tokens: HashMap::new(),
             metrics_token: None,
             limits: Default::default(),
+            lm: Default::default(),
         }
     }
 }
@@ -81,6 +84,8 @@ impl WarehouseConfig {
         if self.block_tokens == 0 {
             bail!("warehouse.block_tokens must be positive");
         }
+        self.limits.validate().map_err(|e| anyhow!(e))?;
+        self.lm.validate().map_err(|e| anyhow!(e))?;
         let s = &self.store;
         if s.memory.0 == 0 {
             bail!("warehouse.store.memory must be positive");
@@ -385,6 +390,24 @@ policy = "s3fifo"
         std::fs::write(&file, "[warehouse.store]\nmemroy = \"1GiB\"\n").unwrap();
         let e = load_warehouse(Some(&file), &env(&[]), &Default::default()).unwrap_err().to_string();
         assert!(e.contains("memroy"), "{e}");
+    }
+
+    /// `lm://` lives under `[warehouse.lm]`; its old keys under
+    /// `[warehouse.limits]` stop the start with the new place's name.
+    #[test]
+    fn lm_settings_and_their_old_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("g.toml");
+        std::fs::write(&file, "[warehouse.lm]\nlisten = \"127.0.0.1:65432\"\nnamespace = \"kv\"\n").unwrap();
+        let c = load_warehouse(Some(&file), &env(&[]), &Default::default()).unwrap();
+        assert_eq!((c.lm.addr().unwrap().unwrap().port(), c.lm.namespace.as_str()), (65432, "kv"));
+        let c = load_warehouse(None, &env(&[("GRANARY_WAREHOUSE__LM__LISTEN", "127.0.0.1:7")]), &Default::default());
+        assert_eq!(c.unwrap().lm.listen, "127.0.0.1:7");
+        std::fs::write(&file, "[warehouse.limits]\nlm_listen = \"127.0.0.1:65432\"\n").unwrap();
+        let e = load_warehouse(Some(&file), &env(&[]), &Default::default()).unwrap_err().to_string();
+        assert!(e.contains("warehouse.limits.lm_listen") && e.contains("[warehouse.lm]"), "{e}");
+        let e = load_warehouse(None, &env(&[("GRANARY_WAREHOUSE__LM__LISTEN", "nowhere")]), &Default::default());
+        assert!(e.unwrap_err().to_string().contains("warehouse.lm.listen"));
     }
 
     #[test]

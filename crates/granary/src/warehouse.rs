@@ -23,7 +23,7 @@ pub async fn run(cfg: WarehouseConfig) -> Result<()> {
     }
     let started = std::time::Instant::now();
     let store = Store::open(cfg.store.clone()).await.context("opening the store")?;
-    let ctx = Arc::new(ServerCtx::new(store.clone(), auth).with_limits(cfg.limits.clone()));
+    let ctx = Arc::new(ServerCtx::new(store.clone(), auth).with_limits(cfg.limits.clone()).with_lm(cfg.lm.clone()));
     let recovered: u64 = store.stats().tiers.iter().map(|t| t.recovered).sum();
     tracing::info!(tiers = ?store.tiers(), recovered, took_ms = started.elapsed().as_millis() as u64, "store open");
 

@@ -4,6 +4,7 @@
 //! writes JSON and charts. No timing is asserted, only that every figure is
 //! there and positive and that the warm runs reused what they should.
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
@@ -260,12 +261,30 @@ fn gateway_quick_run_measures_every_path() {
     }
 }
 
+/// The Mooncake conversation trace where `granary bench` looks for it
+/// (`crates/granary/src/bench/sim.rs`): `$GRANARY_MOONCAKE_TRACE`, else
+/// `shared/data/mooncake/` in or beside the repository, else `/work/shared`.
+fn mooncake_trace() -> Result<PathBuf, String> {
+    let rel = "data/mooncake/conversation_trace.jsonl";
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let tried: Vec<PathBuf> = std::env::var_os("GRANARY_MOONCAKE_TRACE")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([root.join("shared").join(rel), root.join("../shared").join(rel), Path::new("/work/shared").join(rel)])
+        .collect();
+    tried
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| format!("Mooncake conversation trace not found in {tried:?}"))
+}
+
 /// `granary bench routing` on the first 1,500 requests of the Mooncake
 /// trace over 4 simulated engines: every policy's row, kv_aware above
 /// round_robin, the goal lines and the chart.
 #[test]
 fn routing_quick_run_ranks_kv_aware_above_round_robin() {
-    let trace = match granary_warehouse::sim::locate_mooncake_trace() {
+    let trace = match mooncake_trace() {
         Ok(t) => t,
         Err(e) => {
             assert!(

@@ -252,7 +252,7 @@ fn lmcache_connectors_store_and_read_back_memory_objects() {
     );
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_granary"))
         .args(["warehouse", "--resp", "127.0.0.1:0", "--http", "127.0.0.1:0"])
-        .env("GRANARY_WAREHOUSE__LIMITS__LM_LISTEN", "127.0.0.1:0")
+        .env("GRANARY_WAREHOUSE__LM__LISTEN", "127.0.0.1:0")
         .env("GRANARY_LOG", "warn")
         .stdout(std::process::Stdio::piped())
         .spawn()

@@ -13,7 +13,8 @@
 //! admin endpoints, a metrics token opens `/metrics` alone. Token checks
 //! come before a request body is read. A server with no token configured is open for the data
 //! endpoints. Every failure is answered by [`error::ApiError`] in one JSON
-//! shape. [`serve`] counts connections and bytes at the socket; a middleware
+//! shape. [`serve`] counts connections and bytes at the socket and refuses
+//! one past `max_connections` with a 503 (`too_many_connections`); a middleware
 //! counts requests and times them for `/metrics`.
 
 mod admin;
@@ -304,7 +305,20 @@ pub async fn serve(
         .await
 }
 
-/// A TCP listener whose connections count themselves in `ctx.http`.
+/// The body answered to a connection past `max_connections` (a 503).
+const TOO_MANY_CONNECTIONS: &str = "{\"error\": {\"message\": \"max number of clients reached\", \
+    \"type\": \"server_error\", \"code\": \"too_many_connections\"}}\n";
+
+fn too_many_connections() -> String {
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n\
+         retry-after: 1\r\ncontent-length: {}\r\n\r\n{TOO_MANY_CONNECTIONS}",
+        TOO_MANY_CONNECTIONS.len()
+    )
+}
+
+/// A TCP listener whose connections count themselves in `ctx.http` and
+/// are refused past `ctx.limits.max_connections`.
 struct CountingListener {
     inner: TcpListener,
     ctx: Arc<ServerCtx>,
@@ -318,6 +332,15 @@ impl axum::serve::Listener for CountingListener {
         loop {
             match self.inner.accept().await {
                 Ok((stream, addr)) => {
+                    if self.ctx.http.connections_open.load(Relaxed) >= self.ctx.limits.max_connections as u64 {
+                        // Past the cap: told why in the usual JSON shape, then
+                        // closed. `try_write` so that a client that never reads
+                        // cannot stall the accept loop; the answer fits in an
+                        // empty socket buffer.
+                        self.ctx.http.requests_error.fetch_add(1, Relaxed);
+                        let _ = stream.try_write(too_many_connections().as_bytes());
+                        continue;
+                    }
                     let _ = stream.set_nodelay(true);
                     self.ctx.http.connections_open.fetch_add(1, Relaxed);
                     self.ctx.http.connections_total.fetch_add(1, Relaxed);

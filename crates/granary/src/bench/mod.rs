@@ -10,6 +10,7 @@ mod gateway;
 mod llm;
 mod load;
 mod routing;
+mod sim;
 mod ttft;
 mod warehouse;
 

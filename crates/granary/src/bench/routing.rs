@@ -27,9 +27,9 @@ use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use granary_core::hash::BlockHash;
 use granary_gateway::routing::{build_policy, Candidate, KvIndex, PolicyConfig, RouteRequest};
-use granary_warehouse::sim::{load_trace, locate_mooncake_trace, unbounded_ceiling, TraceRequest};
 use plotters::prelude::*;
 
+use super::sim::{load_trace, locate_mooncake_trace, unbounded_ceiling, TraceRequest};
 use super::warehouse::report::{bar, command_line, utc_timestamp, Goal, Host, Table};
 
 const BLOCK_TOKENS: u64 = 512;

@@ -11,13 +11,13 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use granary_warehouse::sim::{self, TraceRequest};
 use granary_warehouse::PolicyKind;
 use plotters::prelude::*;
 use serde::Serialize;
 
 use super::report::{bar, Goal, Table};
 use super::{Ctx, Unavailable};
+use crate::bench::sim::{self, TraceRequest};
 
 const TRACE: &str = "shared/data/mooncake/conversation_trace.jsonl";
 const QUICK_BUDGETS: [f64; 3] = [0.02, 0.10, 0.50];

@@ -7,7 +7,7 @@
 //! JSON object a line with `timestamp`, `input_length`, `output_length` and
 //! `hash_ids`, the prefix-chained block ids of the prompt) through a cache of
 //! a fixed number of equal-sized blocks under each [`PolicyKind`], and
-//! reports the block hit ratio. `granary bench warehouse` builds on it.
+//! reports the block hit ratio. `granary bench warehouse` and `granary bench routing` build on it.
 //!
 //! The replay follows the tier: every block of every request, in order, is
 //! looked up; a hit is a read ([`Policy::access`]), a miss inserts the block
@@ -23,9 +23,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::{EntryId, Policy, PolicyKind};
+use granary_warehouse::policy::{EntryId, Policy, PolicyKind};
 
 /// Tokens per block in the Mooncake traces.
+#[cfg(test)]
 pub const TRACE_BLOCK_TOKENS: u32 = 512;
 
 /// Cache sizes a sweep tries by default, as fractions of the distinct blocks.
@@ -225,7 +226,8 @@ pub fn capacity_for(distinct: u64, fraction: f64) -> u64 {
 
 /// Replays `trace` under every policy in `policies` at every cache size in
 /// `fractions` (of the distinct blocks, see [`SWEEP_FRACTIONS`]); results in
-/// policy-major order.
+/// policy-major order. (The bench walks its own budgets; tests use this.)
+#[cfg(test)]
 pub fn sweep(trace: &[TraceRequest], policies: &[PolicyKind], fractions: &[f64]) -> Vec<SimResult> {
     let d = Dense::new(trace);
     let distinct = d.original.len() as u64;
@@ -347,7 +349,7 @@ mod tests {
     }
 
     /// The full policy × capacity table. Slow in debug builds; run with
-    /// `cargo test --release -p granary-warehouse --lib sim:: -- --ignored --nocapture`.
+    /// `cargo test --release -p granary --bin granary bench::sim:: -- --ignored --nocapture`.
     #[test]
     #[ignore = "full sweep; run in release"]
     fn mooncake_sweep_table() {

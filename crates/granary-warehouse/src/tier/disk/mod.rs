@@ -58,14 +58,22 @@
 //! `tests/crash.rs` runs this tier on a FUSE filesystem that forgets
 //! everything unsynced at a simulated power cut, and fails when any of
 //! these syncs is removed.
+//!
+//! Beside this file, by idea: the in-memory index (`index.rs`), file
+//! helpers (`files.rs`), recovery on open (`recover.rs`) and flushing
+//! (`sync.rs`).
 
-use std::collections::{BTreeSet, HashMap, HashSet};
-use std::fs::{self, File};
-use std::io::{self, Read, Write};
+mod files;
+mod index;
+mod recover;
+mod sync;
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -74,118 +82,19 @@ use parking_lot::{Mutex, RwLock};
 use super::{EventSink, Tier, TierEvents, TierKind};
 use crate::config::DiskConfig;
 use crate::error::{Result, WarehouseError};
-use crate::policy::{EntryId, Policy, PolicyKind};
-use crate::tier::at_rest::{value_offset, AlignedBuf, AtRest, PREAMBLE};
+use crate::policy::{EntryId, PolicyKind};
+use crate::tier::at_rest::{value_offset, AtRest};
 use crate::tier::memory::cut_page;
-use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
+use crate::types::{now_ms, EntryMeta, Evicted, ScanPage, Stored, TierStats};
+use files::{entry_name, read_whole, remove_quiet, write_new};
+use index::{Index, Slot};
+use sync::Dirty;
+#[cfg(test)]
+use sync::SyncHook;
 
 /// Evicted values up to this size are read back for the caller (offload on eviction).
 const READBACK_MAX: u64 = 1 << 20;
 const TMP_SUFFIX: &str = ".tmp";
-
-struct Slot {
-    id: EntryId,
-    /// Bytes of the file (what the budget counts).
-    size: u64,
-    meta: EntryMeta,
-    hits: u32,
-    pins: u32,
-}
-
-#[derive(Default)]
-struct Space {
-    /// Bytes of this namespace's files (what a quota counts).
-    bytes: u64,
-    map: HashMap<Bytes, Slot>,
-    /// Scan order: (scan hash, key).
-    order: BTreeSet<(u64, Bytes)>,
-}
-
-struct Index {
-    bytes: u64,
-    next_id: EntryId,
-    spaces: HashMap<Arc<str>, Space>,
-    by_id: HashMap<EntryId, (Arc<str>, Bytes)>,
-    /// (expires_at_ms, id) of entries with a TTL.
-    expiry: BTreeSet<(u64, EntryId)>,
-    policy: Box<dyn Policy>,
-}
-
-impl Index {
-    fn slot(&self, ns: &str, key: &[u8]) -> Option<&Slot> {
-        self.spaces.get(ns).and_then(|s| s.map.get(key))
-    }
-
-    fn slot_mut(&mut self, ns: &str, key: &[u8]) -> Option<&mut Slot> {
-        self.spaces.get_mut(ns).and_then(|s| s.map.get_mut(key))
-    }
-
-    fn insert(&mut self, ns: &str, key: Bytes, size: u64, meta: EntryMeta) -> EntryId {
-        let id = self.next_id;
-        self.next_id += 1;
-        let ns_arc: Arc<str> = match self.spaces.get_key_value(ns) {
-            Some((k, _)) => k.clone(),
-            None => Arc::from(ns),
-        };
-        let fp = scan_hash(&key) ^ xxhash_rust::xxh3::xxh3_64(ns.as_bytes());
-        self.policy.insert(id, fp, size, meta.depth);
-        if let Some(t) = meta.expires_at_ms {
-            self.expiry.insert((t, id));
-        }
-        self.by_id.insert(id, (ns_arc.clone(), key.clone()));
-        let space = self.spaces.entry(ns_arc).or_default();
-        space.order.insert((scan_hash(&key), key.clone()));
-        space.map.insert(key, Slot { id, size, meta, hits: 0, pins: 0 });
-        space.bytes += size;
-        self.bytes += size;
-        id
-    }
-
-    /// Unlinks an entry from the maps (not from the policy).
-    fn take(&mut self, ns: &str, key: &[u8]) -> Option<Slot> {
-        let space = self.spaces.get_mut(ns)?;
-        let (k, slot) = space.map.remove_entry(key)?;
-        space.order.remove(&(scan_hash(&k), k));
-        space.bytes -= slot.size;
-        if space.map.is_empty() {
-            self.spaces.remove(ns);
-        }
-        self.by_id.remove(&slot.id);
-        if let Some(t) = slot.meta.expires_at_ms {
-            self.expiry.remove(&(t, slot.id));
-        }
-        self.bytes -= slot.size;
-        Some(slot)
-    }
-
-    fn remove(&mut self, ns: &str, key: &[u8]) -> Option<Slot> {
-        let slot = self.take(ns, key)?;
-        self.policy.remove(slot.id);
-        Some(slot)
-    }
-
-    fn space_bytes(&self, ns: &str) -> u64 {
-        self.spaces.get(ns).map_or(0, |s| s.bytes)
-    }
-
-    /// Evicts one unpinned entry, of namespace `only` if given.
-    fn evict_one(&mut self, only: Option<&str>) -> Option<(Arc<str>, Bytes, Slot)> {
-        let Index { policy, by_id, spaces, .. } = self;
-        if only.is_some_and(|ns| !spaces.contains_key(ns)) {
-            return None;
-        }
-        let victim = policy.evict(&mut |id| {
-            let Some((ns, key)) = by_id.get(&id) else { return only.is_none() };
-            if only.is_some_and(|o| **ns != *o) {
-                return false;
-            }
-            spaces.get(&**ns).and_then(|n| n.map.get(key)).is_none_or(|slot| slot.pins == 0)
-        })?;
-        let (ns, key) = self.by_id.get(&victim).cloned()?;
-        let slot = self.take(&ns, &key)?;
-        Some((ns, key, slot))
-    }
-}
 
 #[derive(Default)]
 struct Counters {
@@ -198,17 +107,6 @@ struct Counters {
     torn_removed: AtomicU64,
     errors: AtomicU64,
 }
-
-/// Files written and directories changed since the last flush.
-#[derive(Default)]
-struct Dirty {
-    files: HashSet<PathBuf>,
-    dirs: HashSet<PathBuf>,
-}
-
-/// Called after each fsync, in tests.
-#[cfg(test)]
-type SyncHook = Arc<dyn Fn(&Path) + Send + Sync>;
 
 struct Shared {
     dir: PathBuf,
@@ -239,73 +137,12 @@ pub struct DiskTier {
     s: Arc<Shared>,
 }
 
-/// The file name of an entry: 32 hex chars of a hash of namespace and key.
-fn entry_name(ns: &str, key: &[u8]) -> String {
-    let mut h = blake3::Hasher::new();
-    h.update(&(ns.len() as u16).to_le_bytes());
-    h.update(ns.as_bytes());
-    h.update(key);
-    hex::encode(&h.finalize().as_bytes()[..16])
-}
-
-fn is_entry_name(name: &str) -> bool {
-    name.len() == 32 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-}
-
 fn io_err(e: io::Error) -> WarehouseError {
     WarehouseError::io(TierKind::Disk, e)
 }
 
 fn join_err(e: tokio::task::JoinError) -> WarehouseError {
     WarehouseError::io(TierKind::Disk, io::Error::other(format!("blocking task failed: {e}")))
-}
-
-fn remove_quiet(path: &Path) -> io::Result<()> {
-    match fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
-}
-
-/// Creates a directory and any missing parents, each entry synced into
-/// its parent: a tier directory that a crash can forget would take every
-/// durable write in it along.
-fn create_dir_durable(dir: &Path) -> io::Result<()> {
-    if dir.is_dir() {
-        return Ok(());
-    }
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    create_dir_durable(parent)?;
-    match fs::create_dir(dir) {
-        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
-        _ => {}
-    }
-    File::open(parent)?.sync_all()
-}
-
-/// Whether `syncfs(2)` makes the filesystem holding `dir` durable. On FUSE
-/// it does not: the kernel writes its own dirty pages back but sends the
-/// filesystem no request, so a FUSE server's data stays unsynced.
-#[cfg(target_os = "linux")]
-fn syncfs_reaches(dir: &Path) -> bool {
-    const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
-    let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str())) else {
-        return false;
-    };
-    // SAFETY: `c` is a NUL-terminated path and `st` a zeroed statfs the call fills.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return false;
-    }
-    st.f_type as i64 != FUSE_SUPER_MAGIC
-}
-
-fn write_new(path: &Path, data: &[u8]) -> io::Result<()> {
-    let mut f = File::create_new(path)?;
-    f.write_all(data)
 }
 
 /// Runs blocking file work off the async threads.
@@ -370,15 +207,6 @@ impl DiskTier {
     }
 }
 
-/// An entry found while recovering.
-struct Found {
-    mtime: SystemTime,
-    ns: String,
-    key: Bytes,
-    size: u64,
-    meta: EntryMeta,
-}
-
 impl Shared {
     fn path_of(&self, ns: &str, key: &[u8]) -> PathBuf {
         let name = entry_name(ns, key);
@@ -396,87 +224,6 @@ impl Shared {
         if let Some(d) = path.parent() {
             self.dirty.lock().dirs.insert(d.to_path_buf());
         }
-    }
-
-    fn recover(&self) -> Result<()> {
-        create_dir_durable(&self.dir).map_err(io_err)?;
-        let mut found = Vec::new();
-        for b in 0..=255u8 {
-            let sub = self.dir.join(format!("{b:02x}"));
-            match fs::create_dir(&sub) {
-                Ok(()) => continue,
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(io_err(e)),
-            }
-            for entry in fs::read_dir(&sub).map_err(io_err)? {
-                let entry = entry.map_err(io_err)?;
-                if !entry.file_type().map_err(io_err)?.is_file() {
-                    continue;
-                }
-                let path = entry.path();
-                let name = entry.file_name().to_string_lossy().into_owned();
-                if name.ends_with(TMP_SUFFIX) {
-                    remove_quiet(&path).map_err(io_err)?;
-                    self.c.torn_removed.fetch_add(1, Relaxed);
-                    continue;
-                }
-                match self.probe(&path, &name) {
-                    Ok(f) if f.meta.is_expired(now_ms()) => {
-                        remove_quiet(&path).map_err(io_err)?;
-                        self.c.expirations.fetch_add(1, Relaxed);
-                    }
-                    Ok(f) => found.push(f),
-                    Err(reason) => {
-                        tracing::warn!(path = %path.display(), %reason, "disk tier: dropping bad file");
-                        remove_quiet(&path).map_err(io_err)?;
-                        self.c.corrupt_dropped.fetch_add(1, Relaxed);
-                    }
-                }
-            }
-        }
-        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io_err)?;
-        found.sort_by_key(|f| f.mtime);
-        let mut ix = self.index.lock();
-        self.c.recovered.store(found.len() as u64, Relaxed);
-        for f in found {
-            ix.insert(&f.ns, f.key, f.size, f.meta);
-        }
-        while self.capacity != 0 && ix.bytes > self.capacity {
-            let Some((ns, key, _)) = ix.evict_one(None) else { break };
-            let path = self.path_of(&ns, &key);
-            remove_quiet(&path).map_err(io_err)?;
-            self.mark_dir(&path);
-            self.c.evictions.fetch_add(1, Relaxed);
-        }
-        Ok(())
-    }
-
-    /// Checks a file's header, length and head; who it holds.
-    fn probe(&self, path: &Path, name: &str) -> std::result::Result<Found, String> {
-        if !is_entry_name(name)
-            || path.parent().and_then(|p| p.file_name()).and_then(|p| p.to_str()) != Some(&name[..2])
-        {
-            return Err("not an entry file name".into());
-        }
-        let mut f = File::open(path).map_err(|e| e.to_string())?;
-        let md = f.metadata().map_err(|e| e.to_string())?;
-        let len = md.len();
-        let mut pre = vec![0u8; PREAMBLE.min(len as usize)];
-        f.read_exact(&mut pre).map_err(|e| e.to_string())?;
-        let span = AtRest::head_span(&pre, Some(len)).map_err(|e| e.to_string())?;
-        pre.resize(span, 0);
-        f.read_exact(&mut pre[PREAMBLE..]).map_err(|e| e.to_string())?;
-        let head = self.at_rest.open_head(&pre, Some(len)).map_err(|e| e.to_string())?;
-        if entry_name(&head.namespace, &head.key) != name {
-            return Err("file holds an entry of another name".into());
-        }
-        Ok(Found {
-            mtime: md.modified().unwrap_or(SystemTime::UNIX_EPOCH),
-            ns: head.namespace,
-            key: head.key,
-            size: len,
-            meta: head.meta,
-        })
     }
 
     /// Moves an evicted entry's file aside (under the index lock, so a new
@@ -755,104 +502,6 @@ impl Shared {
         }
         Err(WarehouseError::io(TierKind::Disk, io::Error::other("entry kept changing during set_expiry")))
     }
-
-    fn flush(&self) -> Result<()> {
-        // One flush at a time: one that started earlier may hold files this
-        // caller wrote, and must have synced them before this one returns.
-        let _one = self.syncing.lock();
-        let d = std::mem::take(&mut *self.dirty.lock());
-        if d.files.is_empty() && d.dirs.is_empty() {
-            return Ok(());
-        }
-        let r = self.sync_dirty(&d);
-        if r.is_err() {
-            // Not synced: the next flush must try these again.
-            let mut now = self.dirty.lock();
-            now.files.extend(d.files);
-            now.dirs.extend(d.dirs);
-        }
-        r
-    }
-
-    fn sync_dirty(&self, d: &Dirty) -> Result<()> {
-        // Many files: one syncfs does the work of a fsync per file and per
-        // directory, with one barrier instead of hundreds.
-        #[cfg(target_os = "linux")]
-        if d.files.len() + d.dirs.len() > SYNCFS_ABOVE && *self.syncfs.get_or_init(|| syncfs_reaches(&self.dir)) {
-            let dir = File::open(&self.dir).map_err(io_err)?;
-            // SAFETY: syncfs takes any fd on the filesystem; `dir` is open for the call.
-            if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&dir)) } == 0 {
-                self.synced(&self.dir);
-                return Ok(());
-            }
-        }
-        for f in &d.files {
-            self.sync_file(f)?;
-        }
-        // A write renamed over an entry after its directory's files were
-        // synced would have the directory sync make its name durable while
-        // its data is not, losing the value it replaced (which may have been
-        // acknowledged durable). So renames wait while directories sync, and
-        // files renamed in since are synced first.
-        let _no_renames = self.renames.write();
-        let late: Vec<PathBuf> = {
-            let now = self.dirty.lock();
-            now.files.iter().filter(|f| f.parent().is_some_and(|p| d.dirs.contains(p))).cloned().collect()
-        };
-        for f in &late {
-            self.sync_file(f)?;
-        }
-        for dir in &d.dirs {
-            File::open(dir).and_then(|f| f.sync_all()).map_err(io_err)?;
-            self.synced(dir);
-        }
-        Ok(())
-    }
-
-    fn sync_file(&self, f: &Path) -> Result<()> {
-        match File::open(f) {
-            Ok(file) => file.sync_all().map_err(io_err)?,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_err(e)),
-        }
-        self.synced(f);
-        Ok(())
-    }
-
-    #[cfg(test)]
-    fn synced(&self, path: &Path) {
-        let hook = self.sync_hook.lock().clone();
-        if let Some(h) = hook {
-            h(path);
-        }
-    }
-
-    #[cfg(not(test))]
-    fn synced(&self, _path: &Path) {}
-}
-
-/// Pending files above which `flush` syncs the whole filesystem at once.
-#[cfg(target_os = "linux")]
-const SYNCFS_ABOVE: usize = 16;
-
-/// Reads a whole file with one buffer of its exact size, first asking the
-/// kernel to fetch all of it (one burst of I/O instead of readahead windows
-/// paced by the copy).
-/// The whole file, placed so that a plain record's value is aligned
-/// (`value_at`: see [`AlignedBuf`]).
-fn read_whole(path: &Path, value_at: usize) -> io::Result<Bytes> {
-    let mut f = File::open(path)?;
-    let len = f.metadata()?.len() as usize;
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: advisory call on an fd we own; failure only loses the hint.
-        unsafe {
-            libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&f), 0, len as libc::off_t, libc::POSIX_FADV_WILLNEED)
-        };
-    }
-    let mut buf = AlignedBuf::new(len, value_at);
-    f.read_to_end(buf.vec())?;
-    Ok(buf.freeze())
 }
 
 #[async_trait]
@@ -1041,6 +690,7 @@ mod tests {
     use super::*;
     use crate::config::DiskConfig;
     use granary_core::ByteSize;
+    use std::collections::HashSet;
     use std::sync::atomic::AtomicBool;
     use std::time::Duration;
 
