@@ -205,6 +205,16 @@ pub mod gateway {
     pub const MODEL_LOAD_SECONDS: &str = "granary_gateway_model_load_seconds";
     /// Requests held while their model loads (gauge).
     pub const MODEL_LOAD_WAITING: &str = "granary_gateway_model_load_waiting_requests";
+    /// Response cache lookups and writes (counter; label `event`).
+    pub const RESPONSE_CACHE: &str = "granary_gateway_response_cache_total";
+    /// vLLM KV event blocks and batches read (counter; label `outcome`).
+    pub const VLLM_KV_EVENTS: &str = "granary_gateway_vllm_kv_events_total";
+    /// Audit records waiting in the spool for the database (gauge).
+    pub const AUDIT_SPOOLED: &str = "granary_gateway_audit_spooled_records";
+    /// Audit batch writes the database refused (counter).
+    pub const AUDIT_WRITE_ERRORS: &str = "granary_gateway_audit_write_errors_total";
+    /// Limiter calls to Redis that failed or timed out (counter).
+    pub const LIMITER_ERRORS: &str = "granary_gateway_limiter_errors_total";
 
     pub const ALL: &[&str] = &[
         REQUESTS,
@@ -229,6 +239,11 @@ pub mod gateway {
         MODEL_LOADS,
         MODEL_LOAD_SECONDS,
         MODEL_LOAD_WAITING,
+        RESPONSE_CACHE,
+        VLLM_KV_EVENTS,
+        AUDIT_SPOOLED,
+        AUDIT_WRITE_ERRORS,
+        LIMITER_ERRORS,
     ];
 }
 

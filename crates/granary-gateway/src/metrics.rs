@@ -149,27 +149,27 @@ impl GatewayMetrics {
         registry.register(base(names::ROUTED_BLOCKS), "Prompt blocks of routed requests", m.routed_blocks.clone());
         registry.register(base(names::AUDIT_DROPPED), "Audit records dropped", m.audit_dropped.clone());
         registry.register(
-            "granary_gateway_response_cache",
+            base(names::RESPONSE_CACHE),
             "Response cache lookups and writes, by event",
             m.response_cache.clone(),
         );
         registry.register(
-            "granary_gateway_vllm_kv_events",
+            base(names::VLLM_KV_EVENTS),
             "vLLM KV event blocks and batches read, by outcome",
             m.vllm_kv_events.clone(),
         );
         registry.register(
-            "granary_gateway_audit_spooled_records",
+            names::AUDIT_SPOOLED,
             "Audit records waiting in the spool for the database",
             m.audit_spooled.clone(),
         );
         registry.register(
-            "granary_gateway_audit_write_errors",
+            base(names::AUDIT_WRITE_ERRORS),
             "Audit batch writes the database refused (retried or spooled)",
             m.audit_write_errors.clone(),
         );
         registry.register(
-            "granary_gateway_limiter_errors",
+            base(names::LIMITER_ERRORS),
             "Limiter calls to Redis that failed or timed out (the request was admitted)",
             m.limiter_errors.clone(),
         );
@@ -273,6 +273,8 @@ mod tests {
         m.load_requests.get_or_create(&labels(&[("model", "m")])).inc();
         m.loads.get_or_create(&labels(&[("model", "m"), ("outcome", "succeeded")])).inc();
         m.load_seconds.get_or_create(&labels(&[("model", "m")])).observe(3.0);
+        m.response_cache.get_or_create(&labels(&[("event", "hit")])).inc();
+        m.vllm_kv_events.get_or_create(&labels(&[("outcome", "stored")])).inc();
         let text = m.render();
         for name in names::ALL {
             assert!(text.contains(&format!("# TYPE {} ", base(name))), "{name} missing from:\n{text}");

@@ -342,6 +342,8 @@ async fn metrics_pass_promtool() {
         n::MODEL_LOAD_REQUESTS,
         n::MODEL_LOADS,
         n::MODEL_LOAD_SECONDS,
+        n::RESPONSE_CACHE,
+        n::VLLM_KV_EVENTS,
     ];
     for name in n::ALL.iter().filter(|x| !quiet.contains(x)) {
         assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing:\n{text}");
