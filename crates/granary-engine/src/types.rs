@@ -166,6 +166,10 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     /// A grammar the output must follow (structured outputs, tool calls).
     pub constraint: Option<crate::constraint::Constraint>,
+    /// Scheduling priority, vLLM's convention: lower values are more
+    /// important (0 is the default). When KV memory runs short the engine
+    /// sets aside the highest value first.
+    pub priority: i32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use granary_core::{BlockHash, ByteSize, DType, HashChain, KvBlock, KvLayout};
 use granary_engine::connector::{
-    Connector, ConnectorConfig, ConnectorError, KvShape, Saver, SaverConfig, Source, StatsSnapshot, WarehouseSpec,
+    Connector, ConnectorConfig, ConnectorError, KvShape, Source, StatsSnapshot, WarehouseSpec,
 };
 use granary_warehouse::auth::Auth;
 use granary_warehouse::config::{DiskConfig, StoreConfig};
@@ -194,7 +194,6 @@ each_transport!(
     a_block_of_another_shape_is_a_counted_miss,
     a_corrupt_block_is_a_counted_miss,
     the_serving_tier_is_reported,
-    a_full_saver_drops_and_counts,
 );
 
 each_remote!(
@@ -203,7 +202,6 @@ each_remote!(
     connections_are_reused_and_bounded,
     a_restarted_warehouse_is_reconnected,
     a_token_opens_its_namespace,
-    background_saves_to_a_silent_server_fail_and_count,
 );
 
 async fn put_then_get_round_trips_bytes_and_shape(kind: Kind) {
@@ -339,29 +337,6 @@ async fn the_serving_tier_is_reported(kind: Kind) {
     // The read promoted it back into memory.
     let again = c.get(h[0], &shape()).await.unwrap().unwrap();
     assert_eq!(again.tier, w.reports(Source::Memory));
-    w.stop().await;
-}
-
-/// Runs on a current-thread runtime, so the saver's task cannot take a
-/// block off the queue between two `try_save` calls: exactly `queue` fit.
-async fn a_full_saver_drops_and_counts(kind: Kind) {
-    let w = Warehouse::start(kind, memory_store()).await;
-    let c = Arc::new(w.default_connector());
-    let saver = Saver::spawn(c.clone(), SaverConfig { queue: 4, batch: 3 });
-    let h = hashes(10);
-    let accepted: Vec<bool> =
-        h.iter().enumerate().map(|(i, h)| saver.try_save(*h, &shape(), payload(i as u64))).collect();
-    assert_eq!(accepted, [[true; 4].as_slice(), &[false; 6]].concat());
-    assert_eq!(saver.pending(), 4);
-    saver.close().await;
-
-    assert_eq!(c.lookup(&h).await.unwrap(), 4, "the queued blocks were written, the dropped ones not");
-    let got = c.get_many(&h[..4], &shape()).await.unwrap();
-    for (i, g) in got.iter().enumerate() {
-        assert_eq!(g.as_ref().unwrap().payload, payload(i as u64));
-    }
-    let s = c.stats().snapshot();
-    assert_eq!((s.saves_queued, s.saves_dropped, s.saves_failed, s.blocks_saved), (4, 6, 0, 4));
     w.stop().await;
 }
 
@@ -519,22 +494,6 @@ async fn a_token_opens_its_namespace(kind: Kind) {
         assert!(matches!(e, ConnectorError::Refused { .. }), "{ns} with {token:?}: {e}");
     }
     w.stop().await;
-}
-
-async fn background_saves_to_a_silent_server_fail_and_count(kind: Kind) {
-    let (addr, server) = silent_server().await;
-    let c = Arc::new(Connector::new(spec(kind, addr), quick(), None).unwrap());
-    let saver = Saver::spawn(c.clone(), SaverConfig { queue: 8, batch: 8 });
-    let h = hashes(3);
-    let t = Instant::now();
-    for (i, h) in h.iter().enumerate() {
-        assert!(saver.try_save(*h, &shape(), payload(i as u64)), "queueing never waits");
-    }
-    assert!(t.elapsed() < Duration::from_millis(100), "try_save returned in {:?}", t.elapsed());
-    saver.close().await;
-    let s = c.stats().snapshot();
-    assert_eq!((s.saves_queued, s.saves_failed, s.timeouts, s.blocks_saved), (3, 3, 1, 0));
-    server.abort();
 }
 
 #[test]

@@ -27,6 +27,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
         constraint: None,
+        priority: 0,
     }
 }
 

@@ -64,6 +64,7 @@ async fn run(engine: &Engine, prompt: Vec<u32>) -> (Vec<u32>, usize) {
         sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
         constraint: None,
+        priority: 0,
     };
     let mut rx = engine.generate(req).unwrap();
     let mut toks = Vec::new();

@@ -46,8 +46,10 @@ pub struct ModelArgs {
     #[arg(long, default_value = "512MiB")]
     pub kv_cache: ByteSize,
     /// Memory for running sequences' KV [default: 40% of the host's RAM]. A
-    /// request runs once its prompt and max_tokens fit beside the running
-    /// ones' (it waits until then); one that can never fit gets a 400.
+    /// request runs once its prompt fits beside the running ones' KV; when
+    /// answers outgrow it, the newest sequences are set aside through the
+    /// warehouse and resumed later. One whose prompt and max_tokens can
+    /// never fit gets a 400.
     #[arg(long)]
     pub kv_memory: Option<ByteSize>,
     /// Cap on the context length (below the model's own), e.g. to bound memory per sequence.

@@ -129,7 +129,8 @@ pub(crate) async fn generate(
     }
     let constraint = constraint(st, &model, &v, tools.as_ref()).await?;
     let sampling = v.sampling.resolve(&model.sampling);
-    let req = GenerateRequest { namespace, prompt, max_tokens, sampling, stop_token_ids, constraint };
+    let req =
+        GenerateRequest { namespace, prompt, max_tokens, sampling, stop_token_ids, constraint, priority: v.priority };
     if v.best_of > 1 && !v.stream {
         let how = Choices {
             n: v.n,

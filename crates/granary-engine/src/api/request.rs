@@ -62,6 +62,9 @@ pub(crate) struct ChatRequest {
     pub min_p: Option<f64>,
     #[serde(default)]
     pub repetition_penalty: Option<f64>,
+    /// vLLM's scheduling priority: lower is more important.
+    #[serde(default)]
+    pub priority: Option<i64>,
     /// Token id (as a string) to a bias in [-100, 100].
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
@@ -108,6 +111,7 @@ struct ExtraSampling {
     min_p: Option<f64>,
     repetition_penalty: Option<f64>,
     logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    priority: Option<i64>,
     /// Structured-output fields.
     format: FormatFields,
 }
@@ -119,6 +123,7 @@ macro_rules! extra_of {
             min_p: $r.min_p,
             repetition_penalty: $r.repetition_penalty,
             logit_bias: $r.logit_bias,
+            priority: $r.priority,
             format: FormatFields {
                 response_format: $r.response_format,
                 guided_json: $r.guided_json,
@@ -175,6 +180,9 @@ pub(crate) struct CompletionRequest {
     pub min_p: Option<f64>,
     #[serde(default)]
     pub repetition_penalty: Option<f64>,
+    /// vLLM's scheduling priority: lower is more important.
+    #[serde(default)]
+    pub priority: Option<i64>,
     /// Token id (as a string) to a bias in [-100, 100].
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
@@ -272,6 +280,8 @@ pub(crate) struct Validated {
     pub grammar: Option<OutputGrammar>,
     /// Tools the model may call (chat only).
     pub tools: Option<ToolsSpec>,
+    /// Scheduling priority (vLLM's `priority`): lower is more important.
+    pub priority: i32,
 }
 
 /// Most choices one request may ask for.
@@ -540,6 +550,11 @@ impl Shared {
             }
             logit_bias.push((id, v as f32));
         }
+        let priority = match self.extra.priority {
+            Some(p) => i32::try_from(p)
+                .map_err(|_| out_of_range("priority", p as f64, "between -2147483648 and 2147483647"))?,
+            None => 0,
+        };
         let stop = self.stop.map(|s| s.0).unwrap_or_default();
         if stop.len() > MAX_STOP_SEQUENCES {
             return Err(ApiError::invalid(
@@ -576,6 +591,7 @@ impl Shared {
             best_of: n as usize,
             grammar,
             tools: None,
+            priority,
         })
     }
 }

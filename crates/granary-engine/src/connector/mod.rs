@@ -35,7 +35,6 @@
 mod embedded;
 mod http;
 mod resp;
-mod saver;
 mod spec;
 mod stats;
 
@@ -49,7 +48,6 @@ use granary_core::{BlockError, BlockHash, BlockHeader, DType, KvBlock, KvLayout}
 use granary_warehouse::{Store, TierKind, WarehouseError};
 use serde::{Deserialize, Serialize};
 
-pub use saver::{Saver, SaverConfig};
 pub use spec::{SpecError, WarehouseSpec};
 pub use stats::{ConnectorStats, StatsSnapshot};
 

@@ -4,8 +4,9 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::Serialize;
 
-/// Live counters of one [`super::Connector`] (and of the [`super::Saver`]s
-/// built on it). Monotonic; read them with [`ConnectorStats::snapshot`].
+/// Live counters of one [`super::Connector`]. Monotonic; read them with
+/// [`ConnectorStats::snapshot`]. (Saving in the background, with its queue
+/// and its drops, is the engine's save loop; see `granary_engine_kv_block_saves_total`.)
 #[derive(Debug, Default)]
 pub struct ConnectorStats {
     pub(super) lookups: AtomicU64,
@@ -20,9 +21,6 @@ pub struct ConnectorStats {
     pub(super) bytes_saved: AtomicU64,
     pub(super) errors: AtomicU64,
     pub(super) timeouts: AtomicU64,
-    pub(super) saves_queued: AtomicU64,
-    pub(super) saves_dropped: AtomicU64,
-    pub(super) saves_failed: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -53,12 +51,6 @@ pub struct StatsSnapshot {
     pub errors: u64,
     /// Calls that failed because their deadline passed.
     pub timeouts: u64,
-    /// Blocks accepted by a saver's queue.
-    pub saves_queued: u64,
-    /// Blocks a saver dropped because its queue was full.
-    pub saves_dropped: u64,
-    /// Queued blocks whose background save failed.
-    pub saves_failed: u64,
 }
 
 impl ConnectorStats {
@@ -77,9 +69,6 @@ impl ConnectorStats {
             bytes_saved: r(&self.bytes_saved),
             errors: r(&self.errors),
             timeouts: r(&self.timeouts),
-            saves_queued: r(&self.saves_queued),
-            saves_dropped: r(&self.saves_dropped),
-            saves_failed: r(&self.saves_failed),
         }
     }
 }

@@ -12,6 +12,13 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, &'static str)>;
+
+/// Sequences set aside for KV memory (counter; label `kv` = warehouse or recompute).
+pub const PREEMPTIONS: &str = "granary_engine_preemptions_total";
+/// KV tokens of resumed sequences (counter; label `how` = loaded or recomputed).
+pub const RESUMED_TOKENS: &str = "granary_engine_resumed_kv_tokens_total";
+/// Sequences set aside for KV memory now (gauge).
+pub const PREEMPTED: &str = "granary_engine_preempted_requests";
 type F64Gauge = Gauge<f64, AtomicU64>;
 
 /// Where a prompt token's KV came from: computed, the engine's own memory,
@@ -55,6 +62,12 @@ pub struct EngineMetrics {
     pub warehouse_errors: Counter,
     pub kv_budget_blocks: Gauge,
     pub kv_reserved_blocks: Gauge,
+    /// Sequences set aside for memory (label `kv`: warehouse, recompute).
+    pub preemptions: Family<Labels, Counter>,
+    /// KV tokens of resumed sequences (label `how`: loaded, recomputed).
+    pub resumed_tokens: Family<Labels, Counter>,
+    /// Sequences set aside now.
+    pub preempted: Gauge,
     prompt_by_source: [AtomicU64; 5],
 }
 
@@ -82,6 +95,9 @@ impl EngineMetrics {
             warehouse_errors: Counter::default(),
             kv_budget_blocks: Gauge::default(),
             kv_reserved_blocks: Gauge::default(),
+            preemptions: Family::default(),
+            resumed_tokens: Family::default(),
+            preempted: Gauge::default(),
             prompt_by_source: Default::default(),
             registry: Registry::default(),
         };
@@ -105,9 +121,26 @@ impl EngineMetrics {
         registry.register(names::KV_BUDGET_BLOCKS, "KV blocks the KV memory budget holds", m.kv_budget_blocks.clone());
         registry.register(
             names::KV_RESERVED_BLOCKS,
-            "KV blocks reserved by running sequences",
+            "KV blocks running sequences hold after the next step, and those reserved for sequences being resumed",
             m.kv_reserved_blocks.clone(),
         );
+        registry.register(
+            base(PREEMPTIONS),
+            "Sequences set aside for KV memory (kv: warehouse or recompute)",
+            m.preemptions.clone(),
+        );
+        registry.register(
+            base(RESUMED_TOKENS),
+            "KV tokens of resumed sequences (how: loaded or recomputed)",
+            m.resumed_tokens.clone(),
+        );
+        registry.register(PREEMPTED, "Sequences set aside for KV memory now", m.preempted.clone());
+        for kv in ["warehouse", "recompute"] {
+            let _ = m.preemptions.get_or_create(&vec![("kv", kv)]);
+        }
+        for how in ["loaded", "recomputed"] {
+            let _ = m.resumed_tokens.get_or_create(&vec![("how", how)]);
+        }
         for s in names::SOURCES {
             let _ = m.prompt_tokens.get_or_create(&vec![("source", s)]);
         }

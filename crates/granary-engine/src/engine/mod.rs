@@ -13,6 +13,7 @@
 mod cache;
 mod health;
 pub mod metrics;
+mod preempt;
 mod sampler;
 mod step;
 
@@ -94,9 +95,11 @@ pub struct EngineConfig {
     /// Sampling settings for fields a request leaves out.
     pub sampling: crate::SamplingDefaults,
     /// Memory for running sequences' KV; `None`: [`DEFAULT_KV_MEMORY_SHARE`]
-    /// of the host's RAM. A request is admitted to the running batch only
-    /// when its prompt and `max_tokens` fit beside the others' (it waits
-    /// otherwise); one that could never fit is refused.
+    /// of the host's RAM. A request joins the running batch when its
+    /// prompt's blocks fit beside the blocks the running sequences hold (it
+    /// waits otherwise); when decoding outgrows the budget, sequences are
+    /// set aside through the warehouse and resumed later (see `preempt`).
+    /// A request whose prompt and `max_tokens` could never fit is refused.
     pub kv_memory_bytes: Option<usize>,
     /// Longest wait for a prompt's blocks from the warehouse; past it the
     /// prompt is computed instead.
@@ -136,8 +139,8 @@ impl Default for EngineConfig {
     }
 }
 
-/// Blocks a request reserves while it runs: its prompt and every token it
-/// may generate (a prefill-only engine keeps no generated tokens).
+/// Blocks a request holds at most: its prompt and every token it may
+/// generate (a prefill-only engine keeps no generated tokens).
 pub(crate) fn kv_reservation(block_tokens: usize, req: &GenerateRequest, role: Role) -> usize {
     let generated = if role == Role::Prefill { 0 } else { req.max_tokens };
     (req.prompt.len() + generated).div_ceil(block_tokens.max(1))

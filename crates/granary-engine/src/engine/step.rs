@@ -15,7 +15,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
 
-use super::{sampler, Admitted, Fault, KvEvent, Role, SaveJob, Shared, Source};
+use super::{preempt, sampler, Admitted, Fault, KvEvent, Role, SaveJob, Shared, Source};
 use crate::model::{Chunk, KvCache};
 use crate::{Event, FinishReason, GenerateRequest, Usage};
 
@@ -36,40 +36,46 @@ fn export_new_blocks(bt: usize, s: &mut Seq) -> Vec<(BlockHash, Bytes)> {
     out
 }
 
-struct Seq {
-    req: GenerateRequest,
-    tx: mpsc::UnboundedSender<Event>,
-    hashes: Vec<BlockHash>,
-    kv: KvCache,
-    /// Prompt tokens whose KV is in `kv`.
-    prompt_done: usize,
+pub(super) struct Seq {
+    pub(super) req: GenerateRequest,
+    pub(super) tx: mpsc::UnboundedSender<Event>,
+    pub(super) hashes: Vec<BlockHash>,
+    pub(super) kv: KvCache,
+    /// Prompt tokens whose KV is in `kv` (tokens of `replay` while it is
+    /// replayed).
+    pub(super) prompt_done: usize,
     /// Prompt tokens to compute before the sequence is done with its prompt.
-    prompt_target: usize,
+    pub(super) prompt_target: usize,
+    /// Tokens to compute again before decoding goes on: prompt and output
+    /// of a sequence resumed without its KV (see `preempt`); empty otherwise.
+    pub(super) replay: Vec<u32>,
     /// Blocks already held by the engine cache or the warehouse.
-    blocks_known: usize,
+    pub(super) blocks_known: usize,
     cached_tokens: usize,
     generated: usize,
     input: [u32; 1],
     /// Generated tokens, in order (their KV follows the prompt's).
-    output: Vec<u32>,
+    pub(super) output: Vec<u32>,
     rng: StdRng,
     /// Tokens seen, for the penalties.
     history: sampler::History,
-    arrived: Instant,
+    pub(super) arrived: Instant,
     last_token: Option<Instant>,
 }
 
 pub(super) struct StepLoop {
-    sh: Arc<Shared>,
+    pub(super) sh: Arc<Shared>,
     rx: std_mpsc::Receiver<Admitted>,
     saver: mpsc::Sender<SaveJob>,
     waiting: VecDeque<Admitted>,
-    running: Vec<Seq>,
+    pub(super) running: Vec<Seq>,
+    /// Sequences set aside for memory, and those being loaded back.
+    pub(super) parked: preempt::Parked,
 }
 
 impl StepLoop {
     pub(super) fn new(sh: Arc<Shared>, rx: std_mpsc::Receiver<Admitted>, saver: mpsc::Sender<SaveJob>) -> Self {
-        StepLoop { sh, rx, saver, waiting: VecDeque::new(), running: Vec::new() }
+        StepLoop { sh, rx, saver, waiting: VecDeque::new(), running: Vec::new(), parked: preempt::Parked::new() }
     }
 
     pub(super) fn run(mut self) {
@@ -78,27 +84,37 @@ impl StepLoop {
         let _alive = AliveGuard(self.sh.clone());
         loop {
             self.sh.health.beat();
-            if self.running.is_empty() && self.waiting.is_empty() {
-                match self.rx.recv() {
-                    Ok(a) => self.waiting.push_back(a),
-                    Err(_) => return,
+            if self.running.is_empty() {
+                if self.parked.loading() > 0 {
+                    // Nothing to step until a sequence is read back.
+                    self.parked.wait_for_resumed(std::time::Duration::from_millis(20));
+                } else if self.waiting.is_empty() && self.parked.is_empty() {
+                    match self.rx.recv() {
+                        Ok(a) => self.waiting.push_back(a),
+                        Err(_) => return,
+                    }
                 }
             }
             while let Ok(a) = self.rx.try_recv() {
                 self.waiting.push_back(a);
             }
+            self.take_back_resumed();
             self.drop_cancelled();
+            // Running sequences outgrowing the budget are set aside; those
+            // set aside come back before any new request is admitted.
+            self.make_room();
+            let mut used = self.blocks_in_use();
+            let all_back = self.resume_parked(&mut used);
             // Admission in arrival order: the next request runs once its
-            // prompt and `max_tokens` fit in the KV budget beside the
-            // running ones' (no later request overtakes it).
-            let mut reserved: usize = self.running.iter().map(|s| self.reservation(&s.req)).sum();
-            while self.running.len() < self.sh.cfg.max_running {
+            // prompt (and the first generated token) fit in the KV budget
+            // beside the running ones' blocks (no later request overtakes it).
+            while all_back && self.running.len() + self.parked.loading() < self.sh.cfg.max_running {
                 let Some(next) = self.waiting.front() else { break };
-                let need = self.reservation(&next.req);
-                if reserved + need > self.sh.kv_budget_blocks && !self.running.is_empty() {
+                let need = self.admission_need(&next.req);
+                if used + need > self.sh.kv_budget_blocks && !(self.running.is_empty() && self.parked.is_empty()) {
                     break;
                 }
-                reserved += need;
+                used += need;
                 let Some(a) = self.waiting.pop_front() else { break };
                 self.sh.metrics.waiting.dec();
                 if let Some(Fault::KillThread(t)) = self.sh.cfg.fault {
@@ -167,13 +183,16 @@ impl StepLoop {
         }
     }
 
-    fn reservation(&self, req: &GenerateRequest) -> usize {
-        super::kv_reservation(self.sh.cfg.block_tokens, req, self.sh.cfg.role)
+    /// Blocks a waiting request needs to join: its prompt and the first
+    /// generated token.
+    fn admission_need(&self, req: &GenerateRequest) -> usize {
+        let generates = usize::from(self.sh.cfg.role != Role::Prefill);
+        (req.prompt.len() + generates).div_ceil(self.sh.cfg.block_tokens)
     }
 
     fn update_gauges(&self) {
-        let reserved: usize = self.running.iter().map(|s| self.reservation(&s.req)).sum();
-        self.sh.metrics.kv_reserved_blocks.set(reserved as i64);
+        self.sh.metrics.kv_reserved_blocks.set(self.blocks_in_use() as i64);
+        self.parked.update_gauges(&self.sh.metrics);
         self.sh.metrics.kv_budget_blocks.set(self.sh.kv_budget_blocks as i64);
         let bt = self.sh.cfg.block_tokens;
         let in_seqs: usize = self.running.iter().map(|s| s.kv.len().div_ceil(bt)).sum();
@@ -199,6 +218,7 @@ impl StepLoop {
             }
             keep
         });
+        self.parked.drop_cancelled(m);
     }
 
     /// Imports the fetched prefix and decides what is left to compute.
@@ -246,6 +266,7 @@ impl StepLoop {
             kv,
             prompt_done: cached,
             prompt_target,
+            replay: Vec::new(),
             blocks_known: sources.len(),
             cached_tokens: cached,
             generated: 0,
@@ -373,7 +394,8 @@ impl StepLoop {
             if s.prompt_done < s.prompt_target {
                 let take = (s.prompt_target - s.prompt_done).min(budget);
                 let completes = s.prompt_done + take == s.prompt_target;
-                let logits = completes && self.sh.cfg.role != Role::Prefill;
+                // A replay ends where the sequence's next input is known.
+                let logits = completes && self.sh.cfg.role != Role::Prefill && s.output.is_empty();
                 plan.push((i, s.prompt_done, take, logits));
                 budget -= take;
             }
@@ -388,7 +410,8 @@ impl StepLoop {
                     let (_, start, len, want) = plan[pi];
                     let tokens: &[u32] = if s.prompt_done < s.prompt_target {
                         prefill_tokens += len;
-                        &s.req.prompt[start..start + len]
+                        let from = if s.replay.is_empty() { &s.req.prompt } else { &s.replay };
+                        &from[start..start + len]
                     } else {
                         decode_tokens += 1;
                         &s.input

@@ -232,9 +232,27 @@ impl KvCache {
     /// f16 little-endian. On the CPU the block becomes shared with the
     /// returned bytes (no copy).
     pub fn export_block(&mut self, index: usize, tokens: usize) -> Result<Bytes> {
+        ensure!(index * tokens + tokens <= self.len, "block {index} is not complete in this sequence");
+        self.export(index, tokens)
+    }
+
+    /// The payload of block `index` when it is the sequence's last and may
+    /// be partly filled (positions past the sequence's length hold
+    /// whatever they held); importing it and truncating to the length
+    /// restores the sequence exactly. Used to set a preempted sequence
+    /// aside whole.
+    pub fn export_last_block(&mut self, index: usize, tokens: usize) -> Result<Bytes> {
+        ensure!(
+            index * tokens < self.len && self.len <= (index + 1) * tokens,
+            "block {index} is not the last of a sequence of {} tokens",
+            self.len
+        );
+        self.export(index, tokens)
+    }
+
+    fn export(&mut self, index: usize, tokens: usize) -> Result<Bytes> {
         ensure!(tokens == self.block_tokens, "blocks of this cache hold {} tokens, not {tokens}", self.block_tokens);
         let start = index * tokens;
-        ensure!(start + tokens <= self.len, "block {index} is not complete in this sequence");
         let elems = self.block_elems();
         match &mut self.storage {
             Storage::Host(blocks) => {
@@ -428,5 +446,41 @@ mod tests {
         }
         let mut third = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
         assert!(third.import_block(2, 0, 4, b.slice(2..)).is_err());
+    }
+
+    /// A partly filled last block goes out and comes back: the sequence is
+    /// whole again (both storages), and only the last block may be partial.
+    #[test]
+    fn a_partial_last_block_round_trips() {
+        for host in [true, false] {
+            let mut kv = KvCache::new(&cfg(), &Device::Cpu, host, 4, 64);
+            if host {
+                fill(&mut kv, 0, 6);
+            } else {
+                kv.reserve(2, 6).unwrap();
+                for l in 0..2 {
+                    let part = |r: std::ops::Range<usize>| -> Tensor {
+                        let vals: Vec<f32> = (0..6).flat_map(|p| row(p, l)[r.clone()].to_vec()).collect();
+                        Tensor::from_vec(vals, (1, 6, 4), &Device::Cpu).unwrap()
+                    };
+                    kv.write(l, 0, &part(0..4), &part(4..8)).unwrap();
+                }
+                kv.set_len(6);
+            }
+            assert!(kv.export_last_block(0, 4).is_err(), "block 0 is full, not the last");
+            assert!(kv.export_block(1, 4).is_err(), "block 1 is not complete");
+            let b0 = kv.export_block(0, 4).unwrap();
+            let b1 = kv.export_last_block(1, 4).unwrap();
+            let mut back = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
+            back.import_block(2, 0, 4, b0).unwrap();
+            back.import_block(2, 1, 4, b1).unwrap();
+            back.truncate(6);
+            assert_eq!(back.len(), 6);
+            let l1 = back.host_layer(1).unwrap();
+            for p in 4..6 {
+                let k: Vec<f32> = l1[1][(p - 4) * 4..(p - 3) * 4].iter().map(|x| x.to_f32()).collect();
+                assert_eq!(k, row(p, 1)[..4], "K of position {p} (host storage: {host})");
+            }
+        }
     }
 }

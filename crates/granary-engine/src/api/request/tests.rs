@@ -294,3 +294,13 @@ fn completion_fields() {
     assert_field_error(with(json!({"temperature": 5})), "temperature", "between 0 and 2");
     assert_field_error(with(json!({"max_tokens": 0})), "max_tokens", "at least 1");
 }
+
+#[test]
+fn priority_is_read_as_vllm_has_it() {
+    assert_eq!(chat_with(json!({})).unwrap().priority, 0);
+    assert_eq!(chat_with(json!({"priority": -3})).unwrap().priority, -3);
+    let v = completion(json!({"model": "m", "prompt": "x", "priority": 7})).unwrap();
+    assert_eq!(v.priority, 7);
+    assert_field_error(chat_with(json!({"priority": 1u64 << 40})), "priority", "between");
+    assert_field_error(chat_with(json!({"priority": "high"})), "priority", "invalid type");
+}
