@@ -20,7 +20,7 @@ use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
 use crate::identity::keys::bearer;
 use crate::identity::{AuditRecord, Identity};
-use crate::limits::{Limiter, Quota, Reservation};
+use crate::limits::{Ask, Limiter, Quota, Reservation};
 use crate::metrics::GatewayMetrics;
 use crate::prompt::{jobs_for, PromptBlocks, PromptText, Tokenizers};
 use crate::routing::{build_policy_with, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
@@ -208,7 +208,7 @@ impl Gateway {
     /// were lost (a flush, a restart without persistence).
     pub async fn restore_budgets(&self) {
         const DAYS_32: i64 = 32 * 86_400_000;
-        match self.identity.budget_usage(now_ms() - DAYS_32).await {
+        match self.identity.budget_usage(now_ms() - DAYS_32, &self.cfg.prices).await {
             Ok(usage) => {
                 self.limiter.restore(&usage).await;
                 tracing::info!(rows = usage.len(), "limits: day and month budgets reloaded from usage_daily");
@@ -446,10 +446,20 @@ async fn serve(
         return Err(ApiError::model_not_found(&parsed.model));
     }
     // 4. Limits.
-    // The worst case is reserved against the token budgets now and settled
-    // with the real usage when the request ends (`Outcome`'s drop).
-    let worst = parsed.prompt_estimate + parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens);
-    match gw.limiter.reserve(&principal, parsed.estimate, worst).await {
+    // The worst case is reserved against the token and spend budgets now
+    // and settled with the real usage when the request ends (`Outcome`'s
+    // drop). Its cost is the prompt at the input price (none of it cached)
+    // and the completion at the output price of the model asked for.
+    let max_tokens = parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens);
+    let worst = parsed.prompt_estimate + max_tokens;
+    let prices = &gw.cfg.prices;
+    let ask = Ask {
+        estimate: parsed.estimate,
+        tokens: worst,
+        spend_estimate: prices.spend(&parsed.model, parsed.prompt_estimate, 0, parsed.max_tokens.unwrap_or(0)),
+        spend: prices.spend(&parsed.model, parsed.prompt_estimate, 0, max_tokens),
+    };
+    match gw.limiter.reserve_ask(&principal, ask).await {
         Ok(reservation) => {
             out.quota = reservation.quota;
             out.reservation = Some(reservation);

@@ -171,11 +171,21 @@ impl Drop for Outcome {
         if let Some(p) = self.principal.take() {
             let limiter = self.gw.limiter.clone();
             let reservation = self.reservation.take().unwrap_or_default();
+            // At the price of the model that served it (a fallback's own).
+            let cost = match self.rec.model.as_deref() {
+                Some(model) if spent > 0 => self.gw.cfg.prices.spend(
+                    model,
+                    self.rec.prompt_tokens,
+                    self.rec.cached_tokens,
+                    self.rec.completion_tokens,
+                ),
+                _ => crate::pricing::Money(0),
+            };
             // Settling releases what was reserved and not used, so it runs
             // also when nothing was spent.
-            if spent != reservation.tokens {
+            if spent != reservation.tokens || cost != reservation.spend {
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(async move { limiter.settle(&p, &reservation, spent).await });
+                    rt.spawn(async move { limiter.settle_spend(&p, &reservation, spent, cost).await });
                 }
             }
         }
