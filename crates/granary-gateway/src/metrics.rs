@@ -49,6 +49,12 @@ pub struct GatewayMetrics {
     /// Response cache lookups and writes, by event (`hit`, `miss`, `store`,
     /// `too_large`, `error`).
     pub response_cache: Family<Labels, Counter>,
+    /// Prefill calls of disaggregated pairs, by outcome (`ok`, `failed`,
+    /// `busy`; the decode engine served the request alone on the last two).
+    pub prefill: Family<Labels, Counter>,
+    /// Semantic cache lookups and writes, by event (`hit`, `miss`, `store`,
+    /// `too_large`, `error`).
+    pub semantic_cache: Family<Labels, Counter>,
     pub audit_dropped: Counter,
     /// Audit records waiting in the on-disk spool.
     pub audit_spooled: Gauge,
@@ -97,6 +103,8 @@ impl GatewayMetrics {
             routed_blocks: Family::default(),
             vllm_kv_events: Family::default(),
             response_cache: Family::default(),
+            prefill: Family::default(),
+            semantic_cache: Family::default(),
             audit_dropped: Counter::default(),
             audit_spooled: Gauge::default(),
             audit_write_errors: Counter::default(),
@@ -152,6 +160,16 @@ impl GatewayMetrics {
             "granary_gateway_response_cache",
             "Response cache lookups and writes, by event",
             m.response_cache.clone(),
+        );
+        registry.register(
+            "granary_gateway_semantic_cache",
+            "Semantic cache lookups and writes, by event",
+            m.semantic_cache.clone(),
+        );
+        registry.register(
+            "granary_gateway_prefill",
+            "Prefill calls of disaggregated pairs, by outcome (ok, failed, busy)",
+            m.prefill.clone(),
         );
         registry.register(
             "granary_gateway_vllm_kv_events",

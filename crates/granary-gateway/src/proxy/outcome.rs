@@ -31,8 +31,14 @@ pub(super) struct Outcome {
     pub(super) cache_key: Option<CacheKey>,
     /// `hit` or `miss`, for the `x-granary-cache` header.
     pub(super) cache_state: Option<&'static str>,
+    /// On a hit, `exact` or `semantic`, for `x-granary-cache-match`.
+    pub(super) cache_match: Option<&'static str>,
+    /// Where the semantic cache keeps the answer, once it comes.
+    pub(super) semantic: Option<crate::semantic::Probe>,
     /// Where a load this request waited on went, for `x-granary-placement`.
     pub(super) placement: Option<String>,
+    /// How a disaggregated pair's prefill went, for `x-granary-prefill`.
+    pub(super) prefill: Option<&'static str>,
 }
 
 impl Outcome {
@@ -60,7 +66,10 @@ impl Outcome {
             reservation: None,
             cache_key: None,
             cache_state: None,
+            cache_match: None,
+            semantic: None,
             placement: None,
+            prefill: None,
         }
     }
 
@@ -82,7 +91,10 @@ impl Outcome {
             reservation: self.reservation.take(),
             cache_key: None,
             cache_state: self.cache_state,
+            cache_match: self.cache_match,
+            semantic: None,
             placement: self.placement.take(),
+            prefill: self.prefill,
         }
     }
 

@@ -12,6 +12,7 @@ mod durability;
 mod metering;
 mod path;
 mod routing;
+mod semantic;
 mod spend;
 mod upstreams;
 
