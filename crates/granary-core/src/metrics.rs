@@ -134,9 +134,15 @@ pub mod engine {
     pub const WAREHOUSE_ERRORS: &str = "granary_engine_warehouse_errors_total";
     /// KV blocks the engine's KV memory budget holds (gauge).
     pub const KV_BUDGET_BLOCKS: &str = "granary_engine_kv_budget_blocks";
-    /// KV blocks reserved by running sequences, each for its prompt and
-    /// `max_tokens` (gauge).
+    /// KV blocks running sequences hold after the next step, and those
+    /// reserved for sequences being resumed (gauge).
     pub const KV_RESERVED_BLOCKS: &str = "granary_engine_kv_reserved_blocks";
+    /// Sequences set aside for KV memory (counter; label `kv` = warehouse or recompute).
+    pub const PREEMPTIONS: &str = "granary_engine_preemptions_total";
+    /// KV tokens of resumed sequences (counter; label `how` = loaded or recomputed).
+    pub const RESUMED_TOKENS: &str = "granary_engine_resumed_kv_tokens_total";
+    /// Sequences set aside for KV memory now (gauge).
+    pub const PREEMPTED: &str = "granary_engine_preempted_requests";
 
     pub const ALL: &[&str] = &[
         TTFT_SECONDS,
@@ -153,6 +159,9 @@ pub mod engine {
         WAREHOUSE_ERRORS,
         KV_BUDGET_BLOCKS,
         KV_RESERVED_BLOCKS,
+        PREEMPTIONS,
+        RESUMED_TOKENS,
+        PREEMPTED,
     ];
 }
 
@@ -207,6 +216,13 @@ pub mod gateway {
     pub const MODEL_LOAD_WAITING: &str = "granary_gateway_model_load_waiting_requests";
     /// Response cache lookups and writes (counter; label `event`).
     pub const RESPONSE_CACHE: &str = "granary_gateway_response_cache_total";
+    /// Spend of answered requests at the configured per-model prices, in
+    /// currency units (counter; labels `tenant`, `model`, `currency`).
+    pub const COST: &str = "granary_gateway_cost_total";
+    /// Semantic cache lookups and writes (counter; label `event`).
+    pub const SEMANTIC_CACHE: &str = "granary_gateway_semantic_cache_total";
+    /// Prefill calls of disaggregated prefill/decode pairs (counter; label `outcome` = ok, failed, busy).
+    pub const PREFILL: &str = "granary_gateway_prefill_total";
     /// vLLM KV event blocks and batches read (counter; label `outcome`).
     pub const VLLM_KV_EVENTS: &str = "granary_gateway_vllm_kv_events_total";
     /// Audit records waiting in the spool for the database (gauge).
@@ -239,7 +255,10 @@ pub mod gateway {
         MODEL_LOADS,
         MODEL_LOAD_SECONDS,
         MODEL_LOAD_WAITING,
+        COST,
         RESPONSE_CACHE,
+        SEMANTIC_CACHE,
+        PREFILL,
         VLLM_KV_EVENTS,
         AUDIT_SPOOLED,
         AUDIT_WRITE_ERRORS,

@@ -167,6 +167,11 @@ impl CacheKey {
         CacheKey { tenant, hash: *h.finalize().as_bytes(), store }
     }
 
+    /// The hash naming the entry.
+    pub fn digest(&self) -> [u8; 32] {
+        self.hash
+    }
+
     fn redis_key(&self, prefix: &str) -> String {
         format!("{prefix}{{t{}}}:{}", self.tenant, hex::encode(self.hash))
     }

@@ -117,6 +117,9 @@ pub struct GatewaySection {
     pub prices: crate::pricing::Prices,
     /// The response cache for deterministic requests (off by default).
     pub response_cache: crate::cache::CacheConfig,
+    /// `[gateway.semantic_cache]`: answers to prompts that mean nearly the
+    /// same, by embedding similarity (off by default).
+    pub semantic_cache: crate::semantic::SemanticConfig,
 }
 
 impl Default for GatewaySection {
@@ -149,6 +152,7 @@ impl Default for GatewaySection {
             budget_reload_s: 60,
             prices: crate::pricing::Prices::default(),
             response_cache: crate::cache::CacheConfig::default(),
+            semantic_cache: crate::semantic::SemanticConfig::default(),
         }
     }
 }
@@ -516,6 +520,7 @@ impl GatewayConfig {
         if rc.enabled && (rc.ttl_s == 0 || rc.max_entries == 0) {
             return Err(bad("gateway.response_cache", "ttl_s and max_entries must be at least 1"));
         }
+        g.semantic_cache.validate().map_err(|(field, message)| bad(field, message))?;
         if g.database.trim().is_empty() {
             return Err(bad("gateway.database", "must not be empty"));
         }

@@ -24,6 +24,8 @@ pub enum ErrorType {
     AuthenticationError,
     PermissionError,
     RateLimitError,
+    /// A spent budget (OpenAI's type and code for a spent quota).
+    InsufficientQuota,
     ServerError,
 }
 

@@ -24,6 +24,7 @@ pub mod pricing;
 pub mod prompt;
 pub mod proxy;
 pub mod routing;
+pub mod semantic;
 pub mod server;
 pub mod sse;
 pub mod tls;

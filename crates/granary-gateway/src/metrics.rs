@@ -8,6 +8,7 @@
 //! reports (admin-authenticated), and leave the exposition with the upstream.
 
 use std::collections::HashSet;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use granary_core::metrics::gateway as names;
@@ -49,6 +50,14 @@ pub struct GatewayMetrics {
     /// Response cache lookups and writes, by event (`hit`, `miss`, `store`,
     /// `too_large`, `error`).
     pub response_cache: Family<Labels, Counter>,
+    /// Prefill calls of disaggregated pairs, by outcome (`ok`, `failed`,
+    /// `busy`; the decode engine served the request alone on the last two).
+    pub prefill: Family<Labels, Counter>,
+    /// Semantic cache lookups and writes, by event (`hit`, `miss`, `store`,
+    /// `too_large`, `error`).
+    pub semantic_cache: Family<Labels, Counter>,
+    /// Spend of answered requests at the configured prices, in currency units.
+    pub cost: Family<Labels, Counter<f64, AtomicU64>>,
     pub audit_dropped: Counter,
     /// Audit records waiting in the on-disk spool.
     pub audit_spooled: Gauge,
@@ -97,6 +106,9 @@ impl GatewayMetrics {
             routed_blocks: Family::default(),
             vllm_kv_events: Family::default(),
             response_cache: Family::default(),
+            prefill: Family::default(),
+            semantic_cache: Family::default(),
+            cost: Family::default(),
             audit_dropped: Counter::default(),
             audit_spooled: Gauge::default(),
             audit_write_errors: Counter::default(),
@@ -119,6 +131,11 @@ impl GatewayMetrics {
         registry.register(names::TTFT_SECONDS, "Time from arrival to the upstream's first body byte", m.ttft.clone());
         registry.register(names::ACTIVE_REQUESTS, "Requests in progress", m.active.clone());
         registry.register(base(names::TOKENS), "Tokens by tenant, model and kind", m.tokens.clone());
+        registry.register(
+            base(names::COST),
+            "Spend of answered requests at the configured per-model prices, by tenant, model and currency",
+            m.cost.clone(),
+        );
         registry.register(
             names::UPSTREAM_UP,
             "Whether the upstream passed its last health check",
@@ -152,6 +169,16 @@ impl GatewayMetrics {
             base(names::RESPONSE_CACHE),
             "Response cache lookups and writes, by event",
             m.response_cache.clone(),
+        );
+        registry.register(
+            base(names::SEMANTIC_CACHE),
+            "Semantic cache lookups and writes, by event",
+            m.semantic_cache.clone(),
+        );
+        registry.register(
+            base(names::PREFILL),
+            "Prefill calls of disaggregated pairs, by outcome (ok, failed, busy)",
+            m.prefill.clone(),
         );
         registry.register(
             base(names::VLLM_KV_EVENTS),
@@ -274,6 +301,9 @@ mod tests {
         m.loads.get_or_create(&labels(&[("model", "m"), ("outcome", "succeeded")])).inc();
         m.load_seconds.get_or_create(&labels(&[("model", "m")])).observe(3.0);
         m.response_cache.get_or_create(&labels(&[("event", "hit")])).inc();
+        m.semantic_cache.get_or_create(&labels(&[("event", "hit")])).inc();
+        m.cost.get_or_create(&labels(&[("tenant", "a"), ("model", "m"), ("currency", "USD")])).inc_by(0.5);
+        m.prefill.get_or_create(&labels(&[("outcome", "ok")])).inc();
         m.vllm_kv_events.get_or_create(&labels(&[("outcome", "stored")])).inc();
         let text = m.render();
         for name in names::ALL {

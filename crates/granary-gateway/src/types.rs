@@ -25,6 +25,13 @@ pub struct Limits {
     /// Tokens per UTC calendar month.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_month: Option<u64>,
+    /// Spend per UTC day, in the currency of `[gateway.prices]` (cost of
+    /// the tokens at the model's price; a model without a price costs nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spend_per_day: Option<crate::pricing::Money>,
+    /// Spend per UTC calendar month, in the currency of `[gateway.prices]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spend_per_month: Option<crate::pricing::Money>,
 }
 
 impl Limits {

@@ -375,7 +375,7 @@ async fn issue_14_postgresql_stopped_under_load_loses_no_audit_record() {
     let rows = id.usage(&q).await.unwrap();
     assert_eq!((rows[0].prompt_tokens, rows[0].completion_tokens), (3 * TOTAL as u64, 4 * TOTAL as u64));
     // The daily rollup, written with the batches, agrees.
-    let usage = id.budget_usage(t0).await.unwrap();
+    let usage = id.budget_usage(t0, &granary_gateway::pricing::Prices::default()).await.unwrap();
     let tokens: u64 = usage.iter().filter(|u| u.tenant_id == 1).map(|u| u.tokens).sum();
     assert!(tokens >= 7 * TOTAL as u64, "{tokens}");
     eprintln!("PostgreSQL was down for {:.1} s; {TOTAL} of {TOTAL} audit records arrived", down_for.as_secs_f64());

@@ -10,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use granary_gateway::limits::{Limiter, RedisOptions, Scope};
+use granary_gateway::pricing::Money;
 use granary_gateway::{Limits, Principal, Priority};
 
 /// 2025-03-14 15:09:26.500 UTC (a fixed clock keeps the minute from rolling over mid-test).
@@ -187,6 +188,7 @@ async fn keys_name_ids_and_expire_after_their_window() {
         tokens_per_minute: Some(1_000),
         tokens_per_day: Some(10_000),
         tokens_per_month: Some(100_000),
+        ..Limits::default()
     };
     let p = principal(42, 4, all.clone(), all);
     let now = wall_ms();
@@ -437,11 +439,11 @@ async fn budgets_are_rebuilt_in_redis_from_the_usage_rollup() {
     let day = T0 - T0.rem_euclid(86_400_000);
     let usage = [
         // Today: 400 by key 5, 100 by another key of the tenant.
-        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day, tokens: 400 },
-        DailyUsage { tenant_id: 50, key_id: 6, day_ms: day, tokens: 100 },
+        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day, tokens: 400, spend: Money(0) },
+        DailyUsage { tenant_id: 50, key_id: 6, day_ms: day, tokens: 100, spend: Money(0) },
         // Earlier this month: 700 by key 5; last month's are ignored.
-        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day - 86_400_000, tokens: 700 },
-        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day - 40 * 86_400_000, tokens: 99_999 },
+        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day - 86_400_000, tokens: 700, spend: Money(0) },
+        DailyUsage { tenant_id: 50, key_id: 5, day_ms: day - 40 * 86_400_000, tokens: 99_999, spend: Money(0) },
     ];
     l.admit_at(&p, 0, T0).await.unwrap();
     l.restore_at(&usage, T0).await;
@@ -553,6 +555,7 @@ async fn every_limiter_call_stays_in_one_cluster_slot() {
         tokens_per_minute: Some(10_000),
         tokens_per_day: Some(10_000),
         tokens_per_month: Some(100_000),
+        ..Limits::default()
     };
     let p = principal(42, 4, all.clone(), all);
     for _ in 0..3 {
@@ -560,8 +563,13 @@ async fn every_limiter_call_stays_in_one_cluster_slot() {
         l.settle(&p, &r, 60).await;
     }
     l.charge_at(&p, 5, T0).await;
-    let usage =
-        [granary_gateway::identity::DailyUsage { tenant_id: 4, key_id: 42, day_ms: T0 - T0 % 86_400_000, tokens: 500 }];
+    let usage = [granary_gateway::identity::DailyUsage {
+        tenant_id: 4,
+        key_id: 42,
+        day_ms: T0 - T0 % 86_400_000,
+        tokens: 500,
+        spend: Money(0),
+    }];
     l.restore_at(&usage, T0).await;
     assert_eq!(l.backend_errors(), 0, "a call named keys of more than one slot");
     let r = l.admit_at(&p, 0, T0).await.unwrap_err();
@@ -625,4 +633,73 @@ async fn issue_14_limits_hold_on_a_redis_cluster_of_three_masters() {
         holding += usize::from(n > 0);
     }
     assert!(holding >= 2, "keys on {holding} master(s)");
+}
+
+/// Issue 14, point 2: budgets in currency, in Redis (two gateways) as in
+/// process: the worst-case cost is reserved at admission, settled to the
+/// real cost, refused outright when over the budget on its own, and rebuilt
+/// from the priced usage rollup; tokens and spend move independently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn issue_14_spend_budgets_reserve_settle_and_restore_in_redis_and_in_process() {
+    use granary_gateway::identity::DailyUsage;
+    use granary_gateway::limits::Ask;
+    let Some(server) = RedisServer::start() else { return };
+    let a = Limiter::redis(&server.url(), options("sp:")).await.unwrap();
+    let b = Limiter::redis(&server.url(), options("sp:")).await.unwrap();
+    let mem = Limiter::in_process();
+    let ask = |worst: u64| Ask { estimate: 10, tokens: 100, spend_estimate: Money(worst / 2), spend: Money(worst) };
+    for (name, one, two) in [("redis", &a, &b), ("memory", &mem, &mem)] {
+        // A tenant with 1.0 a day; each request may cost up to 0.15.
+        let budget =
+            Limits { spend_per_day: Some(Money(1_000_000)), tokens_per_day: Some(1_000_000), ..Limits::default() };
+        let p = principal(9, 90, Limits::default(), budget);
+        let mut tasks = Vec::new();
+        for i in 0..40 {
+            let (l, p) = (if i % 2 == 0 { one.clone() } else { two.clone() }, p.clone());
+            tasks.push(tokio::spawn(async move { l.reserve_ask_at(&p, ask(150_000), T0).await }));
+        }
+        let mut admitted = Vec::new();
+        let mut refused = Vec::new();
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(r) => admitted.push(r),
+                Err(e) => refused.push(e),
+            }
+        }
+        // 0, 0.15, ..., 0.9 are under 1.0: 7 admitted, 1.05 reserved.
+        assert_eq!(admitted.len(), 7, "{name}");
+        assert!(admitted.iter().all(|r| r.spend == Money(150_000) && r.tokens == 100), "{name}");
+        let e = &refused[0];
+        assert_eq!((e.limit, e.scope, e.max, e.used), ("spend_per_day", Scope::Tenant, 1_000_000, 1_050_000), "{name}");
+        let api = e.to_api_error();
+        assert_eq!((api.code, api.param.as_deref()), (Some("insufficient_quota"), Some("tenant.spend_per_day")));
+        assert!(api.message.contains("1.05 used"), "{name}: {}", api.message);
+        // Each really cost 0.05: 0.7 comes back; the tokens settle on their own.
+        for r in &admitted {
+            one.settle_spend(&p, r, 40, Money(50_000)).await;
+        }
+        let mut more = 0;
+        while one.reserve_ask_at(&p, ask(150_000), T0).await.is_ok() {
+            more += 1;
+        }
+        assert_eq!(more, 5, "{name}: 0.35 spent: 0.35, 0.5, ..., 0.95 are under 1.0");
+        // Over the budget on its own (the estimate, not the reservation).
+        let fresh = principal(10, 91, Limits::default(), p.tenant_limits.clone());
+        let e = two.reserve_ask_at(&fresh, ask(2_400_000), T0).await.unwrap_err();
+        assert_eq!((e.limit, e.used), ("spend_per_day", 0), "{name}");
+        assert!(e.to_api_error().message.contains("worst-case cost"), "{name}");
+        // Tokens are counted apart: 7 × 40 + 5 × 100 of the tokens budget.
+        let t = principal(9, 90, Limits::default(), Limits { tokens_per_day: Some(781), ..Limits::default() });
+        assert_eq!(one.reserve_at(&t, 0, 1, T0).await.map(|r| r.tokens), Ok(1), "{name}: 780 < 781");
+        assert_eq!(one.reserve_at(&t, 0, 1, T0).await.unwrap_err().limit, "tokens_per_day", "{name}");
+        // Rebuilt from the rollup: a fresh tenant whose day cost 0.99.
+        let q = principal(11, 92, Limits::default(), p.tenant_limits.clone());
+        let day = T0 - T0.rem_euclid(86_400_000);
+        one.restore_at(&[DailyUsage { tenant_id: 92, key_id: 11, day_ms: day, tokens: 5, spend: Money(990_000) }], T0)
+            .await;
+        assert!(two.reserve_ask_at(&q, ask(10_000), T0).await.is_ok(), "{name}: 0.99 is under 1.0");
+        let e = two.reserve_ask_at(&q, ask(10_000), T0).await.unwrap_err();
+        assert_eq!((e.limit, e.used), ("spend_per_day", 1_000_000), "{name}");
+    }
+    assert_eq!((a.backend_errors(), b.backend_errors()), (0, 0));
 }

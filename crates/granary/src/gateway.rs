@@ -79,7 +79,7 @@ pub async fn run(args: GatewayArgs) -> Result<()> {
         let cfg = load(a.config.as_ref())?;
         let url = a.database.unwrap_or(cfg.gateway.database);
         let identity = Identity::open(&url, IdentityOptions::default()).await?;
-        let res = granary_gateway::identity::run_admin(a.cmd, &identity).await;
+        let res = granary_gateway::identity::run_admin_priced(a.cmd, &identity, Some(&cfg.gateway.prices)).await;
         identity.flush().await;
         return res;
     }

@@ -13,12 +13,7 @@ use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, &'static str)>;
 
-/// Sequences set aside for KV memory (counter; label `kv` = warehouse or recompute).
-pub const PREEMPTIONS: &str = "granary_engine_preemptions_total";
-/// KV tokens of resumed sequences (counter; label `how` = loaded or recomputed).
-pub const RESUMED_TOKENS: &str = "granary_engine_resumed_kv_tokens_total";
-/// Sequences set aside for KV memory now (gauge).
-pub const PREEMPTED: &str = "granary_engine_preempted_requests";
+pub use granary_core::metrics::engine::{PREEMPTED, PREEMPTIONS, RESUMED_TOKENS};
 type F64Gauge = Gauge<f64, AtomicU64>;
 
 /// Where a prompt token's KV came from: computed, the engine's own memory,

@@ -6,7 +6,9 @@ use std::io::Write;
 use anyhow::Context as _;
 
 use super::http::{expiry, parse_time};
-use super::{current_month_ms, usage_csv, AuditQuery, Identity, NewKey, NewTenant, Tenant, TenantUpdate, UsageQuery};
+use super::{
+    current_month_ms, usage_csv_priced, AuditQuery, Identity, NewKey, NewTenant, Tenant, TenantUpdate, UsageQuery,
+};
 use crate::{KeyId, Limits, Priority};
 
 /// Admin commands.
@@ -66,6 +68,12 @@ pub struct LimitArgs {
     /// Tokens per UTC calendar month.
     #[arg(long)]
     pub tokens_per_month: Option<u64>,
+    /// Spend per UTC day, in the currency of `[gateway.prices]` (e.g. 2.5).
+    #[arg(long)]
+    pub spend_per_day: Option<crate::pricing::Money>,
+    /// Spend per UTC calendar month, in the currency of `[gateway.prices]`.
+    #[arg(long)]
+    pub spend_per_month: Option<crate::pricing::Money>,
 }
 
 impl LimitArgs {
@@ -74,6 +82,8 @@ impl LimitArgs {
             || self.tokens_per_minute.is_some()
             || self.tokens_per_day.is_some()
             || self.tokens_per_month.is_some()
+            || self.spend_per_day.is_some()
+            || self.spend_per_month.is_some()
     }
 
     /// `base` with the given flags applied.
@@ -82,6 +92,8 @@ impl LimitArgs {
         base.tokens_per_minute = self.tokens_per_minute.or(base.tokens_per_minute);
         base.tokens_per_day = self.tokens_per_day.or(base.tokens_per_day);
         base.tokens_per_month = self.tokens_per_month.or(base.tokens_per_month);
+        base.spend_per_day = self.spend_per_day.or(base.spend_per_day);
+        base.spend_per_month = self.spend_per_month.or(base.spend_per_month);
         base
     }
 }
@@ -210,9 +222,20 @@ pub enum KeyCmd {
 
 /// Runs an admin command, printing to stdout (and warnings to stderr).
 pub async fn run_admin(cmd: AdminCmd, identity: &Identity) -> anyhow::Result<()> {
+    run_admin_priced(cmd, identity, None).await
+}
+
+/// [`run_admin`] with the gateway's prices: `usage` then shows each row's
+/// cost (a model without a price: an empty cell). Prices without models
+/// are none.
+pub async fn run_admin_priced(
+    cmd: AdminCmd,
+    identity: &Identity,
+    prices: Option<&crate::pricing::Prices>,
+) -> anyhow::Result<()> {
     let mut out = Vec::new();
     let mut err = Vec::new();
-    let r = run_admin_to(cmd, identity, &mut out, &mut err).await;
+    let r = run_admin_to(cmd, identity, prices, &mut out, &mut err).await;
     std::io::stderr().write_all(&err)?;
     std::io::stdout().write_all(&out)?;
     r
@@ -222,6 +245,7 @@ pub async fn run_admin(cmd: AdminCmd, identity: &Identity) -> anyhow::Result<()>
 pub(super) async fn run_admin_to(
     cmd: AdminCmd,
     identity: &Identity,
+    prices: Option<&crate::pricing::Prices>,
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> anyhow::Result<()> {
@@ -233,14 +257,15 @@ pub(super) async fn run_admin_to(
             let from_ms = from.map(|v| parse_time("from", &v)).transpose().map_err(api)?.unwrap_or(month_from);
             let to_ms = to.map(|v| parse_time("to", &v)).transpose().map_err(api)?.unwrap_or(month_to);
             let rows = identity.usage(&UsageQuery { from_ms, to_ms, tenant }).await?;
+            let prices = prices.filter(|p| !p.models.is_empty());
             if csv {
-                write!(out, "{}", usage_csv(&rows))?;
+                write!(out, "{}", usage_csv_priced(&rows, prices))?;
             } else {
                 writeln!(out, "usage from {} to {}", fmt_time(Some(from_ms)), fmt_time(Some(to_ms)))?;
                 let body = rows
                     .iter()
                     .map(|r| {
-                        vec![
+                        let mut row = vec![
                             r.tenant.clone(),
                             r.model.clone(),
                             r.requests.to_string(),
@@ -248,10 +273,19 @@ pub(super) async fn run_admin_to(
                             r.prompt_tokens.to_string(),
                             r.completion_tokens.to_string(),
                             r.cached_tokens.to_string(),
-                        ]
+                        ];
+                        if let Some(p) = prices {
+                            let cost = p.cost(&r.model, r.prompt_tokens, r.cached_tokens, r.completion_tokens);
+                            row.push(cost.map(|c| format!("{c:.6} {}", p.currency)).unwrap_or_else(|| "-".into()));
+                        }
+                        row
                     })
                     .collect::<Vec<_>>();
-                write_table(out, &["TENANT", "MODEL", "REQUESTS", "ERRORS", "PROMPT", "COMPLETION", "CACHED"], &body)?;
+                let mut head = vec!["TENANT", "MODEL", "REQUESTS", "ERRORS", "PROMPT", "COMPLETION", "CACHED"];
+                if prices.is_some() {
+                    head.push("COST");
+                }
+                write_table(out, &head, &body)?;
             }
             Ok(())
         }

@@ -49,7 +49,7 @@ use crate::error::ErrorType;
 pub(crate) use crate::types::now_ms;
 use crate::{ApiError, KeyId, Limits, Principal, Priority, TenantId};
 
-pub use cli::{run_admin, AdminCmd, KeyCmd, LimitArgs, TenantCmd};
+pub use cli::{run_admin, run_admin_priced, AdminCmd, KeyCmd, LimitArgs, TenantCmd};
 pub use http::{admin_router, admin_router_with, usage_csv, usage_csv_priced, AdminOptions, AdminToken};
 pub(crate) use http::{parse_json_body, query_params, require_admin};
 use key_cache::*;
@@ -307,27 +307,39 @@ impl Identity {
     }
 
     /// Tokens (prompt plus completion) per tenant, key and UTC day from
-    /// `since_ms`'s day on, from the `usage_daily` rollup: what day and
-    /// month budgets are reloaded from at start.
-    pub async fn budget_usage(&self, since_ms: i64) -> Result<Vec<DailyUsage>, AdminError> {
+    /// `since_ms`'s day on, and their cost at `prices`, from the
+    /// `usage_daily` rollup: what day and month budgets are reloaded from
+    /// at start.
+    pub async fn budget_usage(
+        &self,
+        since_ms: i64,
+        prices: &crate::pricing::Prices,
+    ) -> Result<Vec<DailyUsage>, AdminError> {
         let rows = sqlx::query(
-            "SELECT tenant_id, key_id, day_ms, CAST(SUM(prompt_tokens + completion_tokens) AS BIGINT) \
-             FROM usage_daily WHERE day_ms >= $1 GROUP BY tenant_id, key_id, day_ms",
+            "SELECT tenant_id, key_id, day_ms, model, CAST(SUM(prompt_tokens) AS BIGINT), \
+             CAST(SUM(completion_tokens) AS BIGINT), CAST(SUM(cached_tokens) AS BIGINT) \
+             FROM usage_daily WHERE day_ms >= $1 GROUP BY tenant_id, key_id, day_ms, model",
         )
         .bind(audit::day_of(since_ms))
         .fetch_all(&self.inner.pool)
         .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(DailyUsage {
-                    tenant_id: r.try_get(0)?,
-                    key_id: r.try_get(1)?,
-                    day_ms: r.try_get(2)?,
-                    tokens: u64_col(r, 3)?,
-                })
-            })
-            .collect::<Result<Vec<_>, sqlx::Error>>()
-            .map_err(AdminError::from)
+        // Summed over models here: the cost needs each model's price.
+        let mut days: std::collections::BTreeMap<(i64, i64, i64), DailyUsage> = Default::default();
+        for r in &rows {
+            let (tenant_id, key_id, day_ms): (i64, i64, i64) = (r.try_get(0)?, r.try_get(1)?, r.try_get(2)?);
+            let model: String = r.try_get(3)?;
+            let (prompt, completion, cached) = (u64_col(r, 4)?, u64_col(r, 5)?, u64_col(r, 6)?);
+            let day = days.entry((tenant_id, key_id, day_ms)).or_insert(DailyUsage {
+                tenant_id,
+                key_id,
+                day_ms,
+                tokens: 0,
+                spend: crate::pricing::Money(0),
+            });
+            day.tokens = day.tokens.saturating_add(prompt.saturating_add(completion));
+            day.spend.0 = day.spend.0.saturating_add(prices.spend(&model, prompt, cached, completion).0);
+        }
+        Ok(days.into_values().collect())
     }
 
     /// Usage per tenant and model over `[from_ms, to_ms)`, sorted by tenant

@@ -622,11 +622,52 @@ struct Cli {
 }
 
 async fn cli(id: &Identity, args: &[&str]) -> anyhow::Result<(String, String)> {
+    cli_priced(id, args, None).await
+}
+
+async fn cli_priced(
+    id: &Identity,
+    args: &[&str],
+    prices: Option<&crate::pricing::Prices>,
+) -> anyhow::Result<(String, String)> {
     use clap::Parser as _;
     let cmd = Cli::try_parse_from(std::iter::once("admin").chain(args.iter().copied()))?.cmd;
     let (mut out, mut err) = (Vec::new(), Vec::new());
-    run_admin_to(cmd, id, &mut out, &mut err).await?;
+    run_admin_to(cmd, id, prices, &mut out, &mut err).await?;
     Ok((String::from_utf8(out)?, String::from_utf8(err)?))
+}
+
+/// Issue 14, point 2: budgets in currency set from the command line, and
+/// the usage report with each row's cost.
+#[tokio::test]
+async fn the_cli_sets_spend_budgets_and_prices_usage() {
+    let id = mem().await;
+    cli(&id, &["tenant", "create", "acme", "--spend-per-month", "12.5", "--spend-per-day", "0.75"]).await.unwrap();
+    let t = id.get_tenant("acme").await.unwrap();
+    use crate::pricing::Money;
+    assert_eq!((t.limits.spend_per_day, t.limits.spend_per_month), (Some(Money(750_000)), Some(Money(12_500_000))));
+    let err = cli(&id, &["tenant", "update", "acme", "--spend-per-day=-1"]).await.unwrap_err().to_string();
+    assert!(err.contains("--spend-per-day") && err.contains("0 or more"), "{err}");
+    let (out, _) = cli(&id, &["tenant", "list"]).await.unwrap();
+    assert!(out.contains(r#""spend_per_day":0.75"#), "{out}");
+
+    let mut prices = crate::pricing::Prices::default();
+    prices.models.insert(
+        "llama".into(),
+        crate::pricing::ModelPrice { input_per_million: 1.0, cached_input_per_million: None, output_per_million: 2.0 },
+    );
+    id.record(rec("acme", "llama", 200, 1_000, 500, 0, now_ms()));
+    id.record(rec("acme", "=cmd", 200, 5, 5, 0, now_ms()));
+    id.flush().await;
+    let (out, _) = cli_priced(&id, &["usage", "--csv"], Some(&prices)).await.unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "tenant,model,requests,errors,prompt_tokens,completion_tokens,cached_tokens,cost,currency");
+    assert!(lines.contains(&"acme,llama,1,0,1000,500,0,0.002000,USD"), "{out}");
+    assert!(lines.contains(&"acme,'=cmd,1,0,5,5,0,,USD"), "a formula made inert: {out}");
+    let (out, _) = cli_priced(&id, &["usage"], Some(&prices)).await.unwrap();
+    assert!(out.contains("COST") && out.contains("0.002000 USD"), "{out}");
+    let (out, _) = cli_priced(&id, &["usage", "--csv"], Some(&crate::pricing::Prices::default())).await.unwrap();
+    assert!(!out.contains("cost"), "prices without models: no cost column: {out}");
 }
 
 #[tokio::test]

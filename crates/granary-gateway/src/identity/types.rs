@@ -167,7 +167,7 @@ pub struct CreatedKey {
 }
 
 /// Tokens one key (or, `key_id` 0, requests without one) of a tenant used
-/// on one UTC day, from the `usage_daily` rollup.
+/// on one UTC day, and what they cost, from the `usage_daily` rollup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DailyUsage {
     pub tenant_id: TenantId,
@@ -176,6 +176,9 @@ pub struct DailyUsage {
     pub day_ms: i64,
     /// Prompt plus completion tokens.
     pub tokens: u64,
+    /// Their cost at the configured prices (each model's day rounded up to
+    /// whole micro-units; nothing for models without a price).
+    pub spend: crate::pricing::Money,
 }
 
 /// One request, as the audit log keeps it.

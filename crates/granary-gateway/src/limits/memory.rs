@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use parking_lot::Mutex;
 
-use super::{Check, LimitKind, Scope};
+use super::{Ask, Check, LimitKind, Scope};
 use crate::TenantId;
 
 const SHARDS: usize = 16;
@@ -120,8 +120,7 @@ impl MemoryStore {
         &self,
         tenant: TenantId,
         checks: &[Check],
-        estimate: u64,
-        reserve: u64,
+        ask: &Ask,
         now_ms: i64,
     ) -> (Vec<(usize, u64)>, Vec<u64>) {
         let mut shard = self.shard(tenant).lock();
@@ -131,15 +130,14 @@ impl MemoryStore {
             .enumerate()
             .filter_map(|(i, c)| {
                 let used = shard.used(c, now_ms);
-                (!c.admits(used, estimate)).then_some((i, used))
+                (!c.admits(used, ask.estimate_for(c.kind))).then_some((i, used))
             })
             .collect();
         if failed.is_empty() {
             for c in checks {
-                if c.kind.is_requests() {
-                    shard.add(c, 1, now_ms);
-                } else if reserve > 0 {
-                    shard.add(c, reserve, now_ms);
+                let n = ask.reserve_for(c.kind);
+                if n > 0 {
+                    shard.add(c, n, now_ms);
                 }
             }
         }
@@ -148,7 +146,7 @@ impl MemoryStore {
     }
 
     /// Adds `delta` (a release when negative, never below 0) to every
-    /// given token window.
+    /// given token or spend window.
     pub(super) fn adjust(&self, tenant: TenantId, checks: &[Check], delta: i64, now_ms: i64) {
         let mut shard = self.shard(tenant).lock();
         shard.prune(now_ms);

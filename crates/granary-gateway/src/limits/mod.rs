@@ -8,6 +8,8 @@
 //! | `tokens_per_minute`   | a rate (GCRA): each token drains in 60 s / limit   |
 //! | `tokens_per_day`      | a fixed window: the UTC day                 |
 //! | `tokens_per_month`    | a fixed window: the UTC calendar month      |
+//! | `spend_per_day`       | a fixed window: the UTC day, in currency    |
+//! | `spend_per_month`     | a fixed window: the UTC month, in currency  |
 //!
 //! A rate is a bucket that drains continuously, so there is no window edge
 //! at which a second full burst fits: whatever is taken at once, no 60 s
@@ -29,6 +31,14 @@
 //! tokens when the request ends. [`Limiter::charge`] adds tokens without
 //! a reservation.
 //!
+//! The spend budgets work the same way in currency ([`Money`], micro-units):
+//! [`Limiter::reserve_ask`] reserves the request's worst-case cost (the
+//! prompt at the input price plus `max_tokens` at the output price of the
+//! requested model) and [`Limiter::settle_spend`] replaces it with the cost
+//! of what was used, at the price of the model that served it. A refusal
+//! is a 429 with code `insufficient_quota`, as OpenAI answers a spent
+//! quota, naming the budget.
+//!
 //! With one gateway the counters live in process ([`Limiter::in_process`]).
 //! With several, they live in Redis ([`Limiter::redis`]): one script call
 //! per admission, one pipeline per charge, and every counter expires after
@@ -44,6 +54,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Datelike, NaiveDate, Utc};
 
+use crate::pricing::Money;
 use crate::types::now_ms;
 use crate::{ApiError, Limits, Principal};
 
@@ -81,9 +92,10 @@ impl Scope {
 pub struct Rejection {
     /// Whose limit it is.
     pub scope: Scope,
-    /// `"requests_per_minute"`, `"tokens_per_minute"`, `"tokens_per_day"` or `"tokens_per_month"`.
+    /// `"requests_per_minute"`, `"tokens_per_minute"`, `"tokens_per_day"`,
+    /// `"tokens_per_month"`, `"spend_per_day"` or `"spend_per_month"`.
     pub limit: &'static str,
-    /// The limit's value.
+    /// The limit's value (micro-units of currency for a spend budget).
     pub max: u64,
     /// What the window had used when the request came. Under `max` only
     /// when the request's own estimate was over the limit.
@@ -117,6 +129,46 @@ pub struct Reservation {
     /// When it was taken (unix milliseconds): it is settled in the windows
     /// of this time.
     pub at_ms: i64,
+    /// The spend reserved in every spend window (0: none).
+    pub spend: Money,
+}
+
+/// What one admission asks of the windows: the amounts that refuse a
+/// request outright and the amounts it reserves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ask {
+    /// The request's tokens as estimated (over a token limit on its own:
+    /// refused outright).
+    pub estimate: u64,
+    /// Tokens reserved in every token window (the worst case).
+    pub tokens: u64,
+    /// The request's cost as estimated (over a spend budget on its own:
+    /// refused outright).
+    pub spend_estimate: Money,
+    /// The worst-case cost, reserved in every spend window.
+    pub spend: Money,
+}
+
+impl Ask {
+    /// What a window of `kind` refuses outright above.
+    fn estimate_for(&self, kind: LimitKind) -> u64 {
+        if kind.is_spend() {
+            self.spend_estimate.0
+        } else {
+            self.estimate
+        }
+    }
+
+    /// What an admission adds to a window of `kind`.
+    fn reserve_for(&self, kind: LimitKind) -> u64 {
+        if kind.is_requests() {
+            1
+        } else if kind.is_spend() {
+            self.spend.0
+        } else {
+            self.tokens
+        }
+    }
 }
 
 /// What the per-minute limits leave after an admission: of the key's and
@@ -190,10 +242,29 @@ fn quota(checks: &[Check], used: &[u64], now_ms: i64) -> Quota {
 impl Rejection {
     /// The 429 answer: type `rate_limit_error`, code `rate_limit_exceeded`
     /// for the per-minute limits and `quota_exceeded` for the daily and
-    /// monthly budgets, and `Retry-After`.
+    /// monthly token budgets, and `Retry-After`; for a spend budget type
+    /// and code `insufficient_quota` (as OpenAI answers a spent quota) with
+    /// the budget as `param`.
     pub fn to_api_error(&self) -> ApiError {
         let secs = retry_secs(self.retry_after);
         let scope = self.scope.as_str();
+        if self.limit.starts_with("spend_") {
+            let (max, used) = (Money(self.max), Money(self.used));
+            let message = if self.used < self.max {
+                format!(
+                    "the worst-case cost of this request exceeds the {scope} budget {} ({max}); \
+                     lower max_tokens or shorten the prompt",
+                    self.limit
+                )
+            } else {
+                format!("the {scope} budget {} ({max}) is spent ({used} used); it renews in {secs} s", self.limit)
+            };
+            let mut err = ApiError::rate_limited(message, self.retry_after);
+            err.kind = crate::error::ErrorType::InsufficientQuota;
+            err.code = Some("insufficient_quota");
+            err.param = Some(format!("{scope}.{}", self.limit));
+            return err;
+        }
         let message = if self.used < self.max {
             format!(
                 "the estimated tokens of this request exceed the {scope} limit {} ({}); \
@@ -230,17 +301,20 @@ fn retry_secs(after: Duration) -> u64 {
     (after.as_secs() + u64::from(after.subsec_nanos() > 0)).max(1)
 }
 
-/// The four counted limits.
+/// The six counted limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum LimitKind {
     RequestsPerMinute,
     TokensPerMinute,
     TokensPerDay,
     TokensPerMonth,
+    SpendPerDay,
+    SpendPerMonth,
 }
 
 impl LimitKind {
     const TOKENS: [LimitKind; 3] = [LimitKind::TokensPerMinute, LimitKind::TokensPerDay, LimitKind::TokensPerMonth];
+    const SPEND: [LimitKind; 2] = [LimitKind::SpendPerDay, LimitKind::SpendPerMonth];
 
     fn as_str(self) -> &'static str {
         match self {
@@ -248,6 +322,8 @@ impl LimitKind {
             LimitKind::TokensPerMinute => "tokens_per_minute",
             LimitKind::TokensPerDay => "tokens_per_day",
             LimitKind::TokensPerMonth => "tokens_per_month",
+            LimitKind::SpendPerDay => "spend_per_day",
+            LimitKind::SpendPerMonth => "spend_per_month",
         }
     }
 
@@ -258,11 +334,18 @@ impl LimitKind {
             LimitKind::TokensPerMinute => "tpm",
             LimitKind::TokensPerDay => "tpd",
             LimitKind::TokensPerMonth => "tpmo",
+            LimitKind::SpendPerDay => "spd",
+            LimitKind::SpendPerMonth => "spmo",
         }
     }
 
     fn is_requests(self) -> bool {
         self == LimitKind::RequestsPerMinute
+    }
+
+    /// The budgets in currency (micro-units), not in tokens.
+    fn is_spend(self) -> bool {
+        matches!(self, LimitKind::SpendPerDay | LimitKind::SpendPerMonth)
     }
 
     /// The per-minute limits: rates (GCRA), not calendar windows.
@@ -276,6 +359,8 @@ impl LimitKind {
             LimitKind::TokensPerMinute => limits.tokens_per_minute,
             LimitKind::TokensPerDay => limits.tokens_per_day,
             LimitKind::TokensPerMonth => limits.tokens_per_month,
+            LimitKind::SpendPerDay => limits.spend_per_day.map(|m| m.0),
+            LimitKind::SpendPerMonth => limits.spend_per_month.map(|m| m.0),
         }
     }
 
@@ -287,10 +372,12 @@ impl LimitKind {
         match self {
             // Rates have one counter for all time; "end" is unused.
             LimitKind::RequestsPerMinute | LimitKind::TokensPerMinute => (0, now_ms.saturating_add(MINUTE)),
-            LimitKind::TokensPerDay => fixed_window(now_ms, DAY),
+            LimitKind::TokensPerDay | LimitKind::SpendPerDay => fixed_window(now_ms, DAY),
             // A time chrono cannot place in the calendar (hundreds of
             // thousands of years away) falls back to 30-day windows.
-            LimitKind::TokensPerMonth => month_window(now_ms).unwrap_or_else(|| fixed_window(now_ms, 30 * DAY)),
+            LimitKind::TokensPerMonth | LimitKind::SpendPerMonth => {
+                month_window(now_ms).unwrap_or_else(|| fixed_window(now_ms, 30 * DAY))
+            }
         }
     }
 }
@@ -392,8 +479,14 @@ fn checks(who: &Principal, now_ms: i64, kinds: &[LimitKind]) -> Vec<Check> {
     out
 }
 
-const ALL_KINDS: [LimitKind; 4] =
-    [LimitKind::RequestsPerMinute, LimitKind::TokensPerMinute, LimitKind::TokensPerDay, LimitKind::TokensPerMonth];
+const ALL_KINDS: [LimitKind; 6] = [
+    LimitKind::RequestsPerMinute,
+    LimitKind::TokensPerMinute,
+    LimitKind::TokensPerDay,
+    LimitKind::TokensPerMonth,
+    LimitKind::SpendPerDay,
+    LimitKind::SpendPerMonth,
+];
 
 /// Among the failed windows, the one that admits last: retrying earlier
 /// would fail again. `failed` holds `(index into checks, used)`.
@@ -490,7 +583,21 @@ impl Limiter {
         reserve: u64,
         now_ms: i64,
     ) -> Result<Reservation, Rejection> {
-        let none = Reservation { quota: Quota::default(), tokens: 0, at_ms: now_ms };
+        let ask = Ask { estimate: estimated_tokens, tokens: reserve, ..Ask::default() };
+        self.reserve_ask_at(who, ask, now_ms).await
+    }
+
+    /// [`reserve`](Self::reserve) with the worst-case cost too: `ask.spend`
+    /// is reserved in every spend window (and refuses the request outright
+    /// when over a spend budget on its own). Settle with
+    /// [`settle_spend`](Self::settle_spend).
+    pub async fn reserve_ask(&self, who: &Principal, ask: Ask) -> Result<Reservation, Rejection> {
+        self.reserve_ask_at(who, ask, now_ms()).await
+    }
+
+    /// [`reserve_ask`](Self::reserve_ask) at an explicit time (unix milliseconds).
+    pub async fn reserve_ask_at(&self, who: &Principal, ask: Ask, now_ms: i64) -> Result<Reservation, Rejection> {
+        let none = Reservation { quota: Quota::default(), tokens: 0, at_ms: now_ms, spend: Money(0) };
         if who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited() {
             return Ok(none);
         }
@@ -498,17 +605,25 @@ impl Limiter {
         if checks.is_empty() {
             return Ok(none);
         }
-        // Nothing to reserve in where no token limit applies.
-        let reserve = if checks.iter().any(|c| !c.kind.is_requests()) { reserve } else { 0 };
+        // Nothing to reserve in where no such limit applies.
+        let mut ask = ask;
+        if !checks.iter().any(|c| !c.kind.is_requests() && !c.kind.is_spend()) {
+            ask.tokens = 0;
+        }
+        if !checks.iter().any(|c| c.kind.is_spend()) {
+            ask.spend = Money(0);
+            ask.spend_estimate = Money(0);
+        }
         let (failed, used) = match &*self.backend {
-            Backend::Memory(m) => m.admit(who.tenant_id, &checks, estimated_tokens, reserve, now_ms),
-            Backend::Redis(r) => r.admit(&checks, estimated_tokens, reserve, now_ms).await,
+            Backend::Memory(m) => m.admit(who.tenant_id, &checks, &ask, now_ms),
+            Backend::Redis(r) => r.admit(&checks, &ask, now_ms).await,
         };
         let quota = quota(&checks, &used, now_ms);
         match blocking(&checks, &failed, now_ms) {
             Some(rejection) => Err(Rejection { quota, ..rejection }),
             // No counts back: Redis failed open and nothing was reserved.
-            None => Ok(Reservation { quota, tokens: if used.is_empty() { 0 } else { reserve }, at_ms: now_ms }),
+            None if used.is_empty() => Ok(Reservation { quota, ..none }),
+            None => Ok(Reservation { quota, tokens: ask.tokens, at_ms: now_ms, spend: ask.spend }),
         }
     }
 
@@ -517,22 +632,36 @@ impl Limiter {
     /// ones; the unused part is released, an excess added. Windows that
     /// have ended since are left alone when releasing.
     pub async fn settle(&self, who: &Principal, reservation: &Reservation, used_tokens: u64) {
-        let delta = i64::try_from(used_tokens)
-            .unwrap_or(i64::MAX)
-            .saturating_sub(i64::try_from(reservation.tokens).unwrap_or(i64::MAX));
-        if delta == 0 || (who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited()) {
+        self.settle_spend(who, reservation, used_tokens, reservation.spend).await
+    }
+
+    /// [`settle`](Self::settle) for the tokens and the spend windows alike:
+    /// the spend reserved is replaced by `spent`, the cost of what was used.
+    pub async fn settle_spend(&self, who: &Principal, reservation: &Reservation, used_tokens: u64, spent: Money) {
+        if who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited() {
             return;
         }
-        let checks = checks(who, reservation.at_ms, &LimitKind::TOKENS);
-        if checks.is_empty() {
-            return;
-        }
-        // The windows are those of the admission; so is the clock used to
-        // prune and to set expiries (at worst a little generous).
-        let at = reservation.at_ms;
-        match &*self.backend {
-            Backend::Memory(m) => m.adjust(who.tenant_id, &checks, delta, at),
-            Backend::Redis(r) => r.adjust(&checks, delta, at).await,
+        let delta = |used: u64, reserved: u64| {
+            i64::try_from(used).unwrap_or(i64::MAX).saturating_sub(i64::try_from(reserved).unwrap_or(i64::MAX))
+        };
+        for (kinds, delta) in [
+            (&LimitKind::TOKENS[..], delta(used_tokens, reservation.tokens)),
+            (&LimitKind::SPEND[..], delta(spent.0, reservation.spend.0)),
+        ] {
+            if delta == 0 {
+                continue;
+            }
+            let checks = checks(who, reservation.at_ms, kinds);
+            if checks.is_empty() {
+                continue;
+            }
+            // The windows are those of the admission; so is the clock used
+            // to prune and to set expiries (at worst a little generous).
+            let at = reservation.at_ms;
+            match &*self.backend {
+                Backend::Memory(m) => m.adjust(who.tenant_id, &checks, delta, at),
+                Backend::Redis(r) => r.adjust(&checks, delta, at).await,
+            }
         }
     }
 
@@ -557,8 +686,8 @@ impl Limiter {
         }
     }
 
-    /// Raises the day and month token counters of every tenant and key in
-    /// `usage` to at least what it says they used (never lowers one), so a
+    /// Raises the day and month token and spend counters of every tenant
+    /// and key in `usage` to at least what it says they used (never lowers one), so a
     /// restart, or a Redis that lost its data, does not reset a budget.
     /// `usage` is per tenant, key (0: none) and UTC day, as the
     /// `usage_daily` rollup keeps it; days outside the current day and
@@ -574,14 +703,17 @@ impl Limiter {
         // (tenant, scope, id, kind) -> tokens
         let mut totals: BTreeMap<(i64, Scope, i64, LimitKind), u64> = BTreeMap::new();
         for u in usage {
-            for kind in [LimitKind::TokensPerDay, LimitKind::TokensPerMonth] {
+            for kind in
+                [LimitKind::TokensPerDay, LimitKind::TokensPerMonth, LimitKind::SpendPerDay, LimitKind::SpendPerMonth]
+            {
                 let (start, end) = kind.window(now_ms);
-                if u.day_ms < start || u.day_ms >= end {
+                let value = if kind.is_spend() { u.spend.0 } else { u.tokens };
+                if u.day_ms < start || u.day_ms >= end || value == 0 {
                     continue;
                 }
                 let mut add = |scope, id| {
                     let t = totals.entry((u.tenant_id, scope, id, kind)).or_default();
-                    *t = t.saturating_add(u.tokens);
+                    *t = t.saturating_add(value);
                 };
                 add(Scope::Tenant, u.tenant_id);
                 if u.key_id != 0 {

@@ -1,6 +1,6 @@
 //! Counters in Redis, shared by every gateway on the same server and prefix.
 //!
-//! Keys: `{prefix}{t<tenant>}:{k|t}:{id}:{rpm|tpm|tpd|tpmo}:{window start, unix seconds}`,
+//! Keys: `{prefix}{t<tenant>}:{k|t}:{id}:{rpm|tpm|tpd|tpmo|spd|spmo}:{window start, unix seconds}`,
 //! e.g. `granary:limits:{t4}:k:42:tpd:1735689600`. They name key and tenant
 //! ids, never secrets, and expire a second after their window ends. The
 //! per-minute rates (`rpm`, `tpm`) have window start 0 and hold a time (GCRA,
@@ -35,7 +35,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 use serde::Deserialize;
 
-use super::Check;
+use super::{Ask, Check};
 
 /// Where and how the limiter talks to Redis.
 #[derive(Clone, Debug, Deserialize)]
@@ -62,15 +62,19 @@ impl Default for RedisOptions {
 /// in seconds (calendar windows). Kinds: `r` requests per minute and `q`
 /// tokens per minute, both rates (GCRA: the key holds the time, in unix
 /// milliseconds, when all it counted has drained, each unit taking
-/// 60000 / limit ms); `t` a calendar token window (the key holds a count).
-/// Then the reservation (added to every token window on admission) and the
-/// caller's clock. Returns every window's count after the call (`#KEYS`
+/// 60000 / limit ms); `t` a calendar token window and `s` a calendar spend
+/// window (the key holds a count, of tokens or of micro-units of currency).
+/// Then the reservation (added to every token window on admission), the
+/// caller's clock, the spend estimate (refuses outright when over an `s`
+/// limit) and the spend reserved (added to every `s` window on admission). Returns every window's count after the call (`#KEYS`
 /// values), then the failed windows as `i1, used1, i2, used2, ...`
 /// (1-based), none when admitted.
 const ADMIT_SCRIPT: &str = r#"
 local estimate = tonumber(ARGV[1])
 local reserve = tonumber(ARGV[3 * #KEYS + 2]) or 0
 local now = tonumber(ARGV[3 * #KEYS + 3])
+local spend_estimate = tonumber(ARGV[3 * #KEYS + 4]) or 0
+local spend = tonumber(ARGV[3 * #KEYS + 5]) or 0
 local function level(tat, max)
   if tat <= now then return 0 end
   return math.max(0, math.ceil((tat - now) * max / 60000 - 1e-6))
@@ -83,10 +87,12 @@ for i = 1, #KEYS do
   local max = tonumber(ARGV[3 * i])
   local raw = tonumber(redis.call('GET', KEYS[i]) or '0') or 0
   local used = raw
-  if kind ~= 't' then used = level(raw, max) end
+  if kind ~= 't' and kind ~= 's' then used = level(raw, max) end
   state[i] = raw
   counts[i] = used
-  if used >= max or (kind ~= 'r' and estimate > max) then
+  local ask = estimate
+  if kind == 's' then ask = spend_estimate end
+  if used >= max or (kind ~= 'r' and ask > max) then
     failed[#failed + 1] = i
     failed[#failed + 1] = used
   end
@@ -97,8 +103,9 @@ if #failed == 0 then
     local max = tonumber(ARGV[3 * i])
     local n = reserve
     if kind == 'r' then n = 1 end
+    if kind == 's' then n = spend end
     if n > 0 then
-      if kind == 't' then
+      if kind == 't' or kind == 's' then
         counts[i] = redis.call('INCRBY', KEYS[i], n)
         redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 1])
       else
@@ -117,7 +124,7 @@ return counts
 
 /// Adds `ARGV[1]` to every key (a negative amount releases: only from a
 /// key that still exists, and never below 0); `ARGV[2]` is the caller's
-/// clock; then per key its kind (`q` or `t`, as in the admission script),
+/// clock; then per key its kind (`q`, `t` or `s`, as in the admission script),
 /// limit and time to live in seconds.
 const ADJUST_SCRIPT: &str = r#"
 local delta = tonumber(ARGV[1])
@@ -125,7 +132,7 @@ local now = tonumber(ARGV[2])
 for i = 1, #KEYS do
   local kind = ARGV[3 * i]
   local max = tonumber(ARGV[3 * i + 1])
-  if kind == 't' then
+  if kind == 't' or kind == 's' then
     if delta > 0 then
       redis.call('INCRBY', KEYS[i], delta)
       redis.call('EXPIRE', KEYS[i], ARGV[3 * i + 2])
@@ -329,20 +336,14 @@ impl RedisStore {
     /// The failed windows as `(index into checks, used)`, and every
     /// window's count after the call; both empty when Redis failed (fail
     /// open).
-    pub(super) async fn admit(
-        &self,
-        checks: &[Check],
-        estimate: u64,
-        reserve: u64,
-        now_ms: i64,
-    ) -> (Vec<(usize, u64)>, Vec<u64>) {
+    pub(super) async fn admit(&self, checks: &[Check], ask: &Ask, now_ms: i64) -> (Vec<(usize, u64)>, Vec<u64>) {
         let Some(mut conn) = self.connection("admission") else { return (Vec::new(), Vec::new()) };
         let mut call = self.script.prepare_invoke();
-        call.arg(estimate);
+        call.arg(ask.estimate);
         for c in checks {
             call.key(self.key(c)).arg(kind_code(c)).arg(c.max).arg(ttl_secs(c, now_ms));
         }
-        call.arg(reserve).arg(now_ms);
+        call.arg(ask.tokens).arg(now_ms).arg(ask.spend_estimate.0).arg(ask.spend.0);
         let reply = tokio::time::timeout(self.timeout, call.invoke_async::<Vec<i64>>(&mut conn)).await;
         let flat = match reply {
             Ok(Ok(flat)) => flat,
@@ -370,8 +371,8 @@ impl RedisStore {
         (failed, counts.iter().map(|&n| u64::try_from(n).unwrap_or(0)).collect())
     }
 
-    /// Adds `delta` to every given token window (a release, never below
-    /// 0, when negative).
+    /// Adds `delta` to every given token or spend window (a release, never
+    /// below 0, when negative).
     pub(super) async fn adjust(&self, checks: &[Check], delta: i64, now_ms: i64) {
         let Some(mut conn) = self.connection("charge") else { return };
         let mut call = self.adjust.prepare_invoke();
@@ -405,10 +406,11 @@ impl RedisStore {
 
 /// The admission script's name for a check's kind.
 fn kind_code(c: &Check) -> &'static str {
-    match (c.kind.is_requests(), c.kind.is_rate()) {
-        (true, _) => "r",
-        (false, true) => "q",
-        (false, false) => "t",
+    match (c.kind.is_requests(), c.kind.is_rate(), c.kind.is_spend()) {
+        (true, _, _) => "r",
+        (false, true, _) => "q",
+        (false, false, true) => "s",
+        (false, false, false) => "t",
     }
 }
 

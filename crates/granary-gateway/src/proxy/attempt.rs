@@ -63,6 +63,14 @@ pub(super) fn request_to(
     req
 }
 
+/// The prefill half of a disaggregated pair, run once the decode engine's
+/// slot is held (so a prefill is never wasted on a decode engine that has
+/// no room): the first of `order` (the best partner) with a free slot
+/// computes the prompt's KV into the shared warehouse. Never waits for a
+/// slot. Says `ok`; `failed` (an error, a non-2xx answer, no answer within
+/// the first-byte timeout); or `busy` (every prefill engine full). On
+/// anything but `ok` the decode engine serves the whole request alone,
+/// computing the prompt itself.
 pub(super) async fn prefill_first(
     gw: &Arc<Gateway>,
     endpoint: Endpoint,
@@ -71,32 +79,59 @@ pub(super) async fn prefill_first(
     p: &Principal,
     out: &Outcome,
     order: &[Arc<Upstream>],
-) {
-    let Ok(slot) = acquire(gw, order, p).await else { return };
+) -> &'static str {
+    let outcome = prefill_on(gw, endpoint, parsed, model, p, out, order).await;
+    gw.metrics.prefill.get_or_create(&vec![("outcome", outcome.to_string())]).inc();
+    outcome
+}
+
+async fn prefill_on(
+    gw: &Arc<Gateway>,
+    endpoint: Endpoint,
+    parsed: &Parsed,
+    model: &str,
+    p: &Principal,
+    out: &Outcome,
+    order: &[Arc<Upstream>],
+) -> &'static str {
+    let free = order.iter().filter(|u| u.breaker.is_available() && !u.is_removed()).find_map(|u| u.try_acquire());
+    let Some(slot) = free else { return "busy" };
     let up = slot.upstream.clone();
+    if !up.breaker.allow() {
+        return "busy";
+    }
     let mut body = parsed.body.clone();
     body.insert("stream".into(), Value::Bool(false));
     body.insert("model".into(), Value::String(up.wire_model(model).to_string()));
     body.remove("stream_options");
-    let Ok(payload) = serde_json::to_vec(&body) else { return };
-    let res = request_to(&up, endpoint.path(), p, &out.rec.request_id, payload.into(), gw.cfg.first_byte_timeout())
-        .send()
-        .await;
-    match res {
-        Ok(r) if r.status().is_success() => {
-            let _ = r.bytes().await;
-            up.attempt("ok");
-            up.breaker.success();
-        }
+    let Ok(payload) = serde_json::to_vec(&body) else { return "failed" };
+    let timeout = gw.cfg.first_byte_timeout();
+    let send = request_to(&up, endpoint.path(), p, &out.rec.request_id, payload.into(), timeout).send();
+    let failed = |what: &'static str, why: &dyn std::fmt::Display| {
+        up.attempt(what);
+        up.breaker.failure();
+        tracing::warn!(upstream = %up.name(), request_id = %out.rec.request_id, error = %why,
+            "prefill failed; the decode engine serves the whole request");
+        "failed"
+    };
+    match send.await {
+        Ok(r) if r.status().is_success() => match r.bytes().await {
+            Ok(_) => {
+                up.attempt("ok");
+                up.breaker.success();
+                "ok"
+            }
+            Err(e) => failed("bad_response", &e),
+        },
+        Ok(r) if r.status().is_server_error() => failed("status_5xx", &r.status()),
         Ok(r) => {
-            up.attempt(if r.status().is_server_error() { "status_5xx" } else { "status_4xx" });
-            tracing::warn!(upstream = %up.name(), status = %r.status(), "prefill failed; decoding computes the prompt");
+            // The engine is up; the request is what it refused.
+            up.attempt("status_4xx");
+            tracing::warn!(upstream = %up.name(), status = %r.status(), "prefill refused; the decode engine serves the whole request");
+            "failed"
         }
-        Err(e) => {
-            up.attempt("connect_error");
-            up.breaker.failure();
-            tracing::warn!(upstream = %up.name(), error = %e, "prefill failed; decoding computes the prompt");
-        }
+        Err(e) if e.is_timeout() => failed("timeout", &e),
+        Err(e) => failed("connect_error", &e),
     }
 }
 
@@ -113,9 +148,14 @@ pub(super) async fn attempt_all(
     // naming it: the requested model before fallbacks).
     let mut order: Vec<Arc<Upstream>> = Vec::new();
     let mut models: HashMap<usize, String> = HashMap::new();
+    // Decode engines' prefill partners (disaggregated pools).
+    let mut partners: HashMap<usize, Vec<Arc<Upstream>>> = HashMap::new();
     for c in plan {
         if let std::collections::hash_map::Entry::Vacant(e) = models.entry(c.upstream.id) {
             e.insert(c.model);
+            if let Some(prefill) = c.prefill {
+                partners.insert(c.upstream.id, prefill);
+            }
             order.push(c.upstream);
         }
     }
@@ -146,6 +186,11 @@ pub(super) async fn attempt_all(
         out.rec.upstream = Some(up.name().to_string());
         let model = models.get(&up.id).cloned().unwrap_or_else(|| parsed.model.clone());
         let payload = payload_for(&mut payloads, &parsed.body, up.wire_model(&model))?;
+        // A pair: the decode slot is held; its partner prefills first (once:
+        // the warehouse keeps the KV for a retry on another decode engine).
+        if let (None, Some(prefill)) = (out.prefill, partners.get(&up.id)) {
+            out.prefill = Some(prefill_first(gw, endpoint, parsed, &model, p, out, prefill).await);
+        }
         out.rec.model = Some(model);
         match attempt_one(gw, out, endpoint, parsed, p, slot, payload).await {
             Ok(resp) => return Ok(resp),
@@ -238,6 +283,11 @@ pub(super) async fn attempt_one(
     if let Some(key) = out.cache_key.take().filter(|k| code == StatusCode::OK && k.store) {
         if let Some(cache) = &gw.cache {
             cache.put(&key, Bytes::from(buf.clone()));
+        }
+    }
+    if let Some(probe) = out.semantic.take().filter(|_| code == StatusCode::OK) {
+        if let Some(sem) = &gw.semantic {
+            sem.put(probe, Bytes::from(buf.clone()));
         }
     }
     if let Some(v) = &json {

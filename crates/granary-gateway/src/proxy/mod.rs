@@ -20,7 +20,7 @@ use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
 use crate::identity::keys::bearer;
 use crate::identity::{AuditRecord, Identity};
-use crate::limits::{Limiter, Quota, Reservation};
+use crate::limits::{Ask, Limiter, Quota, Reservation};
 use crate::metrics::GatewayMetrics;
 use crate::prompt::{jobs_for, PromptBlocks, PromptText, Tokenizers};
 use crate::routing::{build_policy_with, Admission, Candidate, Policy, PolicyConfig, PoolSelector, RouteRequest};
@@ -33,8 +33,9 @@ mod outcome;
 mod plan;
 mod relay;
 mod request;
+mod similar;
 
-use attempt::{attempt_all, prefill_first};
+use attempt::attempt_all;
 use outcome::Outcome;
 use plan::{payload_for, prompt_blocks, route, Choice};
 use relay::relay_sse;
@@ -49,6 +50,10 @@ pub const PLACEMENT_HEADER: &str = "x-granary-placement";
 /// The audit record's upstream for answers the response cache gave (not a
 /// valid upstream name, so never one of them).
 pub const CACHE_UPSTREAM: &str = "(cache)";
+/// On answers of disaggregated pools: `ok` (a prefill engine computed the
+/// prompt), `failed` or `busy` (it did not; the decode engine served the
+/// whole request alone).
+pub const PREFILL_HEADER: &str = "x-granary-prefill";
 /// The request id header, on every response.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
@@ -159,6 +164,8 @@ pub struct Gateway {
     tokenizers: Arc<Tokenizers>,
     /// Whole answers to deterministic requests (`[gateway.response_cache]`).
     cache: Option<ResponseCache>,
+    /// Answers to prompts that mean nearly the same (`[gateway.semantic_cache]`).
+    semantic: Option<crate::semantic::SemanticCache>,
     /// The scoped operator tokens read from `agent_token_env` and
     /// `metrics_token_env` (the admin token is the caller's to pass).
     pub(crate) scoped: ScopedTokens,
@@ -208,7 +215,7 @@ impl Gateway {
     /// were lost (a flush, a restart without persistence).
     pub async fn restore_budgets(&self) {
         const DAYS_32: i64 = 32 * 86_400_000;
-        match self.identity.budget_usage(now_ms() - DAYS_32).await {
+        match self.identity.budget_usage(now_ms() - DAYS_32, &self.cfg.prices).await {
             Ok(usage) => {
                 self.limiter.restore(&usage).await;
                 tracing::info!(rows = usage.len(), "limits: day and month budgets reloaded from usage_daily");
@@ -231,6 +238,7 @@ impl Gateway {
         Pool::new(agent_pool_config("check", &agents_cfg), &upstreams)?;
         let cache =
             ResponseCache::new(&config.gateway.response_cache, config.gateway.redis.as_deref(), metrics.clone())?;
+        let semantic = crate::semantic::SemanticCache::new(&config.gateway.semantic_cache, metrics.clone());
         let gw = Arc::new(Gateway {
             cfg: config.gateway.clone(),
             identity,
@@ -245,6 +253,7 @@ impl Gateway {
             admission: Arc::new(Admission::new()),
             tokenizers: Arc::new(Tokenizers::load(&config.upstreams)?),
             cache,
+            semantic,
             scoped: ScopedTokens::from_env(&config.gateway)?,
         });
         gw.rebuild();
@@ -367,6 +376,15 @@ fn pool_serves(pool: &Pool, model: &str) -> bool {
     pool.cfg.models.is_empty() || pool.cfg.models.iter().any(|m| m == model)
 }
 
+/// A kept whole answer.
+fn cached_answer(body: Bytes) -> Response {
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body))
+        .unwrap_or_else(|_| ApiError::bad_gateway("bad cached answer").into_response())
+}
+
 /// Serves one generation request.
 pub async fn handle(
     gw: Arc<Gateway>,
@@ -387,6 +405,12 @@ pub async fn handle(
     out.quota.apply(resp.headers_mut());
     if let Some(state) = out.cache_state {
         resp.headers_mut().insert(CACHE_HEADER, HeaderValue::from_static(state));
+    }
+    if let Some(kind) = out.cache_match {
+        resp.headers_mut().insert(crate::semantic::MATCH_HEADER, HeaderValue::from_static(kind));
+    }
+    if let Some(prefill) = out.prefill {
+        resp.headers_mut().insert(PREFILL_HEADER, HeaderValue::from_static(prefill));
     }
     if let Some(why) = out.placement.as_deref().and_then(|w| HeaderValue::from_str(w).ok()) {
         resp.headers_mut().insert(PLACEMENT_HEADER, why);
@@ -446,10 +470,20 @@ async fn serve(
         return Err(ApiError::model_not_found(&parsed.model));
     }
     // 4. Limits.
-    // The worst case is reserved against the token budgets now and settled
-    // with the real usage when the request ends (`Outcome`'s drop).
-    let worst = parsed.prompt_estimate + parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens);
-    match gw.limiter.reserve(&principal, parsed.estimate, worst).await {
+    // The worst case is reserved against the token and spend budgets now
+    // and settled with the real usage when the request ends (`Outcome`'s
+    // drop). Its cost is the prompt at the input price (none of it cached)
+    // and the completion at the output price of the model asked for.
+    let max_tokens = parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens);
+    let worst = parsed.prompt_estimate + max_tokens;
+    let prices = &gw.cfg.prices;
+    let ask = Ask {
+        estimate: parsed.estimate,
+        tokens: worst,
+        spend_estimate: prices.spend(&parsed.model, parsed.prompt_estimate, 0, parsed.max_tokens.unwrap_or(0)),
+        spend: prices.spend(&parsed.model, parsed.prompt_estimate, 0, max_tokens),
+    };
+    match gw.limiter.reserve_ask(&principal, ask).await {
         Ok(reservation) => {
             out.quota = reservation.quota;
             out.reservation = Some(reservation);
@@ -474,15 +508,30 @@ async fn serve(
             if let Some(body) = cache.get(&key).await {
                 // No engine worked: no tokens are charged.
                 out.cache_state = Some("hit");
+                out.cache_match = Some("exact");
                 out.rec.upstream = Some(CACHE_UPSTREAM.into());
-                return Ok(Response::builder()
-                    .status(StatusCode::OK)
-                    .header(header::CONTENT_TYPE, "application/json")
-                    .body(Body::from(body))
-                    .unwrap_or_else(|_| ApiError::bad_gateway("bad cached answer").into_response()));
+                return Ok(cached_answer(body));
             }
         }
         out.cache_key = Some(key);
+    }
+    // 5b. The semantic cache: a kept answer to a prompt that means nearly
+    // the same (the same requests qualify as for the exact cache).
+    if let Some(sem) = gw.semantic.as_ref().filter(|_| !parsed.stream && deterministic(&parsed.body)) {
+        let d = Directives::of(headers);
+        if d.lookup || d.store {
+            let id = out.rec.request_id.clone();
+            if let Some(probe) = similar::probe(gw, sem, &principal, endpoint, &parsed.body, d.store, &id).await {
+                if let Some((body, _)) = d.lookup.then(|| sem.get(&probe)).flatten() {
+                    out.cache_state = Some("hit");
+                    out.cache_match = Some("semantic");
+                    out.rec.upstream = Some(CACHE_UPSTREAM.into());
+                    return Ok(cached_answer(body));
+                }
+                out.cache_state = Some("miss");
+                out.semantic = probe.store.then_some(probe);
+            }
+        }
     }
     // 6. Route.
     if parsed.stream {
@@ -521,11 +570,7 @@ async fn serve(
     if plan.is_empty() {
         return Err(ApiError::unavailable(format!("No upstream for model `{}` is available right now.", parsed.model)));
     }
-    // Disaggregated pools: a prefill engine computes the prompt's KV first.
-    if let Some(first) = plan.iter().find(|c| c.prefill.is_some()) {
-        let prefill = first.prefill.clone().unwrap_or_default();
-        let model = first.model.clone();
-        prefill_first(gw, endpoint, &parsed, &model, &principal, out, &prefill).await;
-    }
+    // Disaggregated pools: each decode engine's prefill partner computes
+    // the prompt's KV first (`attempt_all`, once the decode slot is held).
     attempt_all(gw, out, endpoint, &parsed, &principal, plan).await
 }

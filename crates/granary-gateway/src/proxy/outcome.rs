@@ -31,8 +31,14 @@ pub(super) struct Outcome {
     pub(super) cache_key: Option<CacheKey>,
     /// `hit` or `miss`, for the `x-granary-cache` header.
     pub(super) cache_state: Option<&'static str>,
+    /// On a hit, `exact` or `semantic`, for `x-granary-cache-match`.
+    pub(super) cache_match: Option<&'static str>,
+    /// Where the semantic cache keeps the answer, once it comes.
+    pub(super) semantic: Option<crate::semantic::Probe>,
     /// Where a load this request waited on went, for `x-granary-placement`.
     pub(super) placement: Option<String>,
+    /// How a disaggregated pair's prefill went, for `x-granary-prefill`.
+    pub(super) prefill: Option<&'static str>,
 }
 
 impl Outcome {
@@ -60,7 +66,10 @@ impl Outcome {
             reservation: None,
             cache_key: None,
             cache_state: None,
+            cache_match: None,
+            semantic: None,
             placement: None,
+            prefill: None,
         }
     }
 
@@ -82,7 +91,10 @@ impl Outcome {
             reservation: self.reservation.take(),
             cache_key: None,
             cache_state: self.cache_state,
+            cache_match: self.cache_match,
+            semantic: None,
             placement: self.placement.take(),
+            prefill: self.prefill,
         }
     }
 
@@ -171,11 +183,30 @@ impl Drop for Outcome {
         if let Some(p) = self.principal.take() {
             let limiter = self.gw.limiter.clone();
             let reservation = self.reservation.take().unwrap_or_default();
+            // At the price of the model that served it (a fallback's own).
+            let cost = match self.rec.model.as_deref() {
+                Some(model) if spent > 0 => self.gw.cfg.prices.spend(
+                    model,
+                    self.rec.prompt_tokens,
+                    self.rec.cached_tokens,
+                    self.rec.completion_tokens,
+                ),
+                _ => crate::pricing::Money(0),
+            };
+            if cost.0 > 0 {
+                m.cost
+                    .get_or_create(&vec![
+                        ("tenant", tenant.clone()),
+                        ("model", model.clone()),
+                        ("currency", self.gw.cfg.prices.currency.clone()),
+                    ])
+                    .inc_by(cost.units());
+            }
             // Settling releases what was reserved and not used, so it runs
             // also when nothing was spent.
-            if spent != reservation.tokens {
+            if spent != reservation.tokens || cost != reservation.spend {
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(async move { limiter.settle(&p, &reservation, spent).await });
+                    rt.spawn(async move { limiter.settle_spend(&p, &reservation, spent, cost).await });
                 }
             }
         }

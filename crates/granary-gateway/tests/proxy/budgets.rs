@@ -50,7 +50,7 @@ async fn issue_14_responses_carry_openai_rate_limit_headers() {
 
 /// An upstream that answers after `delay` with usage `prompt` + the
 /// request's `max_tokens` (a request that uses its whole allowance).
-async fn start_spender(prompt: u64, delay: Duration) -> SocketAddr {
+pub(super) async fn start_spender(prompt: u64, delay: Duration) -> SocketAddr {
     let list = vec![json!({"id": "m", "object": "model"})];
     let app = Router::new()
         .route("/v1/models", get(move || async move { Json(json!({"object": "list", "data": list})) }))

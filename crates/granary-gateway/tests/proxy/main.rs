@@ -12,6 +12,8 @@ mod durability;
 mod metering;
 mod path;
 mod routing;
+mod semantic;
+mod spend;
 mod upstreams;
 
 use std::collections::HashMap;

@@ -343,6 +343,9 @@ async fn metrics_pass_promtool() {
         n::MODEL_LOADS,
         n::MODEL_LOAD_SECONDS,
         n::RESPONSE_CACHE,
+        n::COST,
+        n::SEMANTIC_CACHE,
+        n::PREFILL,
         n::VLLM_KV_EVENTS,
     ];
     for name in n::ALL.iter().filter(|x| !quiet.contains(x)) {
@@ -439,6 +442,60 @@ async fn disaggregated_pools_prefill_then_decode() {
     let seen = p.seen.lock();
     assert!(seen.bodies.iter().all(|b| b["stream"] == json!(false)), "the prefill call is never a stream");
     assert!(seen.namespaces.iter().all(|n| n == "acme"));
+}
+
+/// Issue 14, point 4: a disaggregated pair whose prefill engine fails (a
+/// 5xx, or nothing listening) still answers: the decode engine serves the
+/// whole request alone, the answer says so (`x-granary-prefill: failed`),
+/// and the failure counts against the prefill engine's breaker and in the
+/// metrics. A working partner is used again once it is back.
+#[tokio::test]
+async fn issue_14_a_failed_prefill_falls_back_to_the_decode_engine_alone() {
+    let broken = start_upstream("prefill", Mode::Fail500, &["m"]).await;
+    let gone = dead_addr().await;
+    let d = start_upstream("decode", Mode::Ok, &["m"]).await;
+    let g = Gw::start_opts(&named(&[("p", broken.addr), ("q", gone), ("d", d.addr)]), false, |c| {
+        for u in &mut c.upstreams {
+            u.models = vec!["m".into()];
+        }
+        for u in &mut c.upstreams[..2] {
+            u.granary = Some(true);
+            u.role = granary_gateway::config::Role::Prefill;
+        }
+        c.upstreams[2].role = granary_gateway::config::Role::Decode;
+        c.gateway.breaker.failures = 100;
+    })
+    .await;
+    let key = g.key("acme", json!({})).await;
+    for stream in [false, true, false, true] {
+        let resp = g.chat(&key, chat_body(stream)).await;
+        assert_eq!(resp.status(), 200, "stream {stream}");
+        assert_eq!(resp.headers()["x-granary-prefill"], "failed");
+        if stream {
+            d.gate.notify_one();
+            assert!(resp.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+        } else {
+            let v: Value = resp.json().await.unwrap();
+            assert_eq!(v["upstream"], "decode", "{v}");
+        }
+    }
+    assert_eq!(d.hits.load(Ordering::SeqCst), 4, "the decode engine served every request whole");
+    let text = g.metrics().await;
+    assert!(text.contains(r#"granary_gateway_prefill_total{outcome="failed"} 4"#), "{text}");
+    // Each failure was the prefill engine's: a 5xx or a refused connection.
+    let failures = |outcome: &str, upstream: &str| {
+        text.lines()
+            .find(|l| {
+                l.contains(&format!(r#"outcome="{outcome}""#)) && l.contains(&format!(r#"upstream="{upstream}""#))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(failures("status_5xx", "p") as usize, broken.hits.load(Ordering::SeqCst), "{text}");
+    assert_eq!(failures("status_5xx", "p") + failures("connect_error", "q"), 4, "{text}");
+    assert_eq!(failures("ok", "d"), 4, "{text}");
+    let audit = g.audit().await;
+    assert!(audit.iter().all(|r| r.status == 200 && r.upstream.as_deref() == Some("d")), "{audit:?}");
 }
 
 /// curl as the client: a whole answer, a stream, and a bad key.
