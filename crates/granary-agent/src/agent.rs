@@ -85,6 +85,8 @@ pub struct Agent {
     catalog: Mutex<Vec<String>>,
     /// The last load that started each model's engine.
     last_loads: Mutex<HashMap<String, LoadResponse>>,
+    /// Per gateway, the engines it last said to keep loaded (`min_replicas`).
+    kept: Mutex<HashMap<String, Vec<String>>>,
     stop: CancellationToken,
 }
 
@@ -130,6 +132,7 @@ impl Agent {
             fetching: Mutex::new(HashMap::new()),
             catalog: Mutex::new(Vec::new()),
             last_loads: Mutex::new(HashMap::new()),
+            kept: Mutex::new(HashMap::new()),
             stop: CancellationToken::new(),
             cfg,
         });
@@ -175,6 +178,16 @@ impl Agent {
     /// Model names the registry listed at the last refresh.
     pub fn catalog(&self) -> Vec<String> {
         self.catalog.lock().clone()
+    }
+
+    /// Records the engines `gateway` last said to keep loaded.
+    pub(crate) fn set_kept(&self, gateway: &str, models: &[String]) {
+        self.kept.lock().insert(gateway.to_string(), models.to_vec());
+    }
+
+    /// Some gateway needs `model`'s engine kept loaded (never unloaded for idleness).
+    pub fn is_kept(&self, model: &str) -> bool {
+        self.kept.lock().values().any(|ms| ms.iter().any(|m| m == model))
     }
 
     pub(crate) fn stopping(&self) -> &CancellationToken {
@@ -236,6 +249,11 @@ impl Agent {
         let _one_at_a_time = lock.lock().await;
         let started = Instant::now();
         if let Some(st) = self.sup.status(name) {
+            if st.draining && self.sup.set_draining(name, false) {
+                // Requests came back before the idle unload: it stays.
+                tracing::info!(model = name, "a load takes the draining engine back");
+                self.sup.mark_active(name, now_ms());
+            }
             if rev != "latest" && st.revision != rev {
                 return Err(AgentError::Conflict(format!(
                     "`{name}` is loaded at revision {}; unload it before loading revision {rev}",
@@ -372,6 +390,21 @@ impl Agent {
         check_name("name", name)?;
         let lock = Self::lock_for(&self.loading, name);
         let _one_at_a_time = lock.lock().await;
+        self.stop_engine(name).await
+    }
+
+    /// Stops `name`'s drained engine unless a load took it back meanwhile;
+    /// whether it was stopped.
+    pub(crate) async fn unload_drained(&self, name: &str) -> Result<bool, AgentError> {
+        let lock = Self::lock_for(&self.loading, name);
+        let _one_at_a_time = lock.lock().await;
+        if !self.sup.is_draining(name) {
+            return Ok(false);
+        }
+        self.stop_engine(name).await.map(|()| true)
+    }
+
+    async fn stop_engine(&self, name: &str) -> Result<(), AgentError> {
         let spec = self.sup.stop(name).await?;
         self.tiers.unpin(&spec.files);
         self.resources.release(name);
@@ -392,7 +425,7 @@ impl Agent {
             }
             self.tiers.demote_idle();
             for st in self.sup.list() {
-                if st.state != EngineState::Ready {
+                if st.state != EngineState::Ready || st.draining {
                     continue;
                 }
                 let now = now_ms();
@@ -433,16 +466,15 @@ impl Agent {
         }
     }
 
-    /// Unloads `model` when it has been idle for `idle_unload`.
-    async fn unload_if_idle(&self, model: &str, now: u64, seen: &mut HashMap<String, f64>) {
+    /// Unloads `model` when it has been idle for `idle_unload` and no
+    /// gateway keeps it: drained first ([`crate::drain`]), in the background.
+    async fn unload_if_idle(self: &Arc<Self>, model: &str, now: u64, seen: &mut HashMap<String, f64>) {
         let Some(idle) = self.cfg.idle_unload else { return };
         let last = self.sup.last_active_ms(model).unwrap_or(now);
-        if now.saturating_sub(last) >= idle.as_millis() as u64 {
+        if now.saturating_sub(last) >= idle.as_millis() as u64 && !self.is_kept(model) {
             tracing::info!(model, idle_ms = now.saturating_sub(last), "unloading an idle model");
             seen.remove(model);
-            if let Err(e) = self.unload(model).await {
-                tracing::warn!(model, error = %e, "idle unload failed");
-            }
+            self.start_drain(model);
         }
     }
 

@@ -55,6 +55,10 @@ pub struct AgentConfig {
     /// How often each engine's `/metrics` is read for activity.
     #[serde(with = "duration")]
     pub idle_poll: Duration,
+    /// The longest an idle engine drains (gateways routing nothing new to
+    /// it, the requests in flight finishing) before it is stopped anyway.
+    #[serde(with = "duration")]
+    pub drain_timeout: Duration,
     /// How often the registry's model list (reported to the gateway) is refreshed.
     #[serde(with = "duration")]
     pub catalog_refresh: Duration,
@@ -79,6 +83,7 @@ impl Default for AgentConfig {
             heartbeat_interval: Duration::from_secs(2),
             idle_unload: None,
             idle_poll: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(30),
             catalog_refresh: Duration::from_secs(30),
         }
     }

@@ -45,6 +45,10 @@ pub struct HeartbeatEngine {
     /// Whether it publishes `/v1/kv/events`: the embedded engine does; an
     /// external one (vLLM, SGLang, llama.cpp) is not assumed to.
     pub kv_events: bool,
+    /// About to be unloaded for idleness: the gateway routes nothing new to
+    /// it and answers with its requests still in flight (see [`crate::drain`]).
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// What the agent would say now.
@@ -59,6 +63,7 @@ pub fn body(agent: &Agent) -> Heartbeat {
         .filter(|e| e.state != EngineState::Stopped && e.ever_ready)
         .map(|e| HeartbeatEngine {
             healthy: e.state == EngineState::Ready,
+            draining: e.draining,
             model: e.model,
             upstream: e.upstream,
             kv_events,
@@ -81,32 +86,51 @@ pub async fn run(agent: Arc<Agent>) {
     futures::future::join_all(beats).await;
 }
 
-async fn beat(agent: Arc<Agent>, gateway: String) {
+/// What a gateway answered a heartbeat with.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+pub struct BeatAnswer {
+    /// Per draining engine, the requests still in flight through that
+    /// gateway (absent: a gateway that does not know draining).
+    #[serde(default)]
+    pub draining: std::collections::BTreeMap<String, u64>,
+    /// Engines the gateway needs kept loaded (its `min_replicas`).
+    #[serde(default)]
+    pub keep: Vec<String>,
+}
+
+/// Sends one heartbeat to `gateway` and reads its answer; the models it
+/// says to keep are recorded on the agent.
+pub async fn send(agent: &Agent, http: &reqwest::Client, gateway: &str) -> Result<BeatAnswer, String> {
     let url = format!("{}/admin/v1/agents/heartbeat", gateway.trim_end_matches('/'));
     let token = agent.config().gateway_token.clone().unwrap_or_default();
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("an HTTP client");
+    let r = http.post(&url).bearer_auth(&token).json(&body(agent)).send().await.map_err(|e| e.to_string())?;
+    let status = r.status();
+    let text = r.text().await.unwrap_or_default();
+    if !status.is_success() {
+        return Err(format!("HTTP {status}: {}", text.chars().take(300).collect::<String>()));
+    }
+    let answer: BeatAnswer = serde_json::from_str(&text).unwrap_or_default();
+    agent.set_kept(gateway, &answer.keep);
+    Ok(answer)
+}
+
+/// A client for heartbeats.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(5)).build().expect("an HTTP client")
+}
+
+async fn beat(agent: Arc<Agent>, gateway: String) {
+    let http = client();
     let mut changed = agent.supervisor().changed_signal();
     let mut failing = false;
     loop {
-        let b = body(&agent);
-        let sent = http.post(&url).bearer_auth(&token).json(&b).send().await;
-        let outcome = match sent {
-            Ok(r) if r.status().is_success() => Ok(()),
-            Ok(r) => {
-                let status = r.status();
-                Err(format!(
-                    "HTTP {status}: {}",
-                    r.text().await.unwrap_or_default().chars().take(300).collect::<String>()
-                ))
-            }
-            Err(e) => Err(e.to_string()),
-        };
+        let outcome = send(&agent, &http, &gateway).await;
         match outcome {
-            Ok(()) if failing => {
+            Ok(_) if failing => {
                 tracing::info!(%gateway, "heartbeats reach the gateway again");
                 failing = false;
             }
-            Ok(()) => {}
+            Ok(_) => {}
             Err(e) if !failing => {
                 tracing::warn!(%gateway, error = %e, "heartbeat failed (retrying every interval)");
                 failing = true;

@@ -11,6 +11,8 @@
 //! - [`resources`]: GPUs and memory, who holds what, admission;
 //! - [`weights`]: which tier holds each revision laid out here;
 //! - [`agent`]: loads and unloads, idle unload (scale to zero);
+//! - [`drain`]: an idle engine leaves the gateways' routing and finishes
+//!   its requests before it is stopped;
 //! - [`api`]: the control API; [`heartbeat`]: reports to the gateway.
 //!
 //! `granary agent` runs it; tests start it in-process with
@@ -21,6 +23,7 @@ pub mod agent;
 pub mod api;
 pub mod config;
 pub mod download;
+pub mod drain;
 pub mod error;
 pub mod front;
 pub mod heartbeat;

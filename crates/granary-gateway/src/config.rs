@@ -234,6 +234,12 @@ pub struct AgentsConfig {
     /// (`"kv_aware"`) or a table like a pool's `routing`
     /// (`{ policy = "kv_aware", load_penalty = 2.0 }`).
     pub pool_policy: PoolPolicy,
+    /// The most requests that may wait for one model's load; more get 503
+    /// `model_load_queue_full` with `Retry-After` (0: no bound).
+    pub load_queue: usize,
+    /// Replicas per model (`[gateway.agents.models.NAME]`): kept warm, and
+    /// more under load (see [`crate::agents::ModelScaling`]).
+    pub models: BTreeMap<String, crate::agents::ModelScaling>,
 }
 
 impl Default for AgentsConfig {
@@ -243,6 +249,8 @@ impl Default for AgentsConfig {
             ttl_ms: 10_000,
             load_timeout_ms: 120_000,
             pool_policy: PoolPolicy::Full(PolicyConfig::KvAware { load_penalty: 1.0, approx_capacity_blocks: 0 }),
+            load_queue: 256,
+            models: BTreeMap::new(),
         }
     }
 }

@@ -126,6 +126,10 @@ pub struct AgentArgs {
     /// How often each engine's metrics are read for idleness [default: 5s].
     #[arg(long, value_parser = duration)]
     pub idle_poll: Option<Duration>,
+    /// The longest an idle engine drains (no new requests routed to it, those
+    /// in flight finishing) before it is stopped anyway [default: 30s].
+    #[arg(long, value_parser = duration)]
+    pub drain_timeout: Option<Duration>,
     /// Time between an engine's health checks [default: 1s].
     #[arg(long, value_parser = duration)]
     pub health_interval: Option<Duration>,
@@ -195,6 +199,7 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
         c.idle_unload = d;
     }
     set!(a.idle_poll => idle_poll);
+    set!(a.drain_timeout => drain_timeout);
     set!(a.heartbeat_interval => heartbeat_interval);
     set!(a.health_interval => engines.health_interval);
     set!(a.start_timeout => engines.start_timeout);

@@ -193,6 +193,10 @@ pub struct EngineStatus {
     /// Requests its front is answering now (engines with a front only).
     #[serde(default)]
     pub in_flight: Option<u64>,
+    /// Being drained before an idle unload: gateways route no new requests
+    /// to it; a load takes it back.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 struct Live {
@@ -207,6 +211,7 @@ struct Live {
     last_error: Option<String>,
     adopted: bool,
     ever_ready: bool,
+    draining: bool,
 }
 
 struct Engine {
@@ -247,6 +252,7 @@ impl Engine {
             gpus: self.spec.gpus.clone().unwrap_or_default(),
             memory: self.spec.memory,
             in_flight: self.front.as_ref().map(|f| f.stats().in_flight()),
+            draining: l.draining,
         }
     }
 }
@@ -354,6 +360,27 @@ impl Supervisor {
         self.sh.engines.lock().get(model).and_then(|e| e.front.as_ref().map(|f| f.stats().clone()))
     }
 
+    /// Marks `model`'s engine draining (or takes it back); true when that
+    /// changed anything. A change is heartbeated at once.
+    pub fn set_draining(&self, model: &str, draining: bool) -> bool {
+        let changed = match self.sh.engines.lock().get(model) {
+            Some(e) => {
+                let mut l = e.live.lock();
+                std::mem::replace(&mut l.draining, draining) != draining
+            }
+            None => false,
+        };
+        if changed {
+            self.notify_changed();
+        }
+        changed
+    }
+
+    /// Whether `model`'s engine is draining.
+    pub fn is_draining(&self, model: &str) -> bool {
+        self.sh.engines.lock().get(model).is_some_and(|e| e.live.lock().draining)
+    }
+
     /// When `model` was last seen serving (or started), unix milliseconds.
     pub fn last_active_ms(&self, model: &str) -> Option<u64> {
         self.sh.engines.lock().get(model).and_then(|e| e.live.lock().last_activity_ms)
@@ -385,6 +412,7 @@ impl Supervisor {
                     last_error: None,
                     adopted: false,
                     ever_ready: false,
+                    draining: false,
                 }),
                 state,
                 stop: CancellationToken::new(),
@@ -479,6 +507,7 @@ impl Supervisor {
                 last_error: None,
                 adopted: true,
                 ever_ready: true,
+                draining: false,
             }),
             state,
             stop: CancellationToken::new(),

@@ -2,7 +2,7 @@
 //!
 //! | route | token | does |
 //! | --- | --- | --- |
-//! | `POST /admin/v1/agents/heartbeat` | agent or admin | an agent reports its engines and loadable models ([`Heartbeat`]) → `{"ok": true, "ttl_ms"}` |
+//! | `POST /admin/v1/agents/heartbeat` | agent or admin | an agent reports its engines and loadable models ([`Heartbeat`]) → `{"ok": true, "ttl_ms", "draining": {model: requests in flight here}, "keep": [models]}` |
 //! | `GET /admin/v1/agents` | admin | the agents heard from within `ttl_ms`, their engines as upstreams |
 
 use std::sync::Arc;
@@ -57,9 +57,16 @@ async fn heartbeat(State(gw): State<Arc<Gateway>>, body: Bytes) -> Result<Respon
     }
     let hb: Heartbeat = parse_json_body(&body)?;
     hb.validate()?;
+    let agent_id = hb.agent_id.clone();
     gw.heartbeat(hb)?;
     gw.start_reaper();
-    Ok(Json(json!({"ok": true, "ttl_ms": gw.agents.cfg.ttl_ms})).into_response())
+    Ok(Json(json!({
+        "ok": true,
+        "ttl_ms": gw.agents.cfg.ttl_ms,
+        "draining": gw.draining_active(&agent_id),
+        "keep": gw.keep_warm(&agent_id),
+    }))
+    .into_response())
 }
 
 async fn list(State(gw): State<Arc<Gateway>>, RawQuery(q): RawQuery) -> Result<Response, ApiError> {

@@ -30,7 +30,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -40,12 +39,18 @@ use crate::error::ApiError;
 use crate::proxy::Gateway;
 use crate::types::now_ms;
 use crate::upstream::{Origin, Upstream};
+use load::LoadState;
 
 mod http;
+mod load;
+mod scaling;
+#[cfg(test)]
+mod scaling_tests;
 #[cfg(test)]
 mod tests;
 
 pub use http::admin_routes;
+pub use scaling::ModelScaling;
 
 /// `Retry-After` on 503 `model_loading` and `model_load_failed`; also how
 /// long a failed load is remembered (requests meanwhile fail at once
@@ -137,12 +142,6 @@ impl ResourcesReport {
     }
 }
 
-const TIER_NAMES: [&str; 3] = ["ram", "disk", "none"];
-
-/// How good an agent is for a load, lower first: the weights' tier, the
-/// engines it runs, then its free memory (more first).
-type PlacementRank = (u8, usize, std::cmp::Reverse<u64>);
-
 /// One engine in a heartbeat.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EngineReport {
@@ -159,6 +158,10 @@ pub struct EngineReport {
     /// Whether it publishes `/v1/kv/events` (Granary engines do).
     #[serde(default = "yes")]
     pub kv_events: bool,
+    /// The agent is about to unload it: no new requests, those in flight
+    /// finish. The heartbeat's answer says how many are still in flight here.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
@@ -237,6 +240,9 @@ struct Engine {
     /// finished does not list it.
     reported: bool,
     added: Instant,
+    /// Reported draining: out of the upstream set (no new requests), kept
+    /// here for the requests still in flight on `upstream`.
+    draining: bool,
 }
 
 struct Agent {
@@ -252,33 +258,20 @@ struct Agent {
     free_memory: u64,
 }
 
-/// A load in progress, as its waiters see it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum LoadState {
-    Pending,
-    Ready,
-    Failed,
-}
-
 /// The agents the gateway has heard from and the loads in progress.
 pub struct Agents {
     pub(crate) cfg: AgentsConfig,
     state: Mutex<HashMap<String, Agent>>,
     loads: Mutex<HashMap<String, watch::Receiver<LoadState>>>,
     failed: Mutex<HashMap<String, Instant>>,
+    /// When a replica load (min_replicas, scale out) of each model last failed.
+    replica_failed: Mutex<HashMap<String, Instant>>,
+    /// Requests waiting for each model's load (at most `load_queue`).
+    queued: Mutex<HashMap<String, usize>>,
     /// Why the last load of each model went where it did.
     placements: Mutex<HashMap<String, String>>,
     http: reqwest::Client,
     reaper: AtomicBool,
-}
-
-/// Where to ask for a load.
-struct LoadTarget {
-    agent_id: String,
-    url: String,
-    token: Option<String>,
-    /// Its rank, for the placement header.
-    why: String,
 }
 
 /// An agent as `GET /admin/v1/agents` shows it (never its token).
@@ -310,6 +303,8 @@ pub struct EngineView {
     pub breaker: &'static str,
     /// Gets traffic now.
     pub routable: bool,
+    /// Reported draining: no new requests, those in flight finish.
+    pub draining: bool,
     pub active_requests: usize,
 }
 
@@ -320,6 +315,8 @@ impl Agents {
             state: Mutex::new(HashMap::new()),
             loads: Mutex::new(HashMap::new()),
             failed: Mutex::new(HashMap::new()),
+            replica_failed: Mutex::new(HashMap::new()),
+            queued: Mutex::new(HashMap::new()),
             placements: Mutex::new(HashMap::new()),
             http: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(5))
@@ -362,74 +359,6 @@ impl Agents {
     pub fn count(&self) -> usize {
         let now = Instant::now();
         self.state.lock().values().filter(|a| self.live(a, now)).count()
-    }
-
-    /// Live agents listing `model`, best first: weights in RAM, then on
-    /// disk, then elsewhere; then fewest engines; then most free memory.
-    fn load_targets(&self, model: &str) -> Vec<LoadTarget> {
-        let now = Instant::now();
-        let st = self.state.lock();
-        let mut found: Vec<(PlacementRank, &String, &Agent)> = st
-            .iter()
-            .filter(|(_, a)| self.live(a, now) && a.models.iter().any(|m| m == model))
-            .map(|(id, a)| {
-                let tier = a.weights.get(model).copied().unwrap_or(2).min(2);
-                ((tier, a.engines.len(), std::cmp::Reverse(a.free_memory)), id, a)
-            })
-            .collect();
-        found.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(y.1)));
-        found
-            .into_iter()
-            .map(|((tier, engines, free), id, a)| LoadTarget {
-                agent_id: id.clone(),
-                url: a.url.clone(),
-                token: a.token.clone(),
-                why: format!(
-                    "{id} (weights: {}, {engines} engine(s), {} MiB free)",
-                    TIER_NAMES[tier as usize],
-                    free.0 >> 20
-                ),
-            })
-            .collect()
-    }
-
-    /// Why the last successful load of `model` went where it did.
-    pub fn placement(&self, model: &str) -> Option<String> {
-        self.placements.lock().get(model).cloned()
-    }
-
-    /// Asks an agent to load `model`; the new engine's base URL and
-    /// whether it publishes KV events (as its heartbeats will say).
-    async fn call_load(&self, t: &LoadTarget, model: &str) -> anyhow::Result<(String, bool)> {
-        let mut url = url::Url::parse(&t.url).context("the agent's url")?;
-        url.path_segments_mut()
-            .map_err(|_| anyhow::anyhow!("the agent's url cannot take a path"))?
-            .pop_if_empty()
-            .extend(["models", model, "load"]);
-        let mut req =
-            self.http.post(url).json(&serde_json::json!({})).timeout(LOAD_CALL_LIMIT.max(self.cfg.load_timeout()));
-        if let Some(tok) = &t.token {
-            req = req.bearer_auth(tok);
-        }
-        let resp = req.send().await?;
-        let status = resp.status();
-        let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
-        if !status.is_success() {
-            let why = body["error"]["message"].as_str().unwrap_or("no error message");
-            anyhow::bail!("the agent answered {status}: {why}");
-        }
-        let upstream = body["upstream"].as_str().context("no `upstream` in the agent's answer")?;
-        check_http_url("upstream", upstream).map_err(|e| anyhow::anyhow!("the agent's answer: {}", e.message))?;
-        Ok((upstream.to_string(), body["kv_events"].as_bool().unwrap_or(true)))
-    }
-}
-
-/// Decrements a gauge when dropped (a waiting client may go away).
-struct Waiting<'a>(&'a prometheus_client::metrics::gauge::Gauge);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.dec();
     }
 }
 
@@ -505,6 +434,25 @@ impl Gateway {
                             && cur.upstream.cfg.kv_events == e.kv_events =>
                     {
                         cur.reported = true;
+                        if e.draining && !cur.draining {
+                            // Out of routing before this returns; the agent
+                            // waits for what is in flight, then stops it.
+                            tracing::info!(agent = %hb.agent_id, model = %e.model, "engine draining: no new requests");
+                            self.remove_upstream(cur.upstream.id);
+                            cur.draining = true;
+                            changed = true;
+                        } else if !e.draining && cur.draining {
+                            // Taken back (a load came during the drain).
+                            match self.add_engine(&hb.agent_id, e) {
+                                Ok(u) => cur.upstream = u,
+                                Err(err) => {
+                                    result = Err(err);
+                                    break;
+                                }
+                            }
+                            cur.draining = false;
+                            changed = true;
+                        }
                         cur.upstream.set_reported_healthy(e.healthy);
                     }
                     other => {
@@ -514,11 +462,16 @@ impl Gateway {
                         }
                         agent.engines.remove(&e.model);
                         changed = true;
+                        if e.draining {
+                            // Never routed: it is on its way out.
+                            continue;
+                        }
                         match self.add_engine(&hb.agent_id, e) {
                             Ok(u) => {
-                                agent
-                                    .engines
-                                    .insert(e.model.clone(), Engine { upstream: u, reported: true, added: now });
+                                agent.engines.insert(
+                                    e.model.clone(),
+                                    Engine { upstream: u, reported: true, added: now, draining: false },
+                                );
                             }
                             Err(err) => {
                                 result = Err(err);
@@ -579,7 +532,21 @@ impl Gateway {
         gone
     }
 
-    /// Starts the timer that expires silent agents (once; it ends with the gateway).
+    /// Requests in flight through this gateway on each of `agent_id`'s
+    /// draining engines (the heartbeat's answer: the agent stops an engine
+    /// once no gateway has any left on it).
+    pub fn draining_active(&self, agent_id: &str) -> BTreeMap<String, usize> {
+        let st = self.agents.state.lock();
+        let Some(a) = st.get(agent_id) else { return BTreeMap::new() };
+        a.engines
+            .iter()
+            .filter(|(_, e)| e.draining)
+            .map(|(m, e)| (m.clone(), e.upstream.active.load(Ordering::Acquire)))
+            .collect()
+    }
+
+    /// Starts the timer that expires silent agents and keeps each model's
+    /// replicas ([`scaling`]) (once; it ends with the gateway).
     pub(crate) fn start_reaper(self: &Arc<Self>) {
         if self.agents.reaper.swap(true, Ordering::AcqRel) {
             return;
@@ -591,6 +558,7 @@ impl Gateway {
                 tokio::time::sleep(tick).await;
                 let Some(gw) = weak.upgrade() else { return };
                 gw.expire_agents();
+                gw.reconcile_replicas();
             }
         });
     }
@@ -624,7 +592,8 @@ impl Gateway {
                                 crate::upstream::BreakerView::HalfOpen => "half_open",
                                 crate::upstream::BreakerView::Open => "open",
                             },
-                            routable: u.is_routable(),
+                            routable: !e.draining && u.is_routable(),
+                            draining: e.draining,
                             active_requests: u.active.load(Ordering::Relaxed),
                         }
                     })
@@ -633,136 +602,5 @@ impl Gateway {
             .collect();
         out.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
         out
-    }
-
-    /// Gets `model` loaded by an agent, waiting up to `load_timeout`: one
-    /// load per model at a time, every request for it waiting on that one.
-    /// Errors are what the client gets: 503 `model_loading` (still loading
-    /// when the wait ended) or `model_load_failed`, both with `Retry-After`.
-    pub async fn load_model(self: &Arc<Self>, model: &str) -> Result<(), ApiError> {
-        let failed = |m: &str| ApiError::model_load_failed(m, LOAD_RETRY_AFTER);
-        let mut rx = {
-            let mut loads = self.agents.loads.lock();
-            match loads.get(model) {
-                Some(rx) => rx.clone(),
-                None => {
-                    // Loaded meanwhile?
-                    if self.serves(model) {
-                        return Ok(());
-                    }
-                    if let Some(at) = self.agents.failed.lock().get(model) {
-                        if at.elapsed() < LOAD_RETRY_AFTER {
-                            return Err(failed(model));
-                        }
-                    }
-                    let (tx, rx) = watch::channel(LoadState::Pending);
-                    loads.insert(model.to_string(), rx.clone());
-                    tokio::spawn(self.clone().run_load(model.to_string(), tx));
-                    rx
-                }
-            }
-        };
-        self.metrics.load_waiting.inc();
-        let _waiting = Waiting(&self.metrics.load_waiting);
-        let waited =
-            tokio::time::timeout(self.agents.cfg.load_timeout(), rx.wait_for(|s| *s != LoadState::Pending)).await;
-        match waited {
-            Err(_) => Err(ApiError::model_loading(model, LOAD_RETRY_AFTER)),
-            Ok(Err(_)) => Err(failed(model)),
-            Ok(Ok(state)) if *state == LoadState::Ready => Ok(()),
-            Ok(Ok(_)) => Err(failed(model)),
-        }
-    }
-
-    async fn run_load(self: Arc<Self>, model: String, tx: watch::Sender<LoadState>) {
-        let label = vec![("model", self.metrics.model_label(Some(&model)))];
-        self.metrics.load_requests.get_or_create(&label).inc();
-        let started = Instant::now();
-        let targets = self.agents.load_targets(&model);
-        let mut ok = false;
-        if targets.is_empty() {
-            tracing::warn!(model = %model, "no live agent can load the model any more");
-        }
-        let ranked: Vec<String> = targets.iter().map(|t| t.why.clone()).collect();
-        for (i, t) in targets.iter().enumerate() {
-            tracing::info!(agent = %t.agent_id, model = %model, rank = %t.why, "asking the agent to load the model");
-            match self.agents.call_load(t, &model).await {
-                Ok((upstream, kv_events)) => match self.engine_loaded(&t.agent_id, &model, &upstream, kv_events) {
-                    Ok(()) => {
-                        ok = true;
-                        let mut why = format!("loaded on {}", t.why);
-                        let others: Vec<&str> =
-                            ranked.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, r)| r.as_str()).collect();
-                        if !others.is_empty() {
-                            why.push_str(&format!("; ranked after: {}", others.join(", ")));
-                        }
-                        self.agents.placements.lock().insert(model.clone(), why);
-                        break;
-                    }
-                    Err(e) => tracing::warn!(agent = %t.agent_id, model = %model, error = %e, "load answer not usable"),
-                },
-                Err(e) => tracing::warn!(agent = %t.agent_id, model = %model, error = %format!("{e:#}"), "load failed"),
-            }
-        }
-        let secs = started.elapsed().as_secs_f64();
-        let mut outcome = label.clone();
-        outcome.push(("outcome", if ok { "succeeded" } else { "failed" }.to_string()));
-        self.metrics.loads.get_or_create(&outcome).inc();
-        if ok {
-            self.metrics.load_seconds.get_or_create(&label).observe(secs);
-            tracing::info!(model = %model, seconds = secs, "model loaded");
-        }
-        {
-            let mut loads = self.agents.loads.lock();
-            loads.remove(&model);
-            let mut failed = self.agents.failed.lock();
-            if ok {
-                failed.remove(&model);
-            } else {
-                failed.retain(|_, at| at.elapsed() < LOAD_RETRY_AFTER);
-                failed.insert(model.clone(), Instant::now());
-            }
-        }
-        let _ = tx.send(if ok { LoadState::Ready } else { LoadState::Failed });
-    }
-
-    /// An agent answered a load: its engine joins now rather than at the
-    /// next heartbeat.
-    fn engine_loaded(&self, agent_id: &str, model: &str, upstream: &str, kv_events: bool) -> Result<(), ApiError> {
-        let now = Instant::now();
-        let mut changed = false;
-        let result = {
-            let mut st = self.agents.state.lock();
-            let Some(agent) = st.get_mut(agent_id) else {
-                return Err(ApiError::unavailable("The agent went away during the load."));
-            };
-            let report = EngineReport {
-                model: model.to_string(),
-                upstream: upstream.to_string(),
-                healthy: true,
-                max_active: 0,
-                kv_events,
-            };
-            match agent.engines.get(model) {
-                Some(cur) if cur.upstream.cfg.url == upstream => {
-                    cur.upstream.set_reported_healthy(true);
-                    Ok(())
-                }
-                other => {
-                    if let Some(old) = other {
-                        self.remove_upstream(old.upstream.id);
-                    }
-                    agent.engines.remove(model);
-                    changed = true;
-                    self.add_engine(agent_id, &report).map(|u| {
-                        agent.engines.insert(model.to_string(), Engine { upstream: u, reported: false, added: now });
-                    })
-                }
-            }
-        };
-        if changed {
-            self.rebuild();
-        }
-        result
     }
 }

@@ -48,6 +48,7 @@ fn hb(agent: &str, engines: &[(&str, String, bool)], models: &[&str]) -> Heartbe
                 healthy: *healthy,
                 max_active: 0,
                 kv_events: false,
+                draining: false,
             })
             .collect(),
         models: models.iter().map(|m| m.to_string()).collect(),

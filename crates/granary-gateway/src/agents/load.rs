@@ -1,0 +1,367 @@
+//! Loads on demand: which agent is asked (locality first), one load per
+//! model at a time with every request for it waiting on that one, and the
+//! new engine joining the upstream set from the load's answer.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use axum::http::StatusCode;
+use tokio::sync::watch;
+
+use super::{check_http_url, Agent, Agents, Engine, EngineReport, LOAD_CALL_LIMIT, LOAD_RETRY_AFTER};
+use crate::error::{ApiError, ErrorType};
+use crate::proxy::Gateway;
+
+const TIER_NAMES: [&str; 3] = ["ram", "disk", "none"];
+
+/// How good an agent is for a load, lower first: the weights' tier, the
+/// engines it runs, then its free memory (more first).
+type PlacementRank = (u8, usize, std::cmp::Reverse<u64>);
+
+/// A load in progress, as its waiters see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum LoadState {
+    Pending,
+    Ready,
+    Failed,
+}
+
+/// Loads one request waits on at most (see [`Gateway::load_model`]).
+const LOAD_ROUNDS: usize = 3;
+
+/// Why a load was started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LoadWhy {
+    /// A request for a model nobody serves.
+    Request,
+    /// Fewer engines than the model's `min_replicas`.
+    MinReplicas,
+    /// Its engines have more requests in flight each than `scale_out_active`.
+    ScaleOut,
+}
+
+impl LoadWhy {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            LoadWhy::Request => "request",
+            LoadWhy::MinReplicas => "min_replicas",
+            LoadWhy::ScaleOut => "scale_out",
+        }
+    }
+}
+
+/// A request's place in the queue of a model being loaded; left when dropped.
+struct Queued<'a> {
+    agents: &'a Agents,
+    model: String,
+}
+
+impl<'a> Queued<'a> {
+    /// A place, unless `load_queue` requests already wait for `model` (0: no bound).
+    fn join(agents: &'a Agents, model: &str) -> Option<Queued<'a>> {
+        let mut q = agents.queued.lock();
+        let n = q.entry(model.to_string()).or_insert(0);
+        let bound = agents.cfg.load_queue;
+        if bound > 0 && *n >= bound {
+            return None;
+        }
+        *n += 1;
+        Some(Queued { agents, model: model.to_string() })
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        let mut q = self.agents.queued.lock();
+        if let Some(n) = q.get_mut(&self.model) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                q.remove(&self.model);
+            }
+        }
+    }
+}
+
+/// 503 with `Retry-After`: as many requests as `load_queue` already wait
+/// for the model's load.
+fn queue_full(model: &str, bound: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorType::ServerError,
+        "model_load_queue_full",
+        format!(
+            "The model `{model}` is being loaded and {bound} requests already wait for it ([gateway.agents] load_queue); try again shortly."
+        ),
+    )
+    .retry_after(LOAD_RETRY_AFTER)
+}
+
+/// Where to ask for a load.
+pub(super) struct LoadTarget {
+    pub(super) agent_id: String,
+    url: String,
+    token: Option<String>,
+    /// Its rank, for the placement header.
+    pub(super) why: String,
+}
+
+impl Agents {
+    /// Live agents listing `model`, best first: weights in RAM, then on
+    /// disk, then elsewhere; then fewest engines; then most free memory.
+    pub(super) fn load_targets(&self, model: &str) -> Vec<LoadTarget> {
+        let now = Instant::now();
+        let st = self.state.lock();
+        let mut found: Vec<(PlacementRank, &String, &Agent)> = st
+            .iter()
+            .filter(|(_, a)| self.live(a, now) && a.models.iter().any(|m| m == model))
+            .map(|(id, a)| {
+                let tier = a.weights.get(model).copied().unwrap_or(2).min(2);
+                ((tier, a.engines.len(), std::cmp::Reverse(a.free_memory)), id, a)
+            })
+            .collect();
+        found.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(y.1)));
+        found
+            .into_iter()
+            .map(|((tier, engines, free), id, a)| LoadTarget {
+                agent_id: id.clone(),
+                url: a.url.clone(),
+                token: a.token.clone(),
+                why: format!(
+                    "{id} (weights: {}, {engines} engine(s), {} MiB free)",
+                    TIER_NAMES[tier as usize],
+                    free.0 >> 20
+                ),
+            })
+            .collect()
+    }
+
+    /// Whether `agent_id` runs an engine for `model` that takes requests
+    /// (a draining one may be taken back by a load).
+    pub(super) fn runs(&self, agent_id: &str, model: &str) -> bool {
+        self.state.lock().get(agent_id).and_then(|a| a.engines.get(model)).is_some_and(|e| !e.draining)
+    }
+
+    /// Requests waiting for `model`'s load now.
+    pub fn queued(&self, model: &str) -> usize {
+        self.queued.lock().get(model).copied().unwrap_or(0)
+    }
+
+    /// Why the last successful load of `model` went where it did.
+    pub fn placement(&self, model: &str) -> Option<String> {
+        self.placements.lock().get(model).cloned()
+    }
+
+    /// Asks an agent to load `model`; the new engine's base URL and
+    /// whether it publishes KV events (as its heartbeats will say).
+    async fn call_load(&self, t: &LoadTarget, model: &str) -> anyhow::Result<(String, bool)> {
+        let mut url = url::Url::parse(&t.url).context("the agent's url")?;
+        url.path_segments_mut()
+            .map_err(|_| anyhow::anyhow!("the agent's url cannot take a path"))?
+            .pop_if_empty()
+            .extend(["models", model, "load"]);
+        let mut req =
+            self.http.post(url).json(&serde_json::json!({})).timeout(LOAD_CALL_LIMIT.max(self.cfg.load_timeout()));
+        if let Some(tok) = &t.token {
+            req = req.bearer_auth(tok);
+        }
+        let resp = req.send().await?;
+        let status = resp.status();
+        let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
+        if !status.is_success() {
+            let why = body["error"]["message"].as_str().unwrap_or("no error message");
+            anyhow::bail!("the agent answered {status}: {why}");
+        }
+        let upstream = body["upstream"].as_str().context("no `upstream` in the agent's answer")?;
+        check_http_url("upstream", upstream).map_err(|e| anyhow::anyhow!("the agent's answer: {}", e.message))?;
+        Ok((upstream.to_string(), body["kv_events"].as_bool().unwrap_or(true)))
+    }
+}
+
+/// Decrements a gauge when dropped (a waiting client may go away).
+struct Waiting<'a>(&'a prometheus_client::metrics::gauge::Gauge);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+impl Gateway {
+    /// Gets `model` loaded by an agent, waiting up to `load_timeout`: one
+    /// load per model at a time, every request for it waiting on that one,
+    /// at most `load_queue` of them. Errors are what the client gets: 503
+    /// `model_load_queue_full` (the queue is full), `model_loading` (still
+    /// loading when the wait ended) or `model_load_failed`, all with
+    /// `Retry-After`.
+    pub async fn load_model(self: &Arc<Self>, model: &str) -> Result<(), ApiError> {
+        let failed = |m: &str| ApiError::model_load_failed(m, LOAD_RETRY_AFTER);
+        // A place in the model's queue first: a full one turns the request
+        // away at once rather than piling it up behind the load.
+        let Some(_queued) = Queued::join(&self.agents, model) else {
+            return Err(queue_full(model, self.agents.cfg.load_queue));
+        };
+        self.metrics.load_waiting.inc();
+        let _waiting = Waiting(&self.metrics.load_waiting);
+        let deadline = tokio::time::Instant::now() + self.agents.cfg.load_timeout();
+        // The engine a load named may be out of routing again when the
+        // request comes to route (a heartbeat its agent sent while draining
+        // it, arriving after the load's answer): another load takes it back.
+        for _ in 0..LOAD_ROUNDS {
+            let mut rx = {
+                let mut loads = self.agents.loads.lock();
+                match loads.get(model) {
+                    Some(rx) => rx.clone(),
+                    None => {
+                        // Loaded meanwhile?
+                        if self.serves(model) {
+                            return Ok(());
+                        }
+                        if let Some(at) = self.agents.failed.lock().get(model) {
+                            if at.elapsed() < LOAD_RETRY_AFTER {
+                                return Err(failed(model));
+                            }
+                        }
+                        self.begin_load(&mut loads, model, LoadWhy::Request)
+                    }
+                }
+            };
+            let waited = tokio::time::timeout_at(deadline, rx.wait_for(|s| *s != LoadState::Pending))
+                .await
+                .map(|r| r.map(|state| *state == LoadState::Ready));
+            match waited {
+                Err(_) => return Err(ApiError::model_loading(model, LOAD_RETRY_AFTER)),
+                Ok(Ok(true)) => {
+                    if self.serves(model) {
+                        return Ok(());
+                    }
+                }
+                Ok(_) => return Err(failed(model)),
+            }
+        }
+        Err(ApiError::model_loading(model, LOAD_RETRY_AFTER))
+    }
+
+    /// Starts a load of `model` (none may be in progress: `loads` holds the
+    /// lock on the loads in progress) and returns what its waiters watch.
+    pub(super) fn begin_load(
+        self: &Arc<Self>,
+        loads: &mut HashMap<String, watch::Receiver<LoadState>>,
+        model: &str,
+        why: LoadWhy,
+    ) -> watch::Receiver<LoadState> {
+        let (tx, rx) = watch::channel(LoadState::Pending);
+        loads.insert(model.to_string(), rx.clone());
+        tokio::spawn(self.clone().run_load(model.to_string(), why, tx));
+        rx
+    }
+
+    async fn run_load(self: Arc<Self>, model: String, why: LoadWhy, tx: watch::Sender<LoadState>) {
+        let label = vec![("model", self.metrics.model_label(Some(&model)))];
+        self.metrics.load_requests.get_or_create(&label).inc();
+        let started = Instant::now();
+        let mut targets = self.agents.load_targets(&model);
+        // Another replica goes to an agent that does not run one yet.
+        targets.retain(|t| !self.agents.runs(&t.agent_id, &model));
+        let mut ok = false;
+        if targets.is_empty() {
+            tracing::warn!(model = %model, "no live agent can load the model any more");
+        }
+        let ranked: Vec<String> = targets.iter().map(|t| t.why.clone()).collect();
+        for (i, t) in targets.iter().enumerate() {
+            tracing::info!(agent = %t.agent_id, model = %model, rank = %t.why, reason = why.as_str(), "asking the agent to load the model");
+            match self.agents.call_load(t, &model).await {
+                Ok((upstream, kv_events)) => match self.engine_loaded(&t.agent_id, &model, &upstream, kv_events) {
+                    Ok(()) => {
+                        ok = true;
+                        let mut why = format!("loaded on {}", t.why);
+                        let others: Vec<&str> =
+                            ranked.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, r)| r.as_str()).collect();
+                        if !others.is_empty() {
+                            why.push_str(&format!("; ranked after: {}", others.join(", ")));
+                        }
+                        self.agents.placements.lock().insert(model.clone(), why);
+                        break;
+                    }
+                    Err(e) => tracing::warn!(agent = %t.agent_id, model = %model, error = %e, "load answer not usable"),
+                },
+                Err(e) => tracing::warn!(agent = %t.agent_id, model = %model, error = %format!("{e:#}"), "load failed"),
+            }
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let mut outcome = label.clone();
+        outcome.push(("outcome", if ok { "succeeded" } else { "failed" }.to_string()));
+        self.metrics.loads.get_or_create(&outcome).inc();
+        if ok {
+            self.metrics.load_seconds.get_or_create(&label).observe(secs);
+            tracing::info!(model = %model, seconds = secs, "model loaded");
+        }
+        {
+            let mut loads = self.agents.loads.lock();
+            loads.remove(&model);
+            let mut failed = self.agents.failed.lock();
+            if ok {
+                failed.remove(&model);
+            } else if why != LoadWhy::Request {
+                // A replica that could not be added: requests still have
+                // the engines there are; the next try waits a while.
+                self.agents.replica_failed.lock().insert(model.clone(), Instant::now());
+            } else {
+                failed.retain(|_, at| at.elapsed() < LOAD_RETRY_AFTER);
+                failed.insert(model.clone(), Instant::now());
+            }
+        }
+        let _ = tx.send(if ok { LoadState::Ready } else { LoadState::Failed });
+    }
+
+    /// An agent answered a load: its engine joins now rather than at the
+    /// next heartbeat.
+    pub(super) fn engine_loaded(
+        &self,
+        agent_id: &str,
+        model: &str,
+        upstream: &str,
+        kv_events: bool,
+    ) -> Result<(), ApiError> {
+        let now = Instant::now();
+        let mut changed = false;
+        let result = {
+            let mut st = self.agents.state.lock();
+            let Some(agent) = st.get_mut(agent_id) else {
+                return Err(ApiError::unavailable("The agent went away during the load."));
+            };
+            let report = EngineReport {
+                model: model.to_string(),
+                upstream: upstream.to_string(),
+                healthy: true,
+                max_active: 0,
+                kv_events,
+                draining: false,
+            };
+            match agent.engines.get(model) {
+                Some(cur) if cur.upstream.cfg.url == upstream && !cur.draining => {
+                    cur.upstream.set_reported_healthy(true);
+                    Ok(())
+                }
+                other => {
+                    if let Some(old) = other {
+                        self.remove_upstream(old.upstream.id);
+                    }
+                    agent.engines.remove(model);
+                    changed = true;
+                    self.add_engine(agent_id, &report).map(|u| {
+                        agent.engines.insert(
+                            model.to_string(),
+                            Engine { upstream: u, reported: false, added: now, draining: false },
+                        );
+                    })
+                }
+            }
+        };
+        if changed {
+            self.rebuild();
+        }
+        result
+    }
+}
