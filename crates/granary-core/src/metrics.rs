@@ -353,6 +353,7 @@ mod tests {
                 || name.ends_with("_entries")
                 || name.ends_with("_connections")
                 || name.ends_with("_requests")
+                || name.ends_with("_records")
                 || name.ends_with("_blocks")
                 || name.ends_with("_per_second")
                 || name.ends_with("_up")
