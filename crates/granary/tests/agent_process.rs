@@ -480,7 +480,10 @@ fn llama_cpp_server_under_a_template_on_demand_restarted_and_unloaded_when_idle(
     let idle_for = last_request.elapsed();
     assert!(idle_for >= Duration::from_secs(3), "unloaded after only {idle_for:?} idle");
     assert!(llama_servers(&cache_dir).is_empty(), "the server process is gone");
-    assert!(std::net::TcpStream::connect(front.trim_start_matches("http://")).is_err(), "the front is closed");
+    // The front closes once the drained engine's stop completes.
+    wait_until("the front is closed", Duration::from_secs(10), || {
+        std::net::TcpStream::connect(front.trim_start_matches("http://")).is_err()
+    });
     wait_until("the gateway drops the engine", Duration::from_secs(10), || {
         gw.agent("node-l").is_some_and(|a| a["engines"].as_array().unwrap().is_empty())
     });
