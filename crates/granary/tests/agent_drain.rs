@@ -11,13 +11,7 @@ use std::time::{Duration, Instant};
 
 use agent_support::*;
 
-// Known to fail sometimes (4 of 5 runs pass here, and a CI run failed):
-// a load asked for while the agent is stopping the drained engine can fail,
-// and the gateway then answers `model_load_failed` for LOAD_RETRY_AFTER.
-// Run with `cargo test -p granary --test agent_drain -- --ignored` while
-// that race is being fixed.
 #[test]
-#[ignore = "a load racing the stop of a drained engine can fail; see the comment above"]
 fn no_request_fails_across_idle_unloads() {
     let Some(model) = default_model() else { return };
     let dir = tempfile::tempdir().unwrap();

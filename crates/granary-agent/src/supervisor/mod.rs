@@ -696,7 +696,14 @@ async fn watch_proc(sh: &Shared, engine: &Engine, proc: &mut Proc, ever_ready: &
             failures = 0;
             if state != EngineState::Ready {
                 *ever_ready = true;
-                engine.live.lock().ever_ready = true;
+                {
+                    // A full idle window from the moment it can serve: a
+                    // slow start (or a spell unhealthy) is not idleness,
+                    // and the clients waiting for it send only now.
+                    let mut l = engine.live.lock();
+                    l.ever_ready = true;
+                    l.last_activity_ms = Some(now_ms());
+                }
                 engine.state.send_replace(EngineState::Ready);
                 persist(sh);
                 sh.changed.send_modify(|n| *n += 1);
@@ -811,5 +818,49 @@ mod tests {
         assert_eq!((p.len(), p[0].pid), (1, 0), "{p:?}");
         assert!(!next.adopt(&p[0]).await);
         assert!(next.list().is_empty());
+    }
+
+    /// The idle window starts when the engine can serve, not when it was
+    /// started: a slow start is not idleness (an idle unload right after a
+    /// load would take the engine away from the requests that asked for it).
+    #[tokio::test]
+    async fn the_idle_window_starts_when_the_engine_is_ready() {
+        if std::process::Command::new("python3").arg("--version").output().is_err() {
+            eprintln!("skipping: python3 is not installed");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let www = d.path().join("www");
+        std::fs::create_dir_all(&www).unwrap();
+        std::fs::write(www.join("health"), "ok").unwrap();
+        let cfg = SupervisorConfig {
+            command: Some(format!(
+                "sleep 0.8; cd {} && exec python3 -m http.server {{port}} --bind {{host}}",
+                www.display()
+            )),
+            health_interval: Duration::from_millis(50),
+            start_timeout: Duration::from_secs(20),
+            ..Default::default()
+        };
+        let sup = Supervisor::new(cfg, d.path()).unwrap();
+        let spec = LaunchSpec {
+            model: "m".into(),
+            revision: "1".into(),
+            model_path: www.clone(),
+            files: vec![],
+            tier: Tier::Disk,
+            gpus: None,
+            memory: 0,
+        };
+        let asked = now_ms();
+        let st = sup.start(spec).await.unwrap();
+        assert_eq!(st.state, EngineState::Ready);
+        let last = sup.last_active_ms("m").unwrap();
+        assert!(
+            last >= asked + 800,
+            "idle since {} ms after the start was asked; it could serve only after 800",
+            last - asked
+        );
+        sup.stop("m").await.unwrap();
     }
 }

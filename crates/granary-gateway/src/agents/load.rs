@@ -31,6 +31,10 @@ pub(super) enum LoadState {
 /// Loads one request waits on at most (see [`Gateway::load_model`]).
 const LOAD_ROUNDS: usize = 3;
 
+/// How long a request waits, after a load, for the engine to be routed.
+const JOIN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+const JOIN_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// Why a load was started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum LoadWhy {
@@ -143,6 +147,11 @@ impl Agents {
         self.state.lock().get(agent_id).and_then(|a| a.engines.get(model)).is_some_and(|e| !e.draining)
     }
 
+    /// Whether some agent runs an engine for `model` that takes requests.
+    pub(super) fn runs_anywhere(&self, model: &str) -> bool {
+        self.state.lock().values().any(|a| a.engines.get(model).is_some_and(|e| !e.draining))
+    }
+
     /// Requests waiting for `model`'s load now.
     pub fn queued(&self, model: &str) -> usize {
         self.queued.lock().get(model).copied().unwrap_or(0)
@@ -233,7 +242,7 @@ impl Gateway {
             match waited {
                 Err(_) => return Err(ApiError::model_loading(model, LOAD_RETRY_AFTER)),
                 Ok(Ok(true)) => {
-                    if self.serves(model) {
+                    if self.joined(model, deadline).await {
                         return Ok(());
                     }
                 }
@@ -241,6 +250,22 @@ impl Gateway {
             }
         }
         Err(ApiError::model_loading(model, LOAD_RETRY_AFTER))
+    }
+
+    /// Whether `model`'s engine joins routing soon after its load: the
+    /// upstream is added with the load's answer and routed once its first
+    /// health check passes, which may come a moment later.
+    async fn joined(&self, model: &str, deadline: tokio::time::Instant) -> bool {
+        let until = deadline.min(tokio::time::Instant::now() + JOIN_WAIT);
+        loop {
+            if self.serves(model) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(JOIN_POLL).await;
+        }
     }
 
     /// Starts a load of `model` (none may be in progress: `loads` holds the
@@ -261,6 +286,14 @@ impl Gateway {
         let label = vec![("model", self.metrics.model_label(Some(&model)))];
         self.metrics.load_requests.get_or_create(&label).inc();
         let started = Instant::now();
+        if why == LoadWhy::Request && self.agents.runs_anywhere(&model) {
+            // An engine for it runs already and takes requests (one that
+            // just loaded and is not routed yet, or one a heartbeat named):
+            // nothing to load, and not a failure; the waiters look again.
+            self.agents.loads.lock().remove(&model);
+            let _ = tx.send(LoadState::Ready);
+            return;
+        }
         let mut targets = self.agents.load_targets(&model);
         // Another replica goes to an agent that does not run one yet.
         targets.retain(|t| !self.agents.runs(&t.agent_id, &model));
