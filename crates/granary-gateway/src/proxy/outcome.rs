@@ -210,6 +210,7 @@ impl Drop for Outcome {
                 }
             }
         }
+        self.gw.observe_request(self.rec.tenant.as_deref(), self.rec.model.as_deref(), self.rec.upstream.as_deref());
         self.gw.identity.record(std::mem::take(&mut self.rec));
         self.gw.refresh_counters();
     }
