@@ -93,7 +93,7 @@ impl Outcome {
             cache_state: self.cache_state,
             cache_match: self.cache_match,
             semantic: None,
-            placement: self.placement.take(),
+            placement: self.placement.clone(),
             prefill: self.prefill,
         }
     }
