@@ -831,5 +831,19 @@ url = "http://h:2"
             err("[gateway.agents]\npool_policy = { policy = \"kv_aware\", load_penalty = -1.0 }\n").field,
             "gateway.agents.pool_policy.load_penalty"
         );
+        // Placement and prefetch.
+        let d = GatewayConfig::from_toml("").unwrap().gateway.agents;
+        assert_eq!((d.placement, d.prefetch, d.prefetch_max), (Placement::Locality, false, 2));
+        let c = GatewayConfig::from_toml(
+            "[gateway.agents]\nplacement = \"fewest_engines\"\nprefetch = true\nprefetch_max = 5\n",
+        )
+        .unwrap()
+        .gateway
+        .agents;
+        assert_eq!((c.placement, c.prefetch, c.prefetch_max), (Placement::FewestEngines, true, 5));
+        let e = err("[gateway.agents]\nplacement = \"nearest\"\n");
+        assert_eq!(e.field, "gateway.agents.placement");
+        assert!(e.message.contains("fewest_engines"), "{}", e.message);
+        assert_eq!(err("[gateway.agents]\nprefetch = \"yes\"\n").field, "gateway.agents.prefetch");
     }
 }
