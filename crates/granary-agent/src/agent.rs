@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::AgentConfig;
 use crate::download::{DownloadStatus, Downloader, FileRequest};
 use crate::error::AgentError;
+use crate::prefetch::{PrefetchStats, Prefetches};
 use crate::registry::Catalog;
 use crate::resources::{Reservation, Resources, ResourcesStatus};
 use crate::supervisor::{EngineState, EngineStatus, LaunchSpec, Supervisor};
@@ -63,6 +64,10 @@ pub struct AgentStatus {
     /// The answer of the last load that started each model's engine, by model name.
     #[serde(default)]
     pub loads: Vec<LoadResponse>,
+    /// Prefetches a gateway asked for: started, done, failed, and loads
+    /// that found their weights in RAM because of one.
+    #[serde(default)]
+    pub prefetch: PrefetchStats,
 }
 
 /// One node's agent.
@@ -87,6 +92,8 @@ pub struct Agent {
     last_loads: Mutex<HashMap<String, LoadResponse>>,
     /// Per gateway, the engines it last said to keep loaded (`min_replicas`).
     kept: Mutex<HashMap<String, Vec<String>>>,
+    /// Models staged into RAM at a gateway's word.
+    prefetches: Prefetches,
     stop: CancellationToken,
 }
 
@@ -133,6 +140,7 @@ impl Agent {
             catalog: Mutex::new(Vec::new()),
             last_loads: Mutex::new(HashMap::new()),
             kept: Mutex::new(HashMap::new()),
+            prefetches: Prefetches::default(),
             stop: CancellationToken::new(),
             cfg,
         });
@@ -168,6 +176,19 @@ impl Agent {
 
     pub fn resources(&self) -> &Resources {
         &self.resources
+    }
+
+    pub fn prefetches(&self) -> &Prefetches {
+        &self.prefetches
+    }
+
+    pub(crate) fn registry(&self) -> &Catalog {
+        &self.registry
+    }
+
+    /// The lock one load (or staging) of `name` holds.
+    pub(crate) fn load_lock(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
+        Self::lock_for(&self.loading, name)
     }
 
     /// Each model revision laid out here and the tier its weights are in now.
@@ -233,6 +254,7 @@ impl Agent {
                 v.sort_by(|a, b| a.model.cmp(&b.model));
                 v
             },
+            prefetch: self.prefetches.stats(),
         }
     }
 
@@ -308,6 +330,9 @@ impl Agent {
             self.tiers.unpin(&shas);
         }
         let (st, engine_ms) = result?;
+        if st.tier == Tier::Ram {
+            self.prefetches.loaded_from_ram(name, &st.revision);
+        }
         tracing::info!(model = name, revision = %st.revision, tier = st.tier.as_str(), ms = started.elapsed().as_millis() as u64, fetch_ms, engine_ms, "loaded");
         let answer = LoadResponse {
             model: st.model,
@@ -331,11 +356,7 @@ impl Agent {
         downloaded: bool,
         held: Reservation,
     ) -> Result<(EngineStatus, u64), AgentError> {
-        let root = self.cfg.cache_dir.join("models").join(name).join(&revision.revision);
-        let files: Vec<(String, String)> =
-            revision.files.iter().zip(shas).map(|(f, s)| (f.path.clone(), s.clone())).collect();
-        let slowest = self.tiers.materialise(&root, &files)?;
-        self.known.record(name, &revision.revision, shas);
+        let (root, slowest) = self.lay_out(name, revision, shas)?;
         let model_path: PathBuf = match revision.format.as_str() {
             "gguf" => {
                 let f = revision.files.iter().find(|f| f.path.ends_with(".gguf")).ok_or_else(|| {
@@ -359,8 +380,28 @@ impl Agent {
         Ok((st, started.elapsed().as_millis() as u64))
     }
 
+    /// Lays `revision` out as links into the tiers (what an engine opens,
+    /// and how a restarted agent finds it); its directory and slowest tier.
+    pub(crate) fn lay_out(
+        &self,
+        name: &str,
+        revision: &crate::registry::Revision,
+        shas: &[String],
+    ) -> Result<(PathBuf, Tier), AgentError> {
+        let root = self.cfg.cache_dir.join("models").join(name).join(&revision.revision);
+        let files: Vec<(String, String)> =
+            revision.files.iter().zip(shas).map(|(f, s)| (f.path.clone(), s.clone())).collect();
+        let slowest = self.tiers.materialise(&root, &files)?;
+        self.known.record(name, &revision.revision, shas);
+        Ok((root, slowest))
+    }
+
     /// Fetches every file of `revision` no tier holds; true when any was downloaded.
-    async fn fetch_files(&self, name: &str, revision: &crate::registry::Revision) -> Result<bool, AgentError> {
+    pub(crate) async fn fetch_files(
+        &self,
+        name: &str,
+        revision: &crate::registry::Revision,
+    ) -> Result<bool, AgentError> {
         let jobs = revision.files.iter().map(|f| async move {
             let sha = f.sha256.to_ascii_lowercase();
             let lock = Self::lock_for(&self.fetching, &sha);

@@ -62,6 +62,10 @@ pub struct AgentConfig {
     /// How often the registry's model list (reported to the gateway) is refreshed.
     #[serde(with = "duration")]
     pub catalog_refresh: Duration,
+    /// Stage the models a gateway's heartbeat answer names (`prefetch`)
+    /// into the RAM tier; off: such answers are ignored. On by default:
+    /// the gateway decides whether to ask (`[gateway.agents] prefetch`).
+    pub prefetch: bool,
 }
 
 impl Default for AgentConfig {
@@ -85,6 +89,7 @@ impl Default for AgentConfig {
             idle_poll: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
             catalog_refresh: Duration::from_secs(30),
+            prefetch: true,
         }
     }
 }

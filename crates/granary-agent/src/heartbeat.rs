@@ -35,6 +35,10 @@ pub struct Heartbeat {
     /// are in RAM, on disk or gone (for placing loads where they are).
     #[serde(default)]
     pub weights: Vec<HeldRevision>,
+    /// Bytes the RAM tier could take for prefetched weights (its budget
+    /// less the copies loaded models hold); none without a RAM tier.
+    #[serde(default)]
+    pub prefetch_room: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -77,6 +81,7 @@ pub fn body(agent: &Agent) -> Heartbeat {
         models: agent.catalog(),
         resources: Some(agent.resources().status()),
         weights: agent.weights(),
+        prefetch_room: agent.tiers().ram_room(),
     }
 }
 
@@ -96,6 +101,9 @@ pub struct BeatAnswer {
     /// Engines the gateway needs kept loaded (its `min_replicas`).
     #[serde(default)]
     pub keep: Vec<String>,
+    /// Models to stage into the RAM tier ([`crate::prefetch`]).
+    #[serde(default)]
+    pub prefetch: Vec<crate::prefetch::PrefetchItem>,
 }
 
 /// Sends one heartbeat to `gateway` and reads its answer; the models it
@@ -125,6 +133,9 @@ async fn beat(agent: Arc<Agent>, gateway: String) {
     let mut failing = false;
     loop {
         let outcome = send(&agent, &http, &gateway).await;
+        if let Ok(a) = &outcome {
+            agent.prefetch(&a.prefetch);
+        }
         match outcome {
             Ok(_) if failing => {
                 tracing::info!(%gateway, "heartbeats reach the gateway again");

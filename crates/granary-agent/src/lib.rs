@@ -13,6 +13,7 @@
 //! - [`agent`]: loads and unloads, idle unload (scale to zero);
 //! - [`drain`]: an idle engine leaves the gateways' routing and finishes
 //!   its requests before it is stopped;
+//! - [`prefetch`]: stages the models a gateway predicts into the RAM tier;
 //! - [`api`]: the control API; [`heartbeat`]: reports to the gateway.
 //!
 //! `granary agent` runs it; tests start it in-process with
@@ -27,6 +28,7 @@ pub mod drain;
 pub mod error;
 pub mod front;
 pub mod heartbeat;
+pub mod prefetch;
 pub mod registry;
 pub mod resources;
 pub mod supervisor;

@@ -392,6 +392,19 @@ impl Tiers {
         }
     }
 
+    /// A file's size, if some tier holds or expects it.
+    pub fn size(&self, sha: &str) -> Option<u64> {
+        self.state.lock().blobs.get(sha).map(|b| b.size)
+    }
+
+    /// Bytes the RAM tier could hold for a promotion now: its budget less
+    /// the copies loaded models hold (the rest may be demoted); None
+    /// without a RAM tier.
+    pub fn ram_room(&self) -> Option<u64> {
+        self.ram_dir.as_ref()?;
+        Some(self.cfg.ram_budget.as_u64().saturating_sub(self.state.lock().pinned(true)))
+    }
+
     /// Counts a load of `model`; true when it should be promoted to RAM now.
     pub fn record_load(&self, model: &str) -> bool {
         if self.ram_dir.is_none() || self.cfg.promote_after == 0 {

@@ -35,6 +35,9 @@ pub struct HeldRevision {
     pub model: String,
     pub revision: String,
     pub tier: WeightsTier,
+    /// The revision's size, as far as the tiers know its files.
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 /// The revisions this node has laid out, with their files' sha256.
@@ -99,6 +102,7 @@ impl Known {
             .into_iter()
             .map(|((model, revision), shas)| {
                 let mut tier = WeightsTier::Ram;
+                let bytes = shas.iter().filter_map(|s| tiers.size(s)).sum();
                 for sha in &shas {
                     match tiers.locate(sha) {
                         Some(Tier::Ram) => {}
@@ -109,7 +113,7 @@ impl Known {
                         }
                     }
                 }
-                HeldRevision { model, revision, tier }
+                HeldRevision { model, revision, tier, bytes }
             })
             .collect()
     }
@@ -153,7 +157,7 @@ mod tests {
         let again = Known::scan(&d.path().join("models"));
         assert_eq!(
             again.report(&tiers),
-            [HeldRevision { model: "m".into(), revision: "r1".into(), tier: WeightsTier::Ram }]
+            [HeldRevision { model: "m".into(), revision: "r1".into(), tier: WeightsTier::Ram, bytes: 13 }]
         );
         // A file gone from every tier: a load would download it.
         std::fs::remove_file(d.path().join("ram/blobs/sha256").join(&b)).unwrap();

@@ -240,6 +240,30 @@ pub struct AgentsConfig {
     /// Replicas per model (`[gateway.agents.models.NAME]`): kept warm, and
     /// more under load (see [`crate::agents::ModelScaling`]).
     pub models: BTreeMap<String, crate::agents::ModelScaling>,
+    /// Which agent loads a model on demand: `locality` (where its weights
+    /// are closest: RAM, disk, then anywhere; then fewest engines, then
+    /// most free memory) or `fewest_engines` (fewest engines, then most
+    /// free memory, wherever the weights are).
+    pub placement: Placement,
+    /// Predictive prefetch: each heartbeat's answer names the models the
+    /// agent should stage into its RAM tier, predicted from the last hour's
+    /// requests of the tenants it served (see [`crate::agents::prefetch`]).
+    /// Off by default: it downloads and copies weights no request asked
+    /// for yet, a cost in registry traffic and node RAM an operator opts into.
+    pub prefetch: bool,
+    /// The most models one heartbeat answer asks an agent to prefetch.
+    pub prefetch_max: usize,
+}
+
+/// `[gateway.agents] placement`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// Where the weights are closest, ServerlessLLM-style.
+    #[default]
+    Locality,
+    /// The agent running fewest engines, blind to where the weights are.
+    FewestEngines,
 }
 
 impl Default for AgentsConfig {
@@ -251,6 +275,9 @@ impl Default for AgentsConfig {
             pool_policy: PoolPolicy::Full(PolicyConfig::KvAware { load_penalty: 1.0, approx_capacity_blocks: 0 }),
             load_queue: 256,
             models: BTreeMap::new(),
+            placement: Placement::Locality,
+            prefetch: false,
+            prefetch_max: 2,
         }
     }
 }
@@ -804,5 +831,19 @@ url = "http://h:2"
             err("[gateway.agents]\npool_policy = { policy = \"kv_aware\", load_penalty = -1.0 }\n").field,
             "gateway.agents.pool_policy.load_penalty"
         );
+        // Placement and prefetch.
+        let d = GatewayConfig::from_toml("").unwrap().gateway.agents;
+        assert_eq!((d.placement, d.prefetch, d.prefetch_max), (Placement::Locality, false, 2));
+        let c = GatewayConfig::from_toml(
+            "[gateway.agents]\nplacement = \"fewest_engines\"\nprefetch = true\nprefetch_max = 5\n",
+        )
+        .unwrap()
+        .gateway
+        .agents;
+        assert_eq!((c.placement, c.prefetch, c.prefetch_max), (Placement::FewestEngines, true, 5));
+        let e = err("[gateway.agents]\nplacement = \"nearest\"\n");
+        assert_eq!(e.field, "gateway.agents.placement");
+        assert!(e.message.contains("fewest_engines"), "{}", e.message);
+        assert_eq!(err("[gateway.agents]\nprefetch = \"yes\"\n").field, "gateway.agents.prefetch");
     }
 }

@@ -21,6 +21,11 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// Predictive prefetch events (counter `granary_gateway_agent_prefetch_total`;
+/// label `event`: `asked`, `done`, `hit`), registered without the `_total`.
+pub const PREFETCH: &str = "granary_gateway_agent_prefetch_total";
+const PREFETCH_BASE: &str = "granary_gateway_agent_prefetch";
+
 type Labels = Vec<(&'static str, String)>;
 
 /// Every metric the gateway exports.
@@ -69,6 +74,10 @@ pub struct GatewayMetrics {
     pub loads: Family<Labels, Counter>,
     pub load_seconds: Family<Labels, Histogram>,
     pub load_waiting: Gauge,
+    /// Predictive prefetch, by `event`: `asked` (a model named to an agent),
+    /// `done` (its next heartbeats show it in RAM), `hit` (a load found it
+    /// there).
+    pub prefetch: Family<Labels, Counter>,
     tenants: RwLock<HashSet<String>>,
     max_tenants: usize,
     models: RwLock<HashSet<String>>,
@@ -117,6 +126,7 @@ impl GatewayMetrics {
             loads: Family::default(),
             load_seconds: Family::new_with_constructor(load_buckets as fn() -> Histogram),
             load_waiting: Gauge::default(),
+            prefetch: Family::default(),
             tenants: RwLock::new(HashSet::new()),
             max_tenants,
             models: RwLock::new(HashSet::new()),
@@ -208,6 +218,11 @@ impl GatewayMetrics {
             m.load_seconds.clone(),
         );
         registry.register(names::MODEL_LOAD_WAITING, "Requests held while their model loads", m.load_waiting.clone());
+        registry.register(
+            PREFETCH_BASE,
+            "Predictive prefetches, by event: asked of an agent, done (in its RAM tier), hit (a load found it there)",
+            m.prefetch.clone(),
+        );
         // Queue gauges exist from the start (0 is news too).
         for p in crate::types::Priority::ALL {
             m.queue_waiting.get_or_create(&vec![("priority", p.as_str().to_string())]).set(0);

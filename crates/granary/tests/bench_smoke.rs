@@ -424,3 +424,34 @@ fn coldstart_quick_run_measures_every_tier() {
     assert!(std::fs::metadata(out.join("coldstart.svg")).unwrap().len() > 1000);
     assert!(std::fs::read_dir(&scratch).unwrap().next().is_none(), "scratch directories left behind");
 }
+
+/// `granary bench coldstart --fleet --quick`: three real agents and two
+/// gateways; locality loads where the weights are in RAM, fewest-engines
+/// on the first agent by name (the RAM one in the first round), and the
+/// replayed prediction pre-stages some loads' weights.
+#[test]
+fn coldstart_fleet_quick_run_compares_placements_and_replays_the_prediction() {
+    let Some(model) = model("coldstart_fleet_quick_run_compares_placements_and_replays_the_prediction") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let scratch = tmp.path().join("scratch");
+    let json = tmp.path().join("fleet.json");
+    let stdout = run_bench(
+        &["bench", "coldstart", "--fleet", "--quick", "--max-tokens", "2", "--model", model.to_str().unwrap(), "--dir"],
+        &[&scratch, std::path::Path::new("--json"), &json],
+    );
+    assert!(stdout.contains("coldstart --fleet: request → first token"), "{stdout}");
+    assert!(stdout.contains("prefetch prediction replayed"), "{stdout}");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let runs = r["fleet"]["runs"].as_array().expect("runs");
+    let by = |p: &str| runs.iter().find(|x| x["policy"] == p).unwrap_or_else(|| panic!("no {p} run: {r}")).clone();
+    assert_eq!(runs.len(), 2);
+    assert_eq!((by("locality")["tier"].as_str(), by("locality")["agent"].as_str()), (Some("ram"), Some("fleet-1")));
+    assert_eq!(by("fewest_engines")["agent"], "fleet-1", "all tie: the first by name");
+    positive(&by("locality")["ttft_ms"], "ttft_ms");
+    let on = &r["replay"]["on"];
+    assert!(on["prestaged"].as_u64().unwrap() > 0, "{on}");
+    assert!(on["from_ram"].as_u64() > r["replay"]["off"]["from_ram"].as_u64(), "{r}");
+    assert!(std::fs::read_dir(&scratch).unwrap().next().is_none(), "scratch directories left behind");
+}

@@ -2,7 +2,7 @@
 //!
 //! | route | token | does |
 //! | --- | --- | --- |
-//! | `POST /admin/v1/agents/heartbeat` | agent or admin | an agent reports its engines and loadable models ([`Heartbeat`]) → `{"ok": true, "ttl_ms", "draining": {model: requests in flight here}, "keep": [models]}` |
+//! | `POST /admin/v1/agents/heartbeat` | agent or admin | an agent reports its engines and loadable models ([`Heartbeat`]) → `{"ok": true, "ttl_ms", "draining": {model: requests in flight here}, "keep": [models], "prefetch": [{model}]}` |
 //! | `GET /admin/v1/agents` | admin | the agents heard from within `ttl_ms`, their engines as upstreams |
 
 use std::sync::Arc;
@@ -65,6 +65,7 @@ async fn heartbeat(State(gw): State<Arc<Gateway>>, body: Bytes) -> Result<Respon
         "ttl_ms": gw.agents.cfg.ttl_ms,
         "draining": gw.draining_active(&agent_id),
         "keep": gw.keep_warm(&agent_id),
+        "prefetch": gw.prefetch_for(&agent_id),
     }))
     .into_response())
 }

@@ -11,6 +11,7 @@ use axum::http::StatusCode;
 use tokio::sync::watch;
 
 use super::{check_http_url, Agent, Agents, Engine, EngineReport, LOAD_CALL_LIMIT, LOAD_RETRY_AFTER};
+use crate::config::Placement;
 use crate::error::{ApiError, ErrorType};
 use crate::proxy::Gateway;
 
@@ -109,11 +110,14 @@ pub(super) struct LoadTarget {
     token: Option<String>,
     /// Its rank, for the placement header.
     pub(super) why: String,
+    /// Where it holds the weights: 0 RAM, 1 disk, 2 elsewhere.
+    pub(super) tier: u8,
 }
 
 impl Agents {
     /// Live agents listing `model`, best first: weights in RAM, then on
-    /// disk, then elsewhere; then fewest engines; then most free memory.
+    /// disk, then elsewhere; then fewest engines; then most free memory
+    /// (`placement = "fewest_engines"`: the weights' tier is not looked at).
     pub(super) fn load_targets(&self, model: &str) -> Vec<LoadTarget> {
         let now = Instant::now();
         let st = self.state.lock();
@@ -122,21 +126,26 @@ impl Agents {
             .filter(|(_, a)| self.live(a, now) && a.models.iter().any(|m| m == model))
             .map(|(id, a)| {
                 let tier = a.weights.get(model).copied().unwrap_or(2).min(2);
-                ((tier, a.engines.len(), std::cmp::Reverse(a.free_memory)), id, a)
+                let key = if self.cfg.placement == Placement::Locality { tier } else { 0 };
+                ((key, a.engines.len(), std::cmp::Reverse(a.free_memory)), id, a)
             })
             .collect();
         found.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(y.1)));
         found
             .into_iter()
-            .map(|((tier, engines, free), id, a)| LoadTarget {
-                agent_id: id.clone(),
-                url: a.url.clone(),
-                token: a.token.clone(),
-                why: format!(
-                    "{id} (weights: {}, {engines} engine(s), {} MiB free)",
-                    TIER_NAMES[tier as usize],
-                    free.0 >> 20
-                ),
+            .map(|((_, engines, free), id, a)| {
+                let tier = a.weights.get(model).copied().unwrap_or(2).min(2);
+                LoadTarget {
+                    agent_id: id.clone(),
+                    url: a.url.clone(),
+                    token: a.token.clone(),
+                    why: format!(
+                        "{id} (weights: {}, {engines} engine(s), {} MiB free)",
+                        TIER_NAMES[tier as usize],
+                        free.0 >> 20
+                    ),
+                    tier,
+                }
             })
             .collect()
     }
@@ -308,6 +317,9 @@ impl Gateway {
                 Ok((upstream, kv_events)) => match self.engine_loaded(&t.agent_id, &model, &upstream, kv_events) {
                     Ok(()) => {
                         ok = true;
+                        if t.tier == 0 && self.agents.prefetch_hit(&t.agent_id, &model) {
+                            self.metrics.prefetch.get_or_create(&vec![("event", "hit".to_string())]).inc();
+                        }
                         let mut why = format!("loaded on {}", t.why);
                         let others: Vec<&str> =
                             ranked.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, r)| r.as_str()).collect();

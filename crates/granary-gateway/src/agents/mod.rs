@@ -24,6 +24,12 @@
 //! ([`Heartbeat::resources`]). The request that waited on the load is
 //! answered with `x-granary-placement` saying which agent loaded the model
 //! and why.
+//! `placement = "fewest_engines"` ignores the tier (the baseline the
+//! cold-start bench measures locality against).
+//!
+//! With `prefetch` on, each heartbeat's answer also names the models the
+//! agent should stage into its RAM tier, predicted from the last hour's
+//! requests of the tenants it served ([`prefetch`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,6 +49,7 @@ use load::LoadState;
 
 mod http;
 mod load;
+pub mod prefetch;
 mod scaling;
 #[cfg(test)]
 mod scaling_tests;
@@ -93,6 +100,10 @@ pub struct Heartbeat {
     /// Free capacity of the node.
     #[serde(default)]
     pub resources: Option<ResourcesReport>,
+    /// Bytes the agent's RAM tier could take for prefetched weights (its
+    /// budget less the copies running engines hold); absent: unknown.
+    #[serde(default)]
+    pub prefetch_room: Option<u64>,
 }
 
 /// Where a model revision's weights are on an agent's node.
@@ -103,6 +114,9 @@ pub struct WeightsReport {
     pub revision: String,
     /// `ram`, `disk` or `none`.
     pub tier: String,
+    /// The revision's size (0: not reported).
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 impl WeightsReport {
@@ -256,6 +270,9 @@ struct Agent {
     weights: HashMap<String, u8>,
     /// Free memory for an engine, bytes (0: not reported).
     free_memory: u64,
+    /// Bytes it may stage for prefetches (its RAM tier's room, free host
+    /// memory, whichever is less; None: neither reported).
+    prefetch_room: Option<u64>,
 }
 
 /// The agents the gateway has heard from and the loads in progress.
@@ -270,6 +287,12 @@ pub struct Agents {
     queued: Mutex<HashMap<String, usize>>,
     /// Why the last load of each model went where it did.
     placements: Mutex<HashMap<String, String>>,
+    /// The last hour's requests and who served them, for prefetch.
+    history: Mutex<prefetch::RequestHistory>,
+    /// (agent, model) prefetches asked and not yet used by a load.
+    prefetch_asked: Mutex<HashMap<(String, String), prefetch::Asked>>,
+    /// Each model's size as agents report it (the largest revision seen).
+    model_bytes: Mutex<HashMap<String, u64>>,
     http: reqwest::Client,
     reaper: AtomicBool,
 }
@@ -318,6 +341,9 @@ impl Agents {
             replica_failed: Mutex::new(HashMap::new()),
             queued: Mutex::new(HashMap::new()),
             placements: Mutex::new(HashMap::new()),
+            history: Mutex::new(prefetch::RequestHistory::default()),
+            prefetch_asked: Mutex::new(HashMap::new()),
+            model_bytes: Mutex::new(HashMap::new()),
             http: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(5))
                 .tcp_nodelay(true)
@@ -390,6 +416,7 @@ impl Gateway {
                     last_seen_ms: now_ms(),
                     weights: HashMap::new(),
                     free_memory: 0,
+                    prefetch_room: None,
                 }
             });
             agent.weights.clear();
@@ -398,6 +425,24 @@ impl Gateway {
                 *r = (*r).min(w.rank());
             }
             agent.free_memory = hb.resources.as_ref().map_or(0, ResourcesReport::free);
+            let host_free = hb.resources.as_ref().map(|r| r.host_memory_free).filter(|&n| n > 0);
+            agent.prefetch_room = match (hb.prefetch_room, host_free) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            if self.agents.cfg.prefetch {
+                let mut sizes = self.agents.model_bytes.lock();
+                for w in hb.weights.iter().filter(|w| w.bytes > 0) {
+                    let n = sizes.entry(w.model.clone()).or_insert(0);
+                    *n = (*n).max(w.bytes);
+                }
+                let in_ram: Vec<&str> =
+                    agent.weights.iter().filter(|(_, r)| **r == 0).map(|(m, _)| m.as_str()).collect();
+                let done = self.agents.prefetched(&hb.agent_id, &in_ram);
+                if done > 0 {
+                    self.metrics.prefetch.get_or_create(&vec![("event", "done".to_string())]).inc_by(done as u64);
+                }
+            }
             agent.url = hb.url.clone();
             agent.token = hb.token.clone().filter(|t| !t.is_empty());
             agent.last_seen = now;

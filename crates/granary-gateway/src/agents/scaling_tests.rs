@@ -79,6 +79,7 @@ fn beat(agent: &str, url: &str, engines: Vec<EngineReport>, models: &[&str]) -> 
         models: models.iter().map(|m| m.to_string()).collect(),
         weights: vec![],
         resources: None,
+        prefetch_room: None,
     }
 }
 

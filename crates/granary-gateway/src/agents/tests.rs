@@ -54,13 +54,15 @@ fn hb(agent: &str, engines: &[(&str, String, bool)], models: &[&str]) -> Heartbe
         models: models.iter().map(|m| m.to_string()).collect(),
         weights: vec![],
         resources: None,
+        prefetch_room: None,
     }
 }
 
 #[tokio::test]
 async fn loads_go_where_the_weights_are_closest() {
     let gw = gateway(|_| {}).await;
-    let weights = |tier: &str| vec![WeightsReport { model: "m".into(), revision: "r1".into(), tier: tier.into() }];
+    let weights =
+        |tier: &str| vec![WeightsReport { model: "m".into(), revision: "r1".into(), tier: tier.into(), bytes: 0 }];
     let free = |mib: u64| Some(ResourcesReport { host_memory_free: mib << 20, gpus: vec![] });
     // far: nothing here, idle, most memory; disk: weights on disk, one
     // engine; ram: weights in RAM, two engines; ram2: the same with less memory.
@@ -85,6 +87,65 @@ async fn loads_go_where_the_weights_are_closest() {
     // Without locality reports, fewest engines first (then the name).
     let order: Vec<String> = gw.agents.load_targets("x").into_iter().map(|t| t.agent_id).collect();
     assert_eq!(order, ["disk", "ram", "ram2"]);
+}
+
+/// `placement = "fewest_engines"`: the weights' tier is not looked at.
+#[tokio::test]
+async fn fewest_engines_placement_ignores_the_weights() {
+    let gw = gateway(|c| c.gateway.agents.placement = crate::config::Placement::FewestEngines).await;
+    let weights = vec![WeightsReport { model: "m".into(), revision: "r1".into(), tier: "ram".into(), bytes: 0 }];
+    let free = |mib: u64| Some(ResourcesReport { host_memory_free: mib << 20, gpus: vec![] });
+    let one = vec![("x", "http://127.0.0.1:10".to_string(), true)];
+    gw.heartbeat(Heartbeat { weights, resources: free(8_000), ..hb("ram", &one, &["m", "x"]) }).unwrap();
+    gw.heartbeat(Heartbeat { resources: free(4_000), ..hb("far", &[], &["m"]) }).unwrap();
+    let targets = gw.agents.load_targets("m");
+    let order: Vec<&str> = targets.iter().map(|t| t.agent_id.as_str()).collect();
+    assert_eq!(order, ["far", "ram"]);
+    assert_eq!((targets[0].tier, targets[1].tier), (2, 0), "the tier is still known, for the header");
+}
+
+/// Prefetch through the gateway: requests served by an agent's engine make
+/// their tenant its own; the heartbeat answer names the tenant's other
+/// models; the next heartbeat showing one in RAM counts it done, and a
+/// load there counts a hit, once.
+#[tokio::test]
+async fn heartbeat_answers_name_the_models_to_prefetch() {
+    let gw = gateway(|c| c.gateway.agents.prefetch = true).await;
+    let up = healthy_server().await;
+    let free = Some(ResourcesReport { host_memory_free: 1 << 30, gpus: vec![] });
+    gw.heartbeat(Heartbeat {
+        resources: free.clone(),
+        ..hb("n1", &[("a", format!("http://{up}"), true)], &["a", "b", "c"])
+    })
+    .unwrap();
+    gw.heartbeat(hb("n2", &[], &["a", "b", "c"])).unwrap();
+    assert!(gw.prefetch_for("n1").is_empty(), "no history yet");
+    gw.observe_request(Some("t"), Some("a"), Some("agent:n1:a"));
+    for _ in 0..3 {
+        gw.observe_request(Some("t"), Some("b"), None);
+    }
+    gw.observe_request(Some("t"), Some("c"), None);
+    gw.observe_request(Some("u"), Some("c"), None);
+    let asked: Vec<String> = gw.prefetch_for("n1").into_iter().map(|p| p.model).collect();
+    assert_eq!(asked, ["b", "c"], "t's models by count; `a` runs there");
+    assert!(gw.prefetch_for("n2").is_empty(), "n2 served no tenant");
+    let count = |event: &str| gw.metrics.prefetch.get_or_create(&vec![("event", event.to_string())]).get();
+    gw.prefetch_for("n1");
+    assert_eq!(count("asked"), 2, "asked once per agent and model");
+    let in_ram = |m: &str| WeightsReport { model: m.into(), revision: "r".into(), tier: "ram".into(), bytes: 100 };
+    gw.heartbeat(Heartbeat {
+        weights: vec![in_ram("b")],
+        resources: free,
+        ..hb("n1", &[("a", format!("http://{up}"), true)], &["a", "b", "c"])
+    })
+    .unwrap();
+    assert_eq!(count("done"), 1);
+    let asked: Vec<String> = gw.prefetch_for("n1").into_iter().map(|p| p.model).collect();
+    assert_eq!(asked, ["c"], "held in RAM now");
+    assert_eq!(gw.agents.model_bytes.lock().get("b"), Some(&100));
+    assert!(gw.agents.prefetch_hit("n1", "b"));
+    assert!(!gw.agents.prefetch_hit("n1", "b"), "one hit per prefetch");
+    assert!(!gw.agents.prefetch_hit("n1", "c"), "asked, not yet done");
 }
 
 fn anyone() -> Principal {

@@ -93,7 +93,7 @@ impl Outcome {
             cache_state: self.cache_state,
             cache_match: self.cache_match,
             semantic: None,
-            placement: self.placement.take(),
+            placement: self.placement.clone(),
             prefill: self.prefill,
         }
     }
@@ -210,6 +210,7 @@ impl Drop for Outcome {
                 }
             }
         }
+        self.gw.observe_request(self.rec.tenant.as_deref(), self.rec.model.as_deref(), self.rec.upstream.as_deref());
         self.gw.identity.record(std::mem::take(&mut self.rec));
         self.gw.refresh_counters();
     }

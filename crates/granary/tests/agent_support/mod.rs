@@ -122,11 +122,16 @@ pub struct Gateway {
 
 impl Gateway {
     pub fn start() -> Gateway {
+        Gateway::start_with("")
+    }
+
+    /// A gateway whose `[gateway.agents]` table ends with `agents` (more lines).
+    pub fn start_with(agents: &str) -> Gateway {
         let dir = tempfile::tempdir().unwrap();
         let cfg = format!(
             "[gateway]\nlisten = \"127.0.0.1:0\"\ndatabase = \"sqlite://{}/gateway.db\"\n\
              [gateway.health]\ninterval_ms = 250\ntimeout_ms = 1000\n\
-             [gateway.agents]\nenabled = true\nttl_ms = 5000\nload_timeout_ms = 120000\n",
+             [gateway.agents]\nenabled = true\nttl_ms = 5000\nload_timeout_ms = 120000\n{agents}",
             dir.path().display()
         );
         let path = dir.path().join("gateway.toml");
@@ -162,7 +167,11 @@ impl Gateway {
     }
 
     pub fn chat(&self) -> reqwest::blocking::Response {
-        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0});
+        self.chat_model(MODEL)
+    }
+
+    pub fn chat_model(&self, model: &str) -> reqwest::blocking::Response {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0});
         self.http
             .post(format!("{}/v1/chat/completions", self.proc.base))
             .bearer_auth(&self.key)

@@ -24,23 +24,32 @@
 //! weights read and conversion; `granary: startup {"ready_ms"}`: process
 //! start to serving). A warm request on the loaded model follows each cold
 //! one, for reference.
+//!
+//! `--fleet` measures placement instead ([`fleet`]): three agents with the
+//! weights in RAM, on disk and nowhere, locality placement against
+//! fewest-engines placement; then the prefetch prediction's hit rate on a
+//! replayed request log ([`replay`]).
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant, SystemTime};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
-use futures::StreamExt;
 use plotters::prelude::*;
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use super::llm::median;
 use super::warehouse::disk::{drop_from_page_cache, files_under};
-use super::warehouse::report::{bar, command_line, utc_timestamp, Host, Table};
+use super::warehouse::report::{bar, command_line, utc_timestamp, Host};
 use crate::engine::{LoadReport, LOAD_STATS_PREFIX, STARTUP_PREFIX};
+use procs::{chat, is_tmpfs, start_gateway, strings, Engines, Proc};
+use report::{draw, median_of, median_run, tables, Report, Run, TierResult, PARTS};
+
+mod fleet;
+mod procs;
+mod replay;
+mod report;
 
 const MODEL: &str = "smollm2";
 const AGENT_TOKEN: &str = "coldstart-agent-admin-token";
@@ -57,7 +66,7 @@ pub enum TierName {
 }
 
 impl TierName {
-    fn name(self) -> &'static str {
+    pub(super) fn name(self) -> &'static str {
         match self {
             TierName::Registry => "registry",
             TierName::Disk => "disk",
@@ -102,168 +111,15 @@ pub struct Args {
     /// Also write every figure as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// A smoke run: one run per tier.
+    /// A smoke run: one run per tier (with --fleet: one round per placement).
     #[arg(long)]
     quick: bool,
-}
-
-/// A `granary` child process, killed on drop.
-struct Proc {
-    child: Child,
-    base: String,
-    name: String,
-}
-
-impl Proc {
-    /// Starts `granary ARGS`, takes the URL from the line starting with
-    /// `addr_prefix` and waits for the line `ready`.
-    fn start(name: &str, args: &[String], envs: &[(&str, &str)], addr_prefix: &str, ready: &str) -> Result<Proc> {
-        let exe = std::env::current_exe().context("finding the granary executable")?;
-        let mut cmd = Command::new(exe);
-        // Their logs go to this process's stderr: errors only, unless
-        // GRANARY_BENCH_CHILD_LOG sets another filter (e.g. `info`).
-        let log = std::env::var("GRANARY_BENCH_CHILD_LOG").unwrap_or_else(|_| "error".into());
-        cmd.args(args).env("GRANARY_LOG", log).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().with_context(|| format!("starting granary {name}"))?;
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let mut base = None;
-        let mut proc = Proc { child, base: String::new(), name: name.to_string() };
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = rx.recv_timeout(left).map_err(|_| match proc.child.try_wait() {
-                Ok(Some(status)) => anyhow::anyhow!("granary {name} exited at start ({status})"),
-                _ => anyhow::anyhow!("granary {name} did not print {ready:?} within 120 s"),
-            })?;
-            if let Some(rest) = line.strip_prefix(addr_prefix) {
-                let url = rest.split_whitespace().next().unwrap_or_default();
-                base = Some(url.trim_end_matches("/v1").to_string());
-            } else if line.trim() == ready {
-                break;
-            }
-        }
-        proc.base = base.with_context(|| format!("granary {name} printed no address"))?;
-        Ok(proc)
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        tracing::debug!(name = %self.name, "stopped");
-    }
-}
-
-/// Engines this run's agents started, killed at the end whatever happened
-/// (engines outlive their agent by design): those seen in the agent's
-/// status, and any `granary engine` whose command line names this run's
-/// scratch directory (where their model paths are).
-struct Engines {
-    pids: Vec<u32>,
-    marker: String,
-}
-
-impl Drop for Engines {
-    fn drop(&mut self) {
-        let mut pids = self.pids.clone();
-        if let Ok(dir) = std::fs::read_dir("/proc") {
-            for e in dir.flatten() {
-                let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()) else { continue };
-                let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else { continue };
-                let args: Vec<String> = String::from_utf8_lossy(&cmd).split('\0').map(str::to_string).collect();
-                if args.get(1).is_some_and(|a| a == "engine") && args.iter().any(|a| a.contains(&self.marker)) {
-                    pids.push(pid);
-                }
-            }
-        }
-        for pid in pids {
-            // SAFETY: kill(2) on the process group of an engine this run's agent started.
-            unsafe { libc::kill(-(pid as libc::pid_t), libc::SIGKILL) };
-        }
-    }
-}
-
-/// The breakdown of one cold start, in ms.
-#[derive(Debug, Clone, Default, Serialize)]
-struct Run {
-    tier: String,
-    /// Client: request sent → first content chunk.
-    ttft_ms: f64,
-    /// Client: the same request again on the loaded model.
-    warm_ttft_ms: f64,
-    /// Agent: the whole load, its download, and engine process start → healthy.
-    load_ms: f64,
-    fetch_ms: f64,
-    engine_ms: f64,
-    /// Engine: its load (weights read incl. header, conversion, tokenizer),
-    /// and process start → serving.
-    read_ms: f64,
-    convert_ms: f64,
-    tokenizer_ms: f64,
-    before_load_ms: f64,
-    ready_ms: f64,
-    weights_bytes: u64,
-    loader: String,
-}
-
-impl Run {
-    /// The stacked parts, each at least 0, summing to `ttft_ms` (the last
-    /// takes what the others do not explain).
-    fn parts(&self) -> [f64; PARTS.len()] {
-        let agent_other = (self.load_ms - self.fetch_ms - self.engine_ms).max(0.0);
-        let engine_other = (self.ready_ms - self.read_ms - self.convert_ms).max(0.0);
-        let health = (self.engine_ms - self.ready_ms).max(0.0);
-        let request = (self.ttft_ms - self.load_ms).max(0.0);
-        [self.fetch_ms, agent_other, self.read_ms, self.convert_ms, engine_other, health, request]
-    }
-}
-
-const PARTS: [(&str, RGBColor); 7] = [
-    ("download from the registry", RGBColor(148, 103, 189)),
-    ("agent: lookup, promotion, links", RGBColor(140, 86, 75)),
-    ("engine: weights read", RGBColor(31, 119, 180)),
-    ("engine: conversion (dequantize, int8)", RGBColor(255, 127, 14)),
-    ("engine: process start, tokenizer, listen", RGBColor(127, 127, 127)),
-    ("agent: health check seen", RGBColor(188, 189, 34)),
-    ("routing, prefill, first token", RGBColor(44, 160, 44)),
-];
-
-#[derive(Debug, Clone, Serialize)]
-struct TierResult {
-    tier: TierName,
-    runs: Vec<Run>,
-    /// Medians of each field, and of each stacked part.
-    median: Run,
-    median_parts: Vec<f64>,
-}
-
-#[derive(Serialize)]
-struct Report {
-    run_with: String,
-    date: String,
-    host: Host,
-    release_build: bool,
-    quick: bool,
-    gateway: bool,
-    model_path: PathBuf,
-    model_bytes: u64,
-    ram_dir: PathBuf,
-    ram_dir_is_tmpfs: bool,
-    health_interval: String,
-    parts: Vec<&'static str>,
-    tiers: Vec<TierResult>,
+    /// Placement on a fleet of three agents (weights in RAM, on disk,
+    /// nowhere): locality against fewest engines, then the prefetch
+    /// prediction replayed on a synthetic request log. --runs: rounds per
+    /// placement [default 6: each tier twice under fewest_engines].
+    #[arg(long)]
+    fleet: bool,
 }
 
 /// Everything the runs share.
@@ -280,7 +136,16 @@ struct Setup {
 }
 
 pub async fn run(args: Args) -> Result<()> {
-    let runs = args.runs.unwrap_or(if args.quick { 1 } else { 5 }).max(1);
+    let runs = args
+        .runs
+        .unwrap_or(if args.quick {
+            1
+        } else if args.fleet {
+            6
+        } else {
+            5
+        })
+        .max(1);
     ensure!(!args.tiers.is_empty(), "--tiers: give at least one tier");
     humantime::parse_duration(&args.health_interval)
         .map_err(|e| anyhow::anyhow!("--health-interval {:?}: {e}", args.health_interval))?;
@@ -292,8 +157,9 @@ pub async fn run(args: Args) -> Result<()> {
     println!("Date:     {date}");
     println!("Host:     {}", host.describe());
     println!(
-        "Build:    {}; {runs} cold start(s) per tier{}",
+        "Build:    {}; {runs} cold start(s) {}{}",
         if release { "release" } else { "debug (figures not representative)" },
+        if args.fleet { "per placement" } else { "per tier" },
         if args.quick { "; --quick" } else { "" }
     );
     let resolved = args.model.parse::<granary_engine::source::ModelSource>()?.resolve()?;
@@ -360,7 +226,30 @@ pub async fn run(args: Args) -> Result<()> {
     ensure!(import.status.success(), "registry import failed: {}", String::from_utf8_lossy(&import.stderr).trim());
 
     let http = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
-    let gateway = if args.no_gateway { None } else { Some(start_gateway(base.path(), &http).await?) };
+    if args.fleet {
+        let rounds = runs;
+        let mut engines = Engines { pids: Vec::new(), marker: base.path().display().to_string() };
+        let pb = bar((2 * rounds) as u64, "coldstart --fleet");
+        let f = fleet::Fleet::start(&args, &registry.base, base.path(), ram_root.path(), &http, &mut engines).await?;
+        let r = fleet::run(f, rounds, &pb).await;
+        pb.finish_and_clear();
+        let r = r?;
+        println!("{}", fleet::table(&r).render());
+        let (l, f) = (r.summary["locality"].0, r.summary["fewest_engines"].0);
+        println!("fewest_engines / locality, median first token: {:.2}x\n", f / l.max(1e-9));
+        let replayed = replay::replay(42);
+        println!("{}", replay::table(&replayed).render());
+        if let Some(path) = &args.json {
+            let v = serde_json::json!({"run_with": run_with, "date": date, "host": host, "release_build": release,
+                "model_bytes": model_bytes, "fleet": r, "replay": replayed});
+            std::fs::write(path, serde_json::to_string_pretty(&v)? + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+            println!("JSON: {}", path.display());
+        }
+        drop(engines);
+        return Ok(());
+    }
+    let gateway = if args.no_gateway { None } else { Some(start_gateway(base.path(), &http, "gateway", "").await?) };
     let mut agent_args = strings(&[
         "--registry",
         &registry.base,
@@ -445,57 +334,6 @@ pub async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-fn strings(v: &[&str]) -> Vec<String> {
-    v.iter().map(|s| s.to_string()).collect()
-}
-
-fn is_tmpfs(p: &Path) -> bool {
-    let Ok(mounts) = std::fs::read_to_string("/proc/mounts") else { return false };
-    let p = p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
-    mounts
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() > 2).then(|| (PathBuf::from(f[1]), f[2] == "tmpfs"))
-        })
-        .filter(|(m, _)| p.starts_with(m))
-        .max_by_key(|(m, _)| m.as_os_str().len())
-        .is_some_and(|(_, t)| t)
-}
-
-async fn start_gateway(dir: &Path, http: &reqwest::Client) -> Result<(Proc, String)> {
-    let cfg = format!(
-        "[gateway]\nlisten = \"127.0.0.1:0\"\ndatabase = \"sqlite://{}/gateway.db\"\n\
-         [gateway.agents]\nenabled = true\nttl_ms = 10000\nload_timeout_ms = 300000\n",
-        dir.display()
-    );
-    let path = dir.join("gateway.toml");
-    std::fs::write(&path, cfg)?;
-    let gw = Proc::start(
-        "gateway",
-        &strings(&["gateway", "--config", &path.display().to_string()]),
-        &[("GRANARY_ADMIN_TOKEN", GW_ADMIN)],
-        "granary: gateway on ",
-        "granary: ready",
-    )?;
-    let admin = |p: &'static str, body: Value| {
-        let req = http.post(format!("{}{p}", gw.base)).bearer_auth(GW_ADMIN).json(&body);
-        async move {
-            let r = req.send().await?;
-            let status = r.status();
-            let v: Value = r.json().await?;
-            ensure!(status.is_success(), "{p}: {status} {v}");
-            Ok::<Value, anyhow::Error>(v)
-        }
-    };
-    admin("/admin/v1/tenants", json!({"name": "bench"})).await?;
-    let key = admin("/admin/v1/keys", json!({"tenant": "bench"})).await?["key"]
-        .as_str()
-        .context("the gateway returned no key")?
-        .to_string();
-    Ok((gw, key))
-}
-
 /// A running agent over `cache` (and a RAM directory).
 struct Agent {
     proc: Proc,
@@ -575,47 +413,7 @@ impl Setup {
 
     /// Streams one chat request to `url`; ms to the first content chunk.
     async fn chat(&self, url: &str, key: Option<&str>) -> Result<f64> {
-        let body = json!({
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Say hi in one short sentence."}],
-            "max_tokens": self.max_tokens,
-            "temperature": 0,
-            "stream": true,
-        });
-        let t0 = Instant::now();
-        let mut req = self.http.post(format!("{url}/v1/chat/completions")).json(&body);
-        if let Some(k) = key {
-            req = req.bearer_auth(k);
-        }
-        let r = req.send().await?;
-        let status = r.status();
-        if !status.is_success() {
-            bail!("chat completion: {status} {}", r.text().await.unwrap_or_default());
-        }
-        let mut stream = r.bytes_stream();
-        let mut buf = Vec::new();
-        let mut first = None;
-        while let Some(chunk) = stream.next().await {
-            buf.extend_from_slice(&chunk?);
-            while let Some(i) = buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = buf.drain(..=i).collect();
-                let line = String::from_utf8_lossy(&line);
-                let Some(data) = line.trim().strip_prefix("data: ") else { continue };
-                if data == "[DONE]" {
-                    continue;
-                }
-                let v: Value = serde_json::from_str(data).with_context(|| format!("a stream chunk: {data}"))?;
-                if let Some(e) = v.get("error") {
-                    bail!("the stream failed: {e}");
-                }
-                let c = &v["choices"][0];
-                let content = c["delta"]["content"].as_str().is_some_and(|s| !s.is_empty());
-                if first.is_none() && (content || !c["finish_reason"].is_null()) {
-                    first = Some(t0.elapsed());
-                }
-            }
-        }
-        Ok(first.context("the stream ended without a token")?.as_secs_f64() * 1e3)
+        Ok(chat(&self.http, url, key, self.max_tokens).await?.0)
     }
 
     /// One cold start: the request, then the warm one, then the breakdown.
@@ -764,145 +562,6 @@ async fn tier_phase(
             std::fs::remove_dir_all(&ram).ok();
         }
     }
-    Ok(())
-}
-
-fn median_of(v: &[f64]) -> f64 {
-    median(v)
-}
-
-fn median_run(tier: TierName, runs: &[Run]) -> Run {
-    let m = |f: fn(&Run) -> f64| median(&runs.iter().map(f).collect::<Vec<_>>());
-    Run {
-        tier: tier.name().into(),
-        ttft_ms: m(|r| r.ttft_ms),
-        warm_ttft_ms: m(|r| r.warm_ttft_ms),
-        load_ms: m(|r| r.load_ms),
-        fetch_ms: m(|r| r.fetch_ms),
-        engine_ms: m(|r| r.engine_ms),
-        read_ms: m(|r| r.read_ms),
-        convert_ms: m(|r| r.convert_ms),
-        tokenizer_ms: m(|r| r.tokenizer_ms),
-        before_load_ms: m(|r| r.before_load_ms),
-        ready_ms: m(|r| r.ready_ms),
-        weights_bytes: runs.first().map_or(0, |r| r.weights_bytes),
-        loader: runs.first().map_or_else(String::new, |r| r.loader.clone()),
-    }
-}
-
-fn tables(r: &Report) -> Vec<Table> {
-    let n = r.tiers.first().map_or(0, |t| t.runs.len());
-    let mut t = Table::new(
-        format!(
-            "coldstart: request → first token for an unloaded model, ms (median of {n}); {} MB GGUF; {}",
-            (r.model_bytes as f64 / 1e6).round(),
-            if r.gateway { "through the gateway (load on demand)" } else { "agent load, then the engine" }
-        ),
-        &[
-            "tier",
-            "first token",
-            "load (agent)",
-            "download",
-            "engine start→healthy",
-            "weights read",
-            "read GB/s",
-            "conversion",
-            "engine ready",
-            "warm first token",
-        ],
-    );
-    for tr in &r.tiers {
-        let m = &tr.median;
-        t.row(vec![
-            tr.tier.name().into(),
-            format!("{:.0}", m.ttft_ms),
-            format!("{:.0}", m.load_ms),
-            format!("{:.0}", m.fetch_ms),
-            format!("{:.0}", m.engine_ms),
-            format!("{:.1}", m.read_ms),
-            format!("{:.2}", m.weights_bytes as f64 / (m.read_ms / 1e3).max(1e-9) / 1e9),
-            format!("{:.0}", m.convert_ms),
-            format!("{:.0}", m.ready_ms),
-            format!("{:.0}", m.warm_ttft_ms),
-        ]);
-    }
-    let mut parts = Table::new(
-        "coldstart: where the time went, ms (medians of each part; they add up to about the median first token)",
-        &["tier"].into_iter().chain(PARTS.iter().map(|p| p.0)).collect::<Vec<_>>(),
-    );
-    for tr in &r.tiers {
-        let mut row = vec![tr.tier.name().to_string()];
-        row.extend(tr.median_parts.iter().map(|v| format!("{v:.0}")));
-        parts.row(row);
-    }
-    vec![t, parts]
-}
-
-fn draw<DB: DrawingBackend>(r: &Report, area: DrawingArea<DB, plotters::coord::Shift>) -> Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow::anyhow!("{e}");
-    area.fill(&WHITE).map_err(e)?;
-    let n = r.tiers.len();
-    let top = r.tiers.iter().map(|t| t.median_parts.iter().sum::<f64>()).fold(1.0, f64::max) * 1.45;
-    let labels: Vec<String> = r.tiers.iter().map(|t| t.tier.name().to_string()).collect();
-    let mut chart = ChartBuilder::on(&area)
-        .caption(
-            format!(
-                "Cold start: request → first token, by where the weights are ({})",
-                if r.gateway { "through the gateway" } else { "no gateway" }
-            ),
-            ("sans-serif", 20),
-        )
-        .margin(16)
-        .x_label_area_size(40)
-        .y_label_area_size(64)
-        .build_cartesian_2d(0.0..n as f64, 0.0..top)
-        .map_err(e)?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(n * 2 + 1)
-        .x_label_formatter(&|x| {
-            let i = x.floor() as usize;
-            if i < labels.len() && (x - (i as f64 + 0.5)).abs() < 0.05 {
-                labels[i].clone()
-            } else {
-                String::new()
-            }
-        })
-        .y_desc("ms (median of each part)")
-        .y_label_formatter(&|y| format!("{y:.0}"))
-        .light_line_style(RGBColor(240, 240, 240))
-        .draw()
-        .map_err(e)?;
-    for (k, (name, color)) in PARTS.iter().enumerate() {
-        let color = *color;
-        let bars: Vec<Rectangle<(f64, f64)>> = r
-            .tiers
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                let below: f64 = t.median_parts[..k].iter().sum();
-                let v = t.median_parts[k];
-                Rectangle::new([(i as f64 + 0.2, below), (i as f64 + 0.8, below + v)], color.filled())
-            })
-            .collect();
-        chart
-            .draw_series(bars)
-            .map_err(e)?
-            .label(*name)
-            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(e)?;
-    area.present().map_err(e)?;
     Ok(())
 }
 
