@@ -10,6 +10,7 @@ pub mod block;
 pub mod hash;
 pub mod metrics;
 pub mod size;
+pub mod trace;
 
 pub use block::{BlockError, BlockHeader, DType, KvBlock, HEADER_LEN};
 pub use hash::{BlockHash, HashChain, KvLayout, ParseHashError};

@@ -13,6 +13,7 @@ mod config;
 mod engine;
 mod gateway;
 mod registry;
+mod telemetry;
 mod warehouse;
 
 #[derive(Parser)]
@@ -146,12 +147,9 @@ fn run() -> Result<()> {
         std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "2000");
     }
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    match cli.cmd {
+    let telemetry = telemetry::init(&cli.log, cli.cmd.service_name(), &rt)?;
+    let result = match cli.cmd {
         Cmd::Warehouse(a) => {
             let env: HashMap<String, String> = std::env::vars().collect();
             let flags = config::WarehouseFlags {
@@ -169,8 +167,7 @@ fn run() -> Result<()> {
                 metrics_token: a.metrics_token,
                 tokens: a.tokens,
             };
-            let cfg = config::load_warehouse(a.config.as_deref(), &env, &flags)?;
-            rt.block_on(warehouse::run(cfg))
+            config::load_warehouse(a.config.as_deref(), &env, &flags).and_then(|cfg| rt.block_on(warehouse::run(cfg)))
         }
         Cmd::Engine(a) => rt.block_on(engine::run_engine(*a)),
         Cmd::Serve(a) => rt.block_on(engine::run_serve(*a)),
@@ -178,10 +175,31 @@ fn run() -> Result<()> {
         Cmd::Registry(a) => rt.block_on(registry::run(a)),
         Cmd::Agent(a) => rt.block_on(agent::run(*a)),
         Cmd::Bench { which } => rt.block_on(bench::run(which)),
-        Cmd::Fetch { model } => {
-            let resolved = model.parse::<granary_engine::source::ModelSource>()?.resolve()?;
-            println!("{}", resolved.path.display());
-            Ok(())
+        Cmd::Fetch { model } => fetch(&model),
+    };
+    // Spans still queued go out before the runtime the exporter uses stops.
+    telemetry.shutdown();
+    result
+}
+
+fn fetch(model: &str) -> Result<()> {
+    let resolved = model.parse::<granary_engine::source::ModelSource>()?.resolve()?;
+    println!("{}", resolved.path.display());
+    Ok(())
+}
+
+impl Cmd {
+    /// The traces' default `service.name` (`OTEL_SERVICE_NAME` wins).
+    fn service_name(&self) -> &'static str {
+        match self {
+            Cmd::Warehouse(_) => "granary-warehouse",
+            Cmd::Engine(_) => "granary-engine",
+            Cmd::Serve(_) => "granary-serve",
+            Cmd::Gateway(_) => "granary-gateway",
+            Cmd::Registry(_) => "granary-registry",
+            Cmd::Agent(_) => "granary-agent",
+            Cmd::Fetch { .. } => "granary-fetch",
+            Cmd::Bench { .. } => "granary-bench",
         }
     }
 }

@@ -119,6 +119,7 @@ pub(crate) async fn generate(
     let (prompt, stop_token_ids) = tokenize(tokenizer.clone(), input, tools.clone()).await?;
     let max_tokens = budget(prompt.len(), model.context_len, v.max_tokens, prompt_param)?;
     let prompt_tokens = prompt.len();
+    tracing::Span::current().record("gen_ai.usage.input_tokens", prompt_tokens);
     let vocab = tokenizer.vocab_size();
     if let Some(&(id, _)) = v.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
         return Err(ApiError::invalid(
@@ -167,6 +168,9 @@ pub(crate) async fn generate(
         ApiError::generation_failed(&msg)
     })?;
     let usage = UsageBody::new(prompt_tokens, out.completion_tokens, out.cached_tokens);
+    let span = tracing::Span::current();
+    span.record("gen_ai.usage.output_tokens", out.completion_tokens);
+    span.record("granary.cached_tokens", out.cached_tokens);
     let answer = answer_of(out, &tokenizer, endpoint, v.sampling.logprobs.is_some(), echoed.as_deref(), parser);
     Ok(Json(header.complete_choices(vec![answer], usage)).into_response())
 }

@@ -59,11 +59,12 @@ use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, Request, State};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderName};
+use axum::http::{header, HeaderMap, HeaderName};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
+use tracing::Instrument;
 
 use crate::types::{Backend, ModelInfo};
 use body::JsonBody;
@@ -221,18 +222,39 @@ fn valid_namespace(ns: &str) -> bool {
 
 async fn chat_completions(
     State(st): State<AppState>,
+    headers: HeaderMap,
     RequestNamespace(ns): RequestNamespace,
     JsonBody(req): JsonBody<ChatRequest>,
 ) -> Result<Response, ApiError> {
-    answer::generate(&st, ns, req.validate()?, Endpoint::Chat).await
+    let span = request_span(&headers, "chat", &req.model);
+    answer::generate(&st, ns, req.validate()?, Endpoint::Chat).instrument(span).await
 }
 
 async fn completions(
     State(st): State<AppState>,
+    headers: HeaderMap,
     RequestNamespace(ns): RequestNamespace,
     JsonBody(req): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    answer::generate(&st, ns, req.validate()?, Endpoint::Completion).await
+    let span = request_span(&headers, "text_completion", &req.model);
+    answer::generate(&st, ns, req.validate()?, Endpoint::Completion).instrument(span).await
+}
+
+/// The `request` span of a generation, continuing the caller's trace. It
+/// ends with the answer (a stream's headers); the engine's own spans
+/// (`prefix_lookup`, `kv_load`, `prefill`, `first_token`) are its children.
+fn request_span(headers: &HeaderMap, operation: &'static str, model: &str) -> tracing::Span {
+    let span = tracing::info_span!(
+        "request",
+        "otel.kind" = "server",
+        "gen_ai.operation.name" = operation,
+        "gen_ai.request.model" = model,
+        "gen_ai.usage.input_tokens" = tracing::field::Empty,
+        "gen_ai.usage.output_tokens" = tracing::field::Empty,
+        "granary.cached_tokens" = tracing::field::Empty,
+    );
+    granary_core::trace::continue_from(&span, headers);
+    span
 }
 
 #[cfg(test)]

@@ -4,7 +4,9 @@
 //! flight (and so connections open) at `max_connections`. System proxy
 //! settings are ignored: the warehouse is an internal service reached
 //! directly. A request cancelled by the connector's deadline drops its
-//! connection.
+//! connection. Each request carries the caller's trace context
+//! (`traceparent`) when tracing is on; the RESP transport has no headers
+//! and carries none.
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
@@ -69,8 +71,10 @@ impl HttpClient {
         self.permits.acquire().await.expect("the semaphore is never closed")
     }
 
+    /// Sends with the token and the current span's `traceparent` (none
+    /// with tracing off).
     async fn send(&self, r: RequestBuilder) -> Result<Response> {
-        Ok(self.authorized(r).send().await?)
+        Ok(self.authorized(r).headers(granary_core::trace::current_headers()).send().await?)
     }
 
     pub(super) async fn lookup(&self, keys: &[BlockHash]) -> Result<usize> {

@@ -29,6 +29,7 @@ use granary_core::block::DType as BlockDType;
 use granary_core::hash::{BlockHash, HashChain, KvLayout};
 use granary_tokenizer::Tokenizer;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 pub use cache::{BlockCache, KvEvent};
 pub use health::STALL_AFTER;
@@ -179,6 +180,14 @@ struct Admitted {
     hashes: Vec<BlockHash>,
     loaded: Vec<(Bytes, Source)>,
     arrived: Instant,
+    spans: RequestSpans,
+}
+
+/// The request's trace: its `request` span (the caller's, possibly
+/// disabled) and the `first_token` span open since it arrived.
+struct RequestSpans {
+    request: tracing::Span,
+    first_token: tracing::Span,
 }
 
 struct Shared {
@@ -209,6 +218,8 @@ pub struct Engine {
 struct SaveJob {
     namespace: String,
     blocks: Vec<(BlockHash, Bytes)>,
+    /// `kv_save`, under the request that computed the blocks.
+    span: tracing::Span,
 }
 
 impl Engine {
@@ -335,9 +346,13 @@ impl Engine {
         let hashes = self.chain(&req.namespace).hashes(&req.prompt);
         self.shared.metrics.waiting.inc();
         let this = self.clone();
+        let request = tracing::Span::current();
+        let first_token = tracing::info_span!(parent: &request, "first_token");
+        let spans = RequestSpans { request, first_token };
         self.shared.runtime.spawn(async move {
             let load = this.shared.health.loading();
-            let loaded = match tokio::time::timeout(this.shared.cfg.fetch_timeout, this.fetch_prefix(&hashes)).await {
+            let fetch = this.fetch_prefix(&hashes, &spans.request);
+            let loaded = match tokio::time::timeout(this.shared.cfg.fetch_timeout, fetch).await {
                 Ok(loaded) => loaded,
                 Err(_) => {
                     tracing::warn!(timeout = ?this.shared.cfg.fetch_timeout, "loading KV blocks timed out; computing instead");
@@ -346,7 +361,7 @@ impl Engine {
                 }
             };
             drop(load);
-            let a = Admitted { req, tx, hashes, loaded, arrived: Instant::now() };
+            let a = Admitted { req, tx, hashes, loaded, arrived: Instant::now(), spans };
             if this.admit.send(a).is_err() {
                 this.shared.metrics.waiting.dec();
             }
@@ -354,17 +369,32 @@ impl Engine {
         Ok(rx)
     }
 
-    /// The longest prefix of `hashes` in engine memory, then the warehouse.
-    async fn fetch_prefix(&self, hashes: &[BlockHash]) -> Vec<(Bytes, Source)> {
+    /// The longest prefix of `hashes` in engine memory, then the warehouse
+    /// (spans `prefix_lookup` and `kv_load` under `parent`).
+    async fn fetch_prefix(&self, hashes: &[BlockHash], parent: &tracing::Span) -> Vec<(Bytes, Source)> {
         let sh = &self.shared;
+        let bt = sh.cfg.block_tokens;
+        let lookup = tracing::info_span!(
+            parent: parent,
+            "prefix_lookup",
+            "granary.prefix.blocks" = hashes.len(),
+            "granary.prefix.engine_blocks" = tracing::field::Empty,
+            "granary.prefix.warehouse_blocks" = tracing::field::Empty,
+            "granary.prefix.tokens_found" = tracing::field::Empty,
+        );
         let mut loaded: Vec<(Bytes, Source)> =
-            sh.cache.prefix(hashes).into_iter().map(|b| (b, Source::Engine)).collect();
-        let Some(store) = &sh.store else { return loaded };
-        let rest = &hashes[loaded.len()..];
-        if rest.is_empty() {
-            return loaded;
+            lookup.in_scope(|| sh.cache.prefix(hashes).into_iter().map(|b| (b, Source::Engine)).collect());
+        lookup.record("granary.prefix.engine_blocks", loaded.len());
+        if !loaded.is_empty() {
+            // Read with the lookup: the span marks what engine memory gave.
+            let _ = tracing::info_span!(parent: parent, "kv_load", "granary.kv.source" = "engine", "granary.kv.blocks" = loaded.len());
         }
-        let n = match store.lookup(rest).await {
+        let rest = &hashes[loaded.len()..];
+        let Some(store) = sh.store.as_ref().filter(|_| !rest.is_empty()) else {
+            lookup.record("granary.prefix.tokens_found", loaded.len() * bt);
+            return loaded;
+        };
+        let n = match store.lookup(rest).instrument(lookup.clone()).await {
             Ok(n) => n.min(rest.len()),
             Err(e) => {
                 tracing::warn!(error = %e, "warehouse lookup failed; computing instead");
@@ -372,15 +402,40 @@ impl Engine {
                 0
             }
         };
+        lookup.record("granary.prefix.warehouse_blocks", n);
+        lookup.record("granary.prefix.tokens_found", (loaded.len() + n) * bt);
+        drop(lookup);
         if n == 0 {
             return loaded;
         }
-        match store.get_many(&rest[..n]).await {
+        let load = tracing::info_span!(
+            parent: parent,
+            "kv_load",
+            "granary.kv.source" = "warehouse",
+            "granary.kv.blocks" = n,
+            "granary.kv.blocks_loaded" = tracing::field::Empty,
+            "granary.kv.blocks.memory" = tracing::field::Empty,
+            "granary.kv.blocks.disk" = tracing::field::Empty,
+            "granary.kv.blocks.remote" = tracing::field::Empty,
+        );
+        match store.get_many(&rest[..n]).instrument(load.clone()).await {
             Ok(blocks) => {
+                let before = loaded.len();
+                let mut per_tier = [0usize; 3];
                 for b in blocks {
                     let Some(b) = b else { break };
+                    match b.source {
+                        Source::Memory => per_tier[0] += 1,
+                        Source::Disk => per_tier[1] += 1,
+                        Source::Remote => per_tier[2] += 1,
+                        _ => {}
+                    }
                     loaded.push((b.payload, b.source));
                 }
+                load.record("granary.kv.blocks_loaded", loaded.len() - before);
+                load.record("granary.kv.blocks.memory", per_tier[0]);
+                load.record("granary.kv.blocks.disk", per_tier[1]);
+                load.record("granary.kv.blocks.remote", per_tier[2]);
             }
             Err(e) => {
                 tracing::warn!(error = %e, "warehouse read failed; computing instead");
@@ -425,7 +480,7 @@ async fn save_loop(sh: Arc<Shared>, mut rx: mpsc::Receiver<SaveJob>) {
         let n = job.blocks.len() as u64;
         let hashes: Vec<String> = job.blocks.iter().map(|(h, _)| h.to_hex()).collect();
         let ok = match &sh.store {
-            Some(store) if n > 0 => match store.put_many(job.blocks).await {
+            Some(store) if n > 0 => match store.put_many(job.blocks).instrument(job.span).await {
                 Ok(()) => {
                     sh.metrics.save("saved", n);
                     true

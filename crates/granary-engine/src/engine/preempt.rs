@@ -237,9 +237,10 @@ impl StepLoop {
         let written = match (&sh.store, blocks.is_empty()) {
             (Some(store), false) => {
                 let (store, m) = (store.clone(), sh.clone());
+                let span = super::step::save_span(&s.request_span, blocks.len());
                 Some(sh.runtime.spawn(async move {
                     let n = blocks.len();
-                    match store.put_many(blocks).await {
+                    match tracing::Instrument::instrument(store.put_many(blocks), span).await {
                         Ok(()) => true,
                         Err(e) => {
                             tracing::warn!(error = %e, blocks = n, "writing a set-aside sequence's KV failed");

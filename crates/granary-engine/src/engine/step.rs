@@ -15,6 +15,8 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
 
+use tracing::Instrument;
+
 use super::{preempt, sampler, Admitted, Fault, KvEvent, Role, SaveJob, Shared, Source};
 use crate::model::{Chunk, KvCache};
 use crate::{Event, FinishReason, GenerateRequest, Usage};
@@ -61,6 +63,12 @@ pub(super) struct Seq {
     history: sampler::History,
     pub(super) arrived: Instant,
     last_token: Option<Instant>,
+    /// Open while the prompt is computed (`prefill`), and until the first
+    /// token (`first_token`); closing ends the span.
+    prefill_span: Option<tracing::Span>,
+    first_token_span: Option<tracing::Span>,
+    /// The request's span: saves of its blocks are traced under it.
+    pub(super) request_span: tracing::Span,
 }
 
 pub(super) struct StepLoop {
@@ -260,6 +268,16 @@ impl StepLoop {
         let prompt_target = if role == Role::Prefill { prompt_len / bt * bt } else { prompt_len };
         sh.metrics.add_prompt_tokens(Source::Computed, prompt_target.saturating_sub(cached));
         let _ = a.tx.send(Event::Started { cached_tokens: cached });
+        let computed = prompt_target.saturating_sub(cached);
+        let prefill_span = (computed > 0).then(|| {
+            tracing::info_span!(
+                parent: &a.spans.request,
+                "prefill",
+                "granary.prefill.tokens" = computed,
+                "granary.cached_tokens" = cached,
+                "gen_ai.usage.input_tokens" = prompt_len,
+            )
+        });
         let seed = a.req.sampling.seed.unwrap_or_else(rand::random);
         let seq = Seq {
             hashes: a.hashes,
@@ -276,6 +294,9 @@ impl StepLoop {
             history: sampler::History::new(&a.req.sampling, &a.req.prompt),
             arrived: a.arrived,
             last_token: None,
+            prefill_span,
+            first_token_span: Some(a.spans.first_token),
+            request_span: a.spans.request,
             tx: a.tx,
             req: a.req,
         };
@@ -313,11 +334,12 @@ impl StepLoop {
         let sh = self.sh.clone();
         let ns = s.req.namespace.clone();
         let tx = s.tx.clone();
+        let span = save_span(&s.request_span, blocks.len());
         self.sh.runtime.spawn(async move {
             let n = blocks.len() as u64;
             let hashes: Vec<String> = blocks.iter().map(|(h, _)| h.to_hex()).collect();
             let store = sh.store.as_ref().expect("checked above");
-            match store.put_many(blocks).await {
+            match store.put_many(blocks).instrument(span).await {
                 Ok(()) => {
                     sh.metrics.save("saved", n);
                     sh.cache.publish(KvEvent { kind: "stored", namespace: ns, tier: "warehouse", hashes });
@@ -363,9 +385,10 @@ impl StepLoop {
             return;
         }
         let ns = s.req.namespace.clone();
+        let span = save_span(&s.request_span, blocks.len());
         self.cache_blocks(&ns, &blocks);
         if self.sh.store.is_some() {
-            self.queue_save(SaveJob { namespace: ns, blocks });
+            self.queue_save(SaveJob { namespace: ns, blocks, span });
         }
     }
 
@@ -455,6 +478,7 @@ impl StepLoop {
                 s.prompt_done += len;
                 if s.prompt_done >= s.prompt_target {
                     prefill_done.push(i);
+                    s.prefill_span = None;
                 }
             }
             if !want {
@@ -472,6 +496,7 @@ impl StepLoop {
             let tok = sampler::sample(&row, &s.req.sampling, &s.history, &mut s.rng);
             if s.last_token.is_none() {
                 self.sh.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());
+                s.first_token_span = None;
             } else if let Some(prev) = s.last_token {
                 self.sh.metrics.tpot.observe(now.duration_since(prev).as_secs_f64());
             }
@@ -522,9 +547,10 @@ impl StepLoop {
                 continue;
             }
             let ns = self.running[i].req.namespace.clone();
+            let span = save_span(&self.running[i].request_span, blocks.len());
             self.cache_blocks(&ns, &blocks);
             if self.sh.store.is_some() {
-                self.queue_save(SaveJob { namespace: ns, blocks });
+                self.queue_save(SaveJob { namespace: ns, blocks, span });
             }
         }
         // Save blocks that generated tokens completed, so that a chat's
@@ -558,6 +584,12 @@ impl StepLoop {
 }
 
 /// Fails (or panics) a step whose chunk holds a test's fault token.
+/// The `kv_save` span of `blocks` new blocks of a request: from queued to
+/// acknowledged by the warehouse.
+pub(super) fn save_span(request: &tracing::Span, blocks: usize) -> tracing::Span {
+    tracing::info_span!(parent: request, "kv_save", "granary.kv.blocks" = blocks)
+}
+
 fn inject(fault: Option<Fault>, tokens: &[u32]) -> Result<()> {
     match fault {
         Some(Fault::StepError(t)) if tokens.contains(&t) => anyhow::bail!("injected fault: step error"),

@@ -60,7 +60,8 @@ pub(super) fn request_to(
     if let Some(a) = &up.auth {
         req = req.header(header::AUTHORIZATION, a);
     }
-    req
+    // The trace goes on at the upstream (`traceparent`; nothing with tracing off).
+    req.headers(granary_core::trace::current_headers())
 }
 
 /// The prefill half of a disaggregated pair, run once the decode engine's
@@ -192,7 +193,20 @@ pub(super) async fn attempt_all(
             out.prefill = Some(prefill_first(gw, endpoint, parsed, &model, p, out, prefill).await);
         }
         out.rec.model = Some(model);
-        match attempt_one(gw, out, endpoint, parsed, p, slot, payload).await {
+        let span = tracing::info_span!(
+            "upstream",
+            "otel.kind" = "client",
+            "granary.upstream" = up.name(),
+            "granary.attempt" = attempt,
+            "gen_ai.request.model" = out.rec.model.as_deref().unwrap_or_default(),
+            "http.response.status_code" = tracing::field::Empty,
+            "error.type" = tracing::field::Empty,
+        );
+        let tried_one = attempt_one(gw, out, endpoint, parsed, p, slot, payload).instrument(span.clone()).await;
+        if let Err(AttemptError::Retryable(outcome, _)) = &tried_one {
+            span.record("error.type", *outcome);
+        }
+        match tried_one {
             Ok(resp) => return Ok(resp),
             Err(AttemptError::Final(resp)) => return Ok(resp),
             Err(AttemptError::Retryable(outcome, why)) => {
@@ -228,6 +242,7 @@ pub(super) async fn attempt_one(
         Ok(Ok(r)) => r,
     };
     let status = resp.status();
+    tracing::Span::current().record("http.response.status_code", status.as_u16());
     if status.is_server_error() {
         return Err(AttemptError::Retryable("status_5xx", format!("status {status}")));
     }

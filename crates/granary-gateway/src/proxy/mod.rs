@@ -13,6 +13,7 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use parking_lot::Mutex;
 use serde_json::Value;
+use tracing::Instrument;
 
 use crate::agents::Agents;
 use crate::cache::{deterministic, CacheKey, Directives, ResponseCache, CACHE_HEADER};
@@ -393,8 +394,17 @@ pub async fn handle(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let span = tracing::info_span!(
+        "request",
+        "otel.kind" = "server",
+        "http.route" = endpoint.path(),
+        "granary.request_id" = request_id.as_str(),
+        "http.response.status_code" = tracing::field::Empty,
+    );
+    granary_core::trace::continue_from(&span, &headers);
     let mut out = Outcome::new(gw.clone(), endpoint, request_id);
-    let mut resp = match serve(&gw, &mut out, endpoint, &headers, body).await {
+    let served = serve(&gw, &mut out, endpoint, &headers, body).instrument(span.clone()).await;
+    let mut resp = match served {
         Ok(resp) => resp,
         Err(e) => {
             out.fail(&e);
@@ -415,6 +425,7 @@ pub async fn handle(
     if let Some(why) = out.placement.as_deref().and_then(|w| HeaderValue::from_str(w).ok()) {
         resp.headers_mut().insert(PLACEMENT_HEADER, why);
     }
+    span.record("http.response.status_code", resp.status().as_u16());
     resp
 }
 
@@ -428,76 +439,83 @@ async fn serve(
     let reject = |reason: &str| {
         gw.metrics.rejected.get_or_create(&vec![("reason", reason.to_string())]).inc();
     };
-    // 1. Who: the key names the tenant; nothing else the client sends does.
-    let principal = match gw.identity.authenticate(bearer(headers)).await {
-        Ok(p) => p,
-        Err(e) => {
-            reject("auth");
-            return Err(e.to_api_error());
+    // 1-4 (the `admission` span): key, body, model access, limits.
+    let admission = tracing::info_span!("admission", "gen_ai.request.model" = tracing::field::Empty);
+    let admitted = async {
+        // 1. Who: the key names the tenant; nothing else the client sends does.
+        let principal = match gw.identity.authenticate(bearer(headers)).await {
+            Ok(p) => p,
+            Err(e) => {
+                reject("auth");
+                return Err(e.to_api_error());
+            }
+        };
+        out.rec.tenant_id = Some(principal.tenant_id);
+        out.rec.tenant = Some(principal.tenant.clone());
+        out.rec.key_id = Some(principal.key_id);
+        // 2. The body, bounded.
+        let bytes = axum::body::to_bytes(body, gw.cfg.max_body_bytes).await.map_err(|_| {
+            reject("too_large");
+            ApiError::too_large(gw.cfg.max_body_bytes)
+        })?;
+        let parsed = parse_body(endpoint, &bytes).inspect_err(|_| reject("bad_request"))?;
+        out.prompt_estimate = parsed.prompt_estimate;
+        out.rec.model = Some(parsed.model.clone());
+        out.rec.stream = parsed.stream;
+        tracing::Span::current().record("gen_ai.request.model", parsed.model.as_str());
+        if principal.log_prompts {
+            out.rec.prompt = Some(match endpoint {
+                Endpoint::Chat => parsed.body.get("messages").map(Value::to_string).unwrap_or_default(),
+                Endpoint::Completions => parsed.body.get("prompt").map(Value::to_string).unwrap_or_default(),
+            });
         }
+        // 3. May this key use the model, and does anyone serve it (or can an
+        // agent load it)?
+        let topo = gw.topology();
+        let served = topo.serves(&parsed.model);
+        let loadable = !served && gw.agents.can_load(&parsed.model);
+        // A model nobody serves nor can load may still have a fallback that is.
+        let fallback_served = gw
+            .cfg
+            .model_fallbacks
+            .get(&parsed.model)
+            .is_some_and(|fs| fs.iter().any(|f| principal.may_use(f) && topo.serves(f)));
+        if !principal.may_use(&parsed.model) || (!served && !loadable && !fallback_served) {
+            reject("model");
+            return Err(ApiError::model_not_found(&parsed.model));
+        }
+        // 4. Limits.
+        // The worst case is reserved against the token and spend budgets now
+        // and settled with the real usage when the request ends (`Outcome`'s
+        // drop). Its cost is the prompt at the input price (none of it cached)
+        // and the completion at the output price of the model asked for.
+        let max_tokens = parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens);
+        let worst = parsed.prompt_estimate + max_tokens;
+        let prices = &gw.cfg.prices;
+        let ask = Ask {
+            estimate: parsed.estimate,
+            tokens: worst,
+            spend_estimate: prices.spend(&parsed.model, parsed.prompt_estimate, 0, parsed.max_tokens.unwrap_or(0)),
+            spend: prices.spend(&parsed.model, parsed.prompt_estimate, 0, max_tokens),
+        };
+        match gw.limiter.reserve_ask(&principal, ask).await {
+            Ok(reservation) => {
+                out.quota = reservation.quota;
+                out.reservation = Some(reservation);
+            }
+            Err(r) => {
+                gw.metrics
+                    .rate_limited
+                    .get_or_create(&vec![("scope", r.scope.as_str().to_string()), ("limit", r.limit.to_string())])
+                    .inc();
+                out.quota = r.quota;
+                return Err(r.to_api_error());
+            }
+        }
+        out.principal = Some(principal.clone());
+        Ok::<_, ApiError>((principal, parsed, topo, loadable))
     };
-    out.rec.tenant_id = Some(principal.tenant_id);
-    out.rec.tenant = Some(principal.tenant.clone());
-    out.rec.key_id = Some(principal.key_id);
-    // 2. The body, bounded.
-    let bytes = axum::body::to_bytes(body, gw.cfg.max_body_bytes).await.map_err(|_| {
-        reject("too_large");
-        ApiError::too_large(gw.cfg.max_body_bytes)
-    })?;
-    let mut parsed = parse_body(endpoint, &bytes).inspect_err(|_| reject("bad_request"))?;
-    out.prompt_estimate = parsed.prompt_estimate;
-    out.rec.model = Some(parsed.model.clone());
-    out.rec.stream = parsed.stream;
-    if principal.log_prompts {
-        out.rec.prompt = Some(match endpoint {
-            Endpoint::Chat => parsed.body.get("messages").map(Value::to_string).unwrap_or_default(),
-            Endpoint::Completions => parsed.body.get("prompt").map(Value::to_string).unwrap_or_default(),
-        });
-    }
-    // 3. May this key use the model, and does anyone serve it (or can an
-    // agent load it)?
-    let mut topo = gw.topology();
-    let served = topo.serves(&parsed.model);
-    let loadable = !served && gw.agents.can_load(&parsed.model);
-    // A model nobody serves nor can load may still have a fallback that is.
-    let fallback_served = gw
-        .cfg
-        .model_fallbacks
-        .get(&parsed.model)
-        .is_some_and(|fs| fs.iter().any(|f| principal.may_use(f) && topo.serves(f)));
-    if !principal.may_use(&parsed.model) || (!served && !loadable && !fallback_served) {
-        reject("model");
-        return Err(ApiError::model_not_found(&parsed.model));
-    }
-    // 4. Limits.
-    // The worst case is reserved against the token and spend budgets now
-    // and settled with the real usage when the request ends (`Outcome`'s
-    // drop). Its cost is the prompt at the input price (none of it cached)
-    // and the completion at the output price of the model asked for.
-    let max_tokens = parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens);
-    let worst = parsed.prompt_estimate + max_tokens;
-    let prices = &gw.cfg.prices;
-    let ask = Ask {
-        estimate: parsed.estimate,
-        tokens: worst,
-        spend_estimate: prices.spend(&parsed.model, parsed.prompt_estimate, 0, parsed.max_tokens.unwrap_or(0)),
-        spend: prices.spend(&parsed.model, parsed.prompt_estimate, 0, max_tokens),
-    };
-    match gw.limiter.reserve_ask(&principal, ask).await {
-        Ok(reservation) => {
-            out.quota = reservation.quota;
-            out.reservation = Some(reservation);
-        }
-        Err(r) => {
-            gw.metrics
-                .rate_limited
-                .get_or_create(&vec![("scope", r.scope.as_str().to_string()), ("limit", r.limit.to_string())])
-                .inc();
-            out.quota = r.quota;
-            return Err(r.to_api_error());
-        }
-    }
-    out.principal = Some(principal.clone());
+    let (principal, mut parsed, mut topo, loadable) = admitted.instrument(admission).await?;
     // 5. The response cache, for whole answers to deterministic requests
     // (after the limits: a hit is a request like any other).
     if let Some(cache) = gw.cache.as_ref().filter(|_| !parsed.stream && deterministic(&parsed.body)) {
@@ -541,35 +559,58 @@ async fn serve(
             o.insert("include_usage".into(), Value::Bool(true));
         }
     }
-    // Nobody serves it yet: an agent loads it while the request waits.
-    if loadable {
-        gw.load_model(&parsed.model).await?;
-        out.placement = gw.agents.placement(&parsed.model);
-        topo = gw.topology();
-    }
-    let prompt = PromptText::of(endpoint, &parsed.body);
-    let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), &parsed.model, &principal).await;
-    if let Some(n) = blocks.prompt_tokens {
-        // Tokenized for routing: the count is exact, not estimated.
-        out.prompt_estimate = n as u64;
-    }
-    let mut plan = route(gw, &topo, &blocks, &parsed.model, &principal, headers);
-    // Model-level fallbacks: their pools come after the model's own, so
-    // they get the request when the model's own upstreams cannot.
-    for fallback in gw.cfg.model_fallbacks.get(&parsed.model).into_iter().flatten() {
-        if !principal.may_use(fallback) {
-            continue;
+    let routing = tracing::info_span!(
+        "routing",
+        "granary.routing.policy" = tracing::field::Empty,
+        "granary.routing.upstream" = tracing::field::Empty,
+        "granary.routing.candidates" = tracing::field::Empty,
+        "granary.routing.predicted_cached_tokens" = tracing::field::Empty,
+        "gen_ai.usage.input_tokens" = tracing::field::Empty,
+    );
+    let plan = async {
+        // Nobody serves it yet: an agent loads it while the request waits.
+        if loadable {
+            gw.load_model(&parsed.model).await?;
+            out.placement = gw.agents.placement(&parsed.model);
+            topo = gw.topology();
         }
-        let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), fallback, &principal).await;
-        for c in route(gw, &topo, &blocks, fallback, &principal, headers) {
-            if !plan.iter().any(|p| p.upstream.id == c.upstream.id && p.model == c.model) {
-                plan.push(c);
+        let prompt = PromptText::of(endpoint, &parsed.body);
+        let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), &parsed.model, &principal).await;
+        if let Some(n) = blocks.prompt_tokens {
+            // Tokenized for routing: the count is exact, not estimated.
+            out.prompt_estimate = n as u64;
+        }
+        let mut plan = route(gw, &topo, &blocks, &parsed.model, &principal, headers);
+        // Model-level fallbacks: their pools come after the model's own, so
+        // they get the request when the model's own upstreams cannot.
+        for fallback in gw.cfg.model_fallbacks.get(&parsed.model).into_iter().flatten() {
+            if !principal.may_use(fallback) {
+                continue;
+            }
+            let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), fallback, &principal).await;
+            for c in route(gw, &topo, &blocks, fallback, &principal, headers) {
+                if !plan.iter().any(|p| p.upstream.id == c.upstream.id && p.model == c.model) {
+                    plan.push(c);
+                }
             }
         }
-    }
-    if plan.is_empty() {
-        return Err(ApiError::unavailable(format!("No upstream for model `{}` is available right now.", parsed.model)));
-    }
+        let span = tracing::Span::current();
+        span.record("granary.routing.candidates", plan.len());
+        if let Some(first) = plan.first() {
+            span.record("granary.routing.upstream", first.upstream.name());
+        }
+        if let Some(n) = blocks.prompt_tokens {
+            span.record("gen_ai.usage.input_tokens", n);
+        }
+        if plan.is_empty() {
+            return Err(ApiError::unavailable(format!(
+                "No upstream for model `{}` is available right now.",
+                parsed.model
+            )));
+        }
+        Ok(plan)
+    };
+    let plan = plan.instrument(routing).await?;
     // Disaggregated pools: each decode engine's prefill partner computes
     // the prompt's KV first (`attempt_all`, once the decode slot is held).
     attempt_all(gw, out, endpoint, &parsed, &principal, plan).await

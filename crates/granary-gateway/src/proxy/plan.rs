@@ -105,8 +105,20 @@ pub(super) fn route(
             pool.policy.routed(&req, first);
             let policy = pool.policy.name().to_string();
             let blocks = req.blocks_for(first);
+            // The `routing` span tells of the first pool's choice.
+            let span = plan.is_empty().then(tracing::Span::current);
+            if let Some(span) = &span {
+                span.record("granary.routing.policy", policy.as_str());
+            }
             if !blocks.is_empty() {
                 let hit = gw.upstreams.index.prefix_match(first, blocks);
+                let block_tokens = decoders.iter().find(|u| u.id == first).map(|u| match u.kv_info() {
+                    Some(info) => info.layout.block_tokens as usize,
+                    None => u.cfg.kv_block_tokens,
+                });
+                if let (Some(span), Some(bt)) = (&span, block_tokens) {
+                    span.record("granary.routing.predicted_cached_tokens", hit * bt);
+                }
                 gw.metrics.routed_blocks.get_or_create(&vec![("policy", policy.clone())]).inc_by(blocks.len() as u64);
                 gw.metrics.routed_hit_blocks.get_or_create(&vec![("policy", policy)]).inc_by(hit as u64);
             }

@@ -179,7 +179,10 @@ pub(super) async fn lookup(State(st): State<AppState>, headers: HeaderMap, req: 
     let body = read_body(&st, req, super::LOOKUP_BODY_LIMIT as u64).await?;
     let (ns, keys) = parse_lookup(&body)?;
     access.check(&ns)?;
+    let span = tracing::Span::current();
+    span.record("granary.warehouse.keys", keys.len());
     let found = st.ctx.store.lookup(&ns, &keys).await?;
+    span.record("granary.warehouse.matched", found.matched);
     Ok(Json(found).into_response())
 }
 

@@ -37,6 +37,7 @@ use axum::Router;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::auth::Principal;
 use crate::metrics::HttpMetrics;
@@ -144,6 +145,33 @@ fn method_label(m: &Method) -> &'static str {
     }
 }
 
+/// The `warehouse_op` span of a block-API request, continuing the caller's
+/// trace (other routes get none: health checks and scrapes are no traces).
+fn op_span(method: &'static str, route: &str, headers: &HeaderMap) -> Option<tracing::Span> {
+    let op = match (route, method) {
+        (ROUTE_LOOKUP, _) => "lookup",
+        (ROUTE_BLOCK, "GET") => "get",
+        (ROUTE_BLOCK, "HEAD") => "head",
+        (ROUTE_BLOCK, "PUT") => "put",
+        (ROUTE_BLOCK, "DELETE") => "delete",
+        _ => return None,
+    };
+    let span = tracing::info_span!(
+        "warehouse_op",
+        "otel.kind" = "server",
+        "granary.warehouse.op" = op,
+        "granary.warehouse.keys" = tracing::field::Empty,
+        "granary.warehouse.matched" = tracing::field::Empty,
+        "granary.warehouse.tier" = tracing::field::Empty,
+        "http.response.status_code" = tracing::field::Empty,
+    );
+    if op != "lookup" {
+        span.record("granary.warehouse.keys", 1);
+    }
+    granary_core::trace::continue_from(&span, headers);
+    Some(span)
+}
+
 /// Counts each request in `ctx.http` and times it for the histogram.
 async fn track(State(st): State<AppState>, req: Request, next: Next) -> Response {
     let start = Instant::now();
@@ -153,7 +181,17 @@ async fn track(State(st): State<AppState>, req: Request, next: Next) -> Response
         .get::<MatchedPath>()
         .and_then(|m| ROUTES.iter().copied().find(|r| *r == m.as_str()))
         .unwrap_or("unmatched");
-    let resp = next.run(req).await;
+    let resp = match op_span(method, route, req.headers()) {
+        Some(span) => {
+            let resp = next.run(req).instrument(span.clone()).await;
+            span.record("http.response.status_code", resp.status().as_u16());
+            if let Some(tier) = resp.headers().get("x-granary-tier").and_then(|v| v.to_str().ok()) {
+                span.record("granary.warehouse.tier", tier);
+            }
+            resp
+        }
+        None => next.run(req).await,
+    };
     let status = resp.status();
     let http = &st.ctx.http;
     if status.as_u16() < 400 || resp.extensions().get::<NormalAnswer>().is_some() {
