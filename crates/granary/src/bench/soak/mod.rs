@@ -21,6 +21,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
+use granary_core::ByteSize;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -101,6 +102,11 @@ pub struct Args {
     /// about 16x from the trace's 512-token blocks, so the engine's 256 is too.
     #[arg(long, default_value_t = 16)]
     serve_block_tokens: usize,
+    /// The spawned serve's engine block cache and warehouse memory tier
+    /// (`--kv-cache`, `--warehouse-memory`): small, so both are full after
+    /// warm-up and growth past it is not a cache filling up.
+    #[arg(long, default_value = "64MiB")]
+    serve_cache: ByteSize,
     /// Exit non-zero when a timing goal is missed too (errors always do).
     #[arg(long)]
     strict: bool,
@@ -175,13 +181,14 @@ struct Serve {
 }
 
 impl Serve {
-    fn start(block_tokens: usize) -> Result<Serve> {
+    fn start(block_tokens: usize, cache: ByteSize) -> Result<Serve> {
         let data = tempfile::Builder::new().prefix("granary-soak-serve-").tempdir()?;
         let exe = std::env::current_exe().context("finding the granary binary")?;
         let mut child = Command::new(&exe)
             .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data.path())
             .args(["--block-tokens", &block_tokens.to_string()])
+            .args(["--kv-cache", &cache.as_u64().to_string(), "--warehouse-memory", &cache.as_u64().to_string()])
             .env("GRANARY_LOG", std::env::var("GRANARY_LOG").unwrap_or_else(|_| "warn".into()))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -347,7 +354,7 @@ pub async fn run(args: Args) -> Result<()> {
         }
         None => {
             println!("Target:   starting granary serve with the default model on loopback ...");
-            let s = Serve::start(args.serve_block_tokens)?;
+            let s = Serve::start(args.serve_block_tokens, args.serve_cache)?;
             let base = s.base.clone();
             let pid = s.child.id();
             let metrics =
@@ -358,8 +365,9 @@ pub async fn run(args: Args) -> Result<()> {
                 vec![pid],
                 metrics,
                 format!(
-                    "{base} (granary serve, pid {pid}, {}-token blocks, started by the soak)",
-                    args.serve_block_tokens
+                    "{base} (granary serve, pid {pid}, {}-token blocks, {} block cache and warehouse memory, started by \
+                     the soak)",
+                    args.serve_block_tokens, args.serve_cache
                 ),
             )
         }
