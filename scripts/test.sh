@@ -118,6 +118,12 @@ trap 'rm -f "$log"' EXIT
 cargo test --workspace 2>&1 | tee "$log"
 passed=$(grep -oE '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s+=$4} END {print s+0}')
 failed=$(grep -oE '; [0-9]+ failed' "$log" | awk '{s+=$2} END {print s+0}')
+# A one-minute soak: the conversation replay against a `granary serve` the
+# bench starts (docs/benchmarks.md). Any failed request fails the script; the
+# timing goals are printed, not enforced, over so short a run. Bounded: 60 s
+# of load, serve's start, requests in flight (60 s timeout each).
+echo "== soak (60 s)"
+timeout 300 target/debug/granary bench soak --duration 60s --request-timeout 60s --out target/soak
 echo "== deploy checks"
 deploy/check.sh
 # The fleet on simulated hosts (network namespaces: needs root).

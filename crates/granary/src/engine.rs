@@ -290,7 +290,38 @@ async fn embedded_store(data_dir: Option<&PathBuf>, b: &WarehouseBudgets) -> Res
     Ok(Arc::new(Store::open(cfg).await.context("opening the embedded warehouse")?))
 }
 
-async fn serve_http(engine: Engine, listen: &str, trust_namespace_header: bool) -> Result<()> {
+/// The embedded warehouse's per-tier gauges in Prometheus text (bytes,
+/// entries, budget), appended to the engine's `/metrics` page by `serve`
+/// and by an engine with `--warehouse embedded`: there is no warehouse
+/// server to scrape then, and a soak or a dashboard needs its bytes per tier.
+fn warehouse_tier_text(store: &Store) -> String {
+    use granary_core::metrics::warehouse as names;
+    use std::fmt::Write as _;
+    let stats = store.stats();
+    let mut out = String::new();
+    type Pick = fn(&granary_warehouse::types::TierStats) -> u64;
+    let families: [(&str, &str, Pick); 3] = [
+        (names::TIER_BYTES, "Bytes held per tier.", |t| t.bytes),
+        (names::TIER_ENTRIES, "Entries held per tier.", |t| t.entries),
+        (names::TIER_CAPACITY_BYTES, "Byte budget per tier (0 = unbounded).", |t| t.capacity),
+    ];
+    for (name, help, pick) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for t in &stats.tiers {
+            if let Some(kind) = t.tier {
+                let _ = writeln!(out, "{name}{{tier=\"{}\"}} {}", kind.as_str(), pick(t));
+            }
+        }
+    }
+    out
+}
+
+async fn serve_http(
+    engine: Engine,
+    listen: &str,
+    trust_namespace_header: bool,
+    embedded: Option<Arc<Store>>,
+) -> Result<()> {
     let addr: SocketAddr = listen.parse().with_context(|| format!("--listen {listen:?}: expected HOST:PORT"))?;
     let l = TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
     println!("granary: OpenAI API on http://{}/v1 (model {})", l.local_addr()?, engine.config().model_id);
@@ -300,7 +331,26 @@ async fn serve_http(engine: Engine, listen: &str, trust_namespace_header: bool) 
     if trust_namespace_header {
         opts.namespace_header = Some(axum::http::HeaderName::from_static(granary_engine::api::NAMESPACE_HEADER));
     }
-    let app = granary_engine::server::router(engine.clone(), opts);
+    let mut app = granary_engine::server::router(engine.clone(), opts);
+    if let Some(store) = embedded {
+        app = app.layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| {
+            let store = store.clone();
+            async move {
+                let is_metrics = req.uri().path() == "/metrics";
+                let resp = next.run(req).await;
+                if !is_metrics || !resp.status().is_success() {
+                    return resp;
+                }
+                let (parts, body) = resp.into_parts();
+                let mut page = match axum::body::to_bytes(body, usize::MAX).await {
+                    Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+                    Err(_) => String::new(),
+                };
+                page.push_str(&warehouse_tier_text(&store));
+                axum::response::Response::from_parts(parts, axum::body::Body::from(page))
+            }
+        }));
+    }
     // On a signal the engine closes first: its KV event streams end, and
     // the server then waits only for requests in flight.
     let closing = engine.clone();
@@ -319,11 +369,12 @@ async fn start_and_serve(
     model: Arc<Model>,
     tok: Arc<Tokenizer>,
     connector: Connector,
+    embedded: Option<Arc<Store>>,
 ) -> Result<()> {
     let layout = granary_engine::engine::layout_of(&model, cfg.block_tokens);
     let blocks = Arc::new(ConnectorStore::new(Arc::new(connector), layout));
     let engine = Engine::start(cfg, model, tok, Some(blocks))?;
-    serve_http(engine, &args.listen, args.trust_namespace_header).await
+    serve_http(engine, &args.listen, args.trust_namespace_header, embedded).await
 }
 
 pub async fn run_engine(a: EngineArgs) -> Result<()> {
@@ -341,7 +392,7 @@ pub async fn run_engine(a: EngineArgs) -> Result<()> {
     };
     let mut cfg = engine_config(&a.model, id, a.role);
     cfg.sampling = sampling_defaults(&a.model, model.source())?;
-    start_and_serve(&a.model, cfg, model, tok, connector).await?;
+    start_and_serve(&a.model, cfg, model, tok, connector, store.clone()).await?;
     if let Some(s) = store {
         s.flush(Duration::from_secs(10)).await?;
     }
@@ -357,7 +408,7 @@ pub async fn run_serve(a: ServeArgs) -> Result<()> {
     let connector = Connector::embedded(store.clone(), ConnectorConfig::default())?;
     let mut cfg = engine_config(&a.model, id, Role::Both);
     cfg.sampling = sampling_defaults(&a.model, model.source())?;
-    start_and_serve(&a.model, cfg, model, tok, connector).await?;
+    start_and_serve(&a.model, cfg, model, tok, connector, Some(store.clone())).await?;
     store.flush(Duration::from_secs(10)).await?;
     Ok(())
 }

@@ -9,8 +9,10 @@ mod engine;
 mod gateway;
 mod llm;
 mod load;
+mod replay;
 mod routing;
 mod sim;
+mod soak;
 mod ttft;
 mod warehouse;
 
@@ -31,6 +33,9 @@ pub enum BenchCmd {
     Load(load::Args),
     /// Request to first token for an unloaded model whose weights are in the registry, on disk or in RAM.
     Coldstart(coldstart::Args),
+    /// A long conversation replay (Mooncake trace as real prompts) against `granary serve` or
+    /// a cluster: errors, TTFT, RSS and open files, warehouse bytes over time.
+    Soak(soak::Args),
 }
 
 pub async fn run(which: BenchCmd) -> Result<()> {
@@ -42,5 +47,6 @@ pub async fn run(which: BenchCmd) -> Result<()> {
         BenchCmd::Routing(args) => routing::run(args).await,
         BenchCmd::Load(args) => load::run(args).await,
         BenchCmd::Coldstart(args) => coldstart::run(args).await,
+        BenchCmd::Soak(args) => soak::run(args).await,
     }
 }
