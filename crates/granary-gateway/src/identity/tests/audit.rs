@@ -125,7 +125,6 @@ fn usage_csv_prices_rows_and_neutralises_formulas() {
     assert_eq!(&lines[3..], ["acme,'+1,0,0,0,0,0,,USD", "acme,'@sum,0,0,0,0,0,,USD", "acme,'-2,0,0,0,0,0,,USD"]);
 }
 
-
 async fn audit_count(id: &Identity) -> i64 {
     sqlx::query("SELECT COUNT(*) FROM audit_log").fetch_one(id.pool()).await.map(|r| r.get::<i64, _>(0)).unwrap_or(-1)
 }

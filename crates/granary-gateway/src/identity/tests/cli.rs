@@ -115,4 +115,3 @@ async fn the_cli_manages_tenants_and_keys() {
     assert!(cli(&id, &["tenant", "create", "Bad Name"]).await.is_err());
     assert!(cli(&id, &["key", "create", "--tenant", "nobody"]).await.is_err());
 }
-

@@ -239,4 +239,3 @@ async fn usage_and_audit_over_http() {
     let (_, _, json, _) = call(&r, Method::GET, "/admin/v1/audit?since=1700000001", Some(ADMIN), None).await;
     assert_eq!(json["data"].as_array().unwrap().len(), 2);
 }
-

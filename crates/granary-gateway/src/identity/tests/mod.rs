@@ -252,7 +252,6 @@ fn tenant_names_follow_the_pattern() {
     }
 }
 
-
 #[tokio::test]
 async fn last_use_is_recorded_lazily() {
     let id = mem().await;
@@ -303,7 +302,6 @@ async fn a_database_failure_is_503_without_detail() {
     id.flush().await;
     assert_eq!(id.audit_dropped(), 1);
 }
-
 
 mod audit;
 mod cli;
