@@ -257,7 +257,7 @@ impl Upstream {
 
     /// Still in the upstream set.
     pub fn is_removed(&self) -> bool {
-        self.removed.load(Ordering::Relaxed)
+        self.removed.load(Ordering::SeqCst)
     }
 
     /// Whether it serves `model` (a client's name): it lists the name, or
@@ -365,8 +365,17 @@ impl Upstream {
             if max > 0 && cur >= max {
                 return None;
             }
-            match self.active.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed) {
+            // Sequentially consistent with `removed`: a drain that reads
+            // no request in flight after taking the upstream out of routing
+            // is sure that any slot taken later sees it removed and gives
+            // the slot back (the request is routed again), so an engine is
+            // never stopped under a request that was about to be sent.
+            match self.active.compare_exchange_weak(cur, cur + 1, Ordering::SeqCst, Ordering::Relaxed) {
                 Ok(_) => {
+                    if self.removed.load(Ordering::SeqCst) {
+                        self.active.fetch_sub(1, Ordering::SeqCst);
+                        return None;
+                    }
                     self.export();
                     return Some(Slot { upstream: self.clone(), on_release: None });
                 }
@@ -544,7 +553,7 @@ impl Upstreams {
         let gone = cur.iter().find(|u| u.id == id)?.clone();
         let next: Vec<Arc<Upstream>> = cur.iter().filter(|u| u.id != id).cloned().collect();
         self.current.store(Arc::new(next));
-        gone.removed.store(true, Ordering::Relaxed);
+        gone.removed.store(true, Ordering::SeqCst);
         gone.stop.cancel();
         self.index.forget(id);
         self.metrics.kv_index_blocks.set(self.index.total_blocks() as i64);
@@ -751,5 +760,22 @@ mod tests {
         b.health_failed();
         b.health_passed();
         assert_eq!(b.view(), BreakerView::Open, "not before the pause is over");
+    }
+
+    /// A drain reads no request in flight once the engine is out of routing;
+    /// a request routed before that must then not take a slot on it (it is
+    /// routed again instead), or the engine is stopped under it.
+    #[test]
+    fn no_slot_is_taken_on_an_upstream_that_left() {
+        let section = crate::config::GatewaySection::default();
+        let cfgs = vec![UpstreamConfig::new("e", "http://127.0.0.1:9")];
+        let set = Upstreams::new(&section, &cfgs, crate::metrics::GatewayMetrics::new(8)).unwrap();
+        let routed = set.list()[0].clone();
+        let held = routed.try_acquire().expect("a slot while it is routed");
+        assert_eq!(routed.active.load(Ordering::SeqCst), 1);
+        drop(held);
+        set.remove(routed.id).unwrap();
+        assert!(routed.try_acquire().is_none(), "a slot on an upstream that left");
+        assert_eq!(routed.active.load(Ordering::SeqCst), 0, "what a drain reads stays 0");
     }
 }

@@ -586,7 +586,7 @@ impl Gateway {
         a.engines
             .iter()
             .filter(|(_, e)| e.draining)
-            .map(|(m, e)| (m.clone(), e.upstream.active.load(Ordering::Acquire)))
+            .map(|(m, e)| (m.clone(), e.upstream.active.load(Ordering::SeqCst)))
             .collect()
     }
 

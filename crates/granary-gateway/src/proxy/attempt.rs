@@ -4,11 +4,17 @@
 use super::*;
 
 /// Takes a slot on the first upstream of `order` with room; waits (by
-/// priority) when all are full.
-pub(super) async fn acquire(gw: &Arc<Gateway>, order: &[Arc<Upstream>], p: &Principal) -> Result<Slot, ApiError> {
+/// priority) when all are full. None: every one of them left routing (an
+/// engine drained for an idle unload) since the request was routed.
+pub(super) async fn acquire(
+    gw: &Arc<Gateway>,
+    order: &[Arc<Upstream>],
+    p: &Principal,
+) -> Result<Option<Slot>, ApiError> {
     let try_take = || order.iter().find_map(|u| u.try_acquire());
     let slot = match try_take() {
         Some(s) => s,
+        None if order.iter().all(|u| u.is_removed()) => return Ok(None),
         None => {
             let prio = vec![("priority", p.priority.as_str().to_string())];
             gw.metrics.queue_waiting.get_or_create(&prio).inc();
@@ -27,7 +33,16 @@ pub(super) async fn acquire(gw: &Arc<Gateway>, order: &[Arc<Upstream>], p: &Prin
     // waiting for this upstream.
     let admission = gw.admission.clone();
     let up = slot.upstream.clone();
-    Ok(slot.on_release(move || admission.offer(up.id, || up.try_acquire())))
+    Ok(Some(slot.on_release(move || admission.offer(up.id, || up.try_acquire()))))
+}
+
+/// How [`attempt_all`] ended, short of an error for the client.
+pub(super) enum Attempted {
+    /// The answer to pass on.
+    Done(Response),
+    /// Every upstream the plan named left routing before the request was
+    /// sent anywhere: route it again (a load takes a draining engine back).
+    Replan,
 }
 
 pub(super) enum AttemptError {
@@ -143,7 +158,7 @@ pub(super) async fn attempt_all(
     parsed: &Parsed,
     p: &Principal,
     plan: Vec<Choice>,
-) -> Result<Response, ApiError> {
+) -> Result<Attempted, ApiError> {
     let mut payloads: Vec<(String, Bytes)> = Vec::new();
     // The model each upstream serves the request as (the first choice
     // naming it: the requested model before fallbacks).
@@ -171,6 +186,9 @@ pub(super) async fn attempt_all(
         let candidates: Vec<Arc<Upstream>> =
             candidates.into_iter().filter(|u| u.breaker.is_available() && !u.is_removed()).collect();
         if candidates.is_empty() {
+            if tried.is_empty() && order.iter().all(|u| u.is_removed()) {
+                return Ok(Attempted::Replan);
+            }
             break;
         }
         if attempt > 0 {
@@ -178,7 +196,12 @@ pub(super) async fn attempt_all(
             tokio::time::sleep(backoff).await;
             backoff *= 2;
         }
-        let slot = acquire(gw, &candidates, p).await?;
+        let Some(slot) = acquire(gw, &candidates, p).await? else {
+            if tried.is_empty() {
+                return Ok(Attempted::Replan);
+            }
+            break;
+        };
         let up = slot.upstream.clone();
         if !up.breaker.allow() {
             continue;
@@ -207,8 +230,8 @@ pub(super) async fn attempt_all(
             span.record("error.type", *outcome);
         }
         match tried_one {
-            Ok(resp) => return Ok(resp),
-            Err(AttemptError::Final(resp)) => return Ok(resp),
+            Ok(resp) => return Ok(Attempted::Done(resp)),
+            Err(AttemptError::Final(resp)) => return Ok(Attempted::Done(resp)),
             Err(AttemptError::Retryable(outcome, why)) => {
                 up.attempt(outcome);
                 up.breaker.failure();

@@ -36,7 +36,7 @@ mod relay;
 mod request;
 mod similar;
 
-use attempt::attempt_all;
+use attempt::{attempt_all, Attempted};
 use outcome::Outcome;
 use plan::{payload_for, prompt_blocks, route, Choice};
 use relay::relay_sse;
@@ -559,59 +559,73 @@ async fn serve(
             o.insert("include_usage".into(), Value::Bool(true));
         }
     }
-    let routing = tracing::info_span!(
-        "routing",
-        "granary.routing.policy" = tracing::field::Empty,
-        "granary.routing.upstream" = tracing::field::Empty,
-        "granary.routing.candidates" = tracing::field::Empty,
-        "granary.routing.predicted_cached_tokens" = tracing::field::Empty,
-        "gen_ai.usage.input_tokens" = tracing::field::Empty,
-    );
-    let plan = async {
-        // Nobody serves it yet: an agent loads it while the request waits.
-        if loadable {
-            gw.load_model(&parsed.model).await?;
-            out.placement = gw.agents.placement(&parsed.model);
-            topo = gw.topology();
-        }
-        let prompt = PromptText::of(endpoint, &parsed.body);
-        let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), &parsed.model, &principal).await;
-        if let Some(n) = blocks.prompt_tokens {
-            // Tokenized for routing: the count is exact, not estimated.
-            out.prompt_estimate = n as u64;
-        }
-        let mut plan = route(gw, &topo, &blocks, &parsed.model, &principal, headers);
-        // Model-level fallbacks: their pools come after the model's own, so
-        // they get the request when the model's own upstreams cannot.
-        for fallback in gw.cfg.model_fallbacks.get(&parsed.model).into_iter().flatten() {
-            if !principal.may_use(fallback) {
-                continue;
+    // Routed again (once) when every engine the plan named left routing
+    // before the request took a slot on one: drained for an idle unload.
+    let mut loadable = loadable;
+    for round in 0..2 {
+        let routing = tracing::info_span!(
+            "routing",
+            "granary.routing.policy" = tracing::field::Empty,
+            "granary.routing.upstream" = tracing::field::Empty,
+            "granary.routing.candidates" = tracing::field::Empty,
+            "granary.routing.predicted_cached_tokens" = tracing::field::Empty,
+            "gen_ai.usage.input_tokens" = tracing::field::Empty,
+        );
+        let plan = async {
+            // Nobody serves it yet: an agent loads it while the request waits.
+            if loadable {
+                gw.load_model(&parsed.model).await?;
+                out.placement = gw.agents.placement(&parsed.model);
+                topo = gw.topology();
             }
-            let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), fallback, &principal).await;
-            for c in route(gw, &topo, &blocks, fallback, &principal, headers) {
-                if !plan.iter().any(|p| p.upstream.id == c.upstream.id && p.model == c.model) {
-                    plan.push(c);
+            let prompt = PromptText::of(endpoint, &parsed.body);
+            let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), &parsed.model, &principal).await;
+            if let Some(n) = blocks.prompt_tokens {
+                // Tokenized for routing: the count is exact, not estimated.
+                out.prompt_estimate = n as u64;
+            }
+            let mut plan = route(gw, &topo, &blocks, &parsed.model, &principal, headers);
+            // Model-level fallbacks: their pools come after the model's own, so
+            // they get the request when the model's own upstreams cannot.
+            for fallback in gw.cfg.model_fallbacks.get(&parsed.model).into_iter().flatten() {
+                if !principal.may_use(fallback) {
+                    continue;
+                }
+                let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), fallback, &principal).await;
+                for c in route(gw, &topo, &blocks, fallback, &principal, headers) {
+                    if !plan.iter().any(|p| p.upstream.id == c.upstream.id && p.model == c.model) {
+                        plan.push(c);
+                    }
                 }
             }
+            let span = tracing::Span::current();
+            span.record("granary.routing.candidates", plan.len());
+            if let Some(first) = plan.first() {
+                span.record("granary.routing.upstream", first.upstream.name());
+            }
+            if let Some(n) = blocks.prompt_tokens {
+                span.record("gen_ai.usage.input_tokens", n);
+            }
+            if plan.is_empty() {
+                return Err(ApiError::unavailable(format!(
+                    "No upstream for model `{}` is available right now.",
+                    parsed.model
+                )));
+            }
+            Ok(plan)
+        };
+        let plan = plan.instrument(routing).await?;
+        // Disaggregated pools: each decode engine's prefill partner computes
+        // the prompt's KV first (`attempt_all`, once the decode slot is held).
+        match attempt_all(gw, out, endpoint, &parsed, &principal, plan).await? {
+            Attempted::Done(resp) => return Ok(resp),
+            Attempted::Replan if round == 0 => {
+                tracing::info!(request_id = %out.rec.request_id, "every routed engine left routing; routing again");
+                topo = gw.topology();
+                loadable = !topo.serves(&parsed.model) && gw.agents.can_load(&parsed.model);
+            }
+            Attempted::Replan => break,
         }
-        let span = tracing::Span::current();
-        span.record("granary.routing.candidates", plan.len());
-        if let Some(first) = plan.first() {
-            span.record("granary.routing.upstream", first.upstream.name());
-        }
-        if let Some(n) = blocks.prompt_tokens {
-            span.record("gen_ai.usage.input_tokens", n);
-        }
-        if plan.is_empty() {
-            return Err(ApiError::unavailable(format!(
-                "No upstream for model `{}` is available right now.",
-                parsed.model
-            )));
-        }
-        Ok(plan)
-    };
-    let plan = plan.instrument(routing).await?;
-    // Disaggregated pools: each decode engine's prefill partner computes
-    // the prompt's KV first (`attempt_all`, once the decode slot is held).
-    attempt_all(gw, out, endpoint, &parsed, &principal, plan).await
+    }
+    Err(ApiError::unavailable(format!("No upstream for model `{}` is available right now.", parsed.model)))
 }
