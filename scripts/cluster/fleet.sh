@@ -135,8 +135,10 @@ targets_up() { [[ $(promql 'count(up == 1)') == "$1" ]]; }
 
 # ---------------------------------------------------------------- gateways
 
+# start_gateway HOST [POLICY]: POLICY routes among the agents' engines
+# (round_robin by default; kv_aware for the replay scenario).
 start_gateway() {
-    local h=$1
+    local h=$1 policy=${2:-round_robin}
     mkdir -p "$DIR/$h/spool"
     cat >"$DIR/$h/gateway.toml" <<EOF
 [gateway]
@@ -159,7 +161,7 @@ open_ms = 2000
 enabled = true
 ttl_ms = 10000
 load_timeout_ms = 180000
-pool_policy = "round_robin"
+pool_policy = "$policy"
 EOF
     start "$h" "$h" env GRANARY_ADMIN_TOKEN="$GW_ADMIN" GRANARY_AGENT_TOKEN="$GW_AGENT" GRANARY_METRICS_TOKEN="$METRICS" \
         "$BIN" gateway --config "$DIR/$h/gateway.toml"

@@ -61,6 +61,15 @@ pub fn prompt_text(hash_ids: &[u64], words: usize, max_blocks: usize) -> String 
     s
 }
 
+/// A block id under `salt` (0: the id itself).
+pub fn salted(hash_id: u64, salt: u64) -> u64 {
+    if salt == 0 {
+        hash_id
+    } else {
+        hash_id ^ salt.wrapping_mul(0xd6e8_feb8_6659_fd93).rotate_left(17)
+    }
+}
+
 /// Where and how the replay sends its requests.
 #[derive(Debug, Clone)]
 pub struct Target {
@@ -83,6 +92,9 @@ pub struct ReplayConfig {
     /// Requests in all (0 = bounded by the deadline only).
     pub requests: u64,
     pub request_timeout: Duration,
+    /// Mixed into every block id: replays with different salts share no
+    /// text (so no KV), the same salt the same text.
+    pub salt: u64,
 }
 
 /// How one request ended.
@@ -235,7 +247,8 @@ pub async fn drive(
             if Instant::now() >= deadline {
                 break 'outer;
             }
-            let prompt = prompt_text(&req.hash_ids, cfg.block_words, cfg.max_blocks);
+            let ids: Vec<u64> = req.hash_ids.iter().map(|&h| salted(h, cfg.salt)).collect();
+            let prompt = prompt_text(&ids, cfg.block_words, cfg.max_blocks);
             let (http, target, out) = (http.clone(), target.clone(), out.clone());
             let (max_tokens, timeout) = (cfg.max_tokens, cfg.request_timeout);
             sent += 1;
@@ -283,6 +296,11 @@ mod tests {
 
     #[test]
     fn max_blocks_keeps_the_prefix() {
+        let with = |salt| prompt_text(&[1, 2].map(|h| salted(h, salt)), 8, 0);
+        assert_eq!(with(0), prompt_text(&[1, 2], 8, 0), "salt 0 is no salt");
+        assert_eq!(with(5), with(5));
+        assert_ne!(block_text(salted(1, 1), 8), block_text(salted(1, 2), 8), "other salts, other text");
+        assert_ne!(block_text(salted(1, 1), 8), block_text(1, 8));
         let full = prompt_text(&[1, 2, 3, 4], 8, 0);
         let cut = prompt_text(&[1, 2, 3, 4], 8, 2);
         assert_eq!(cut, prompt_text(&[1, 2], 8, 0));

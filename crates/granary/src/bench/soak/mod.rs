@@ -83,6 +83,10 @@ pub struct Args {
     /// Requests in all (0 = until --duration).
     #[arg(long, default_value_t = 0)]
     requests: u64,
+    /// Mixed into the trace's block ids: runs with different salts send
+    /// different text (no KV shared between them), with the same salt the same.
+    #[arg(long, default_value_t = 0)]
+    salt: u64,
     /// A request not finished after this counts as an error.
     #[arg(long, default_value = "120s", value_parser = duration)]
     request_timeout: Duration,
@@ -406,6 +410,7 @@ pub async fn run(args: Args) -> Result<()> {
         concurrency: args.concurrency,
         requests: args.requests,
         request_timeout: args.request_timeout,
+        salt: args.salt,
     };
     let target = Target { base: base.clone(), api_key: args.api_key.clone(), model: model.clone() };
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -455,6 +460,10 @@ pub async fn run(args: Args) -> Result<()> {
         samples.push(s);
         pb.inc(1);
         pb.set_message(format!("{ended} requests, {errors} errors"));
+        if sent.is_some() && !rx_open {
+            // `--requests` all sent and ended: nothing is left to watch.
+            break;
+        }
     }
     pb.finish_and_clear();
     let sent = sent.unwrap_or(0);
