@@ -124,7 +124,14 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     let st = agent.status();
     let size = std::fs::metadata(&model).unwrap().len();
     assert!(st["tiers"]["disk"]["used"].as_u64().unwrap() >= size, "{st}");
-    assert_eq!(st["weights"], json!([{"model": MODEL, "revision": "0.1.2", "tier": "disk"}]), "{st}");
+    // The registry imported the model's whole directory.
+    let weights_bytes: u64 =
+        common::files_under(model.parent().unwrap()).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
+    assert_eq!(
+        st["weights"],
+        json!([{"model": MODEL, "revision": "0.1.2", "tier": "disk", "bytes": weights_bytes}]),
+        "{st}"
+    );
     // The load the gateway asked for, broken down: a download, then the engine's start.
     let last = &st["loads"][0];
     assert_eq!((last["model"].as_str(), last["tier"].as_str()), (Some(MODEL), Some("registry")), "{st}");
@@ -216,7 +223,14 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     chat(v["upstream"].as_str().unwrap());
     let st = agent.status();
     assert!(st["tiers"]["ram"]["used"].as_u64().unwrap() >= size, "{st}");
-    assert_eq!(st["weights"], json!([{"model": MODEL, "revision": "0.1.2", "tier": "ram"}]), "{st}");
+    // The registry imported the model's whole directory.
+    let weights_bytes: u64 =
+        common::files_under(model.parent().unwrap()).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
+    assert_eq!(
+        st["weights"],
+        json!([{"model": MODEL, "revision": "0.1.2", "tier": "ram", "bytes": weights_bytes}]),
+        "{st}"
+    );
     let gguf = model.file_name().unwrap();
     let link = cache_dir.join("models").join(MODEL).join("0.1.2").join(gguf);
     assert!(std::fs::read_link(&link).unwrap().starts_with(&ram_dir), "{link:?} points into the RAM tier");
