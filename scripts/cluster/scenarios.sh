@@ -453,9 +453,13 @@ scenario_replay() {
 
 # 6. Prometheus on ctl scrapes every component of the fleet, and what
 # scenario 1 did shows in it.
+remote_hits_scraped() { [[ $(promql 'sum(granary_warehouse_hits_total{tier="remote"})') -gt 0 ]]; }
 scenario_prometheus() {
     local up down remote hits
     wait_for "Prometheus to scrape all 7 targets" 30 targets_up 7
+    # Scenario 1's reads may postdate the last scrape (one a second): wait,
+    # bounded, for a scrape that has them.
+    wants 1 && wait_for "Prometheus to show scenario 1's remote hits" 15 remote_hits_scraped
     up=$(promql 'count(up == 1)')
     down=$(promql 'count(up == 0)')
     remote=$(promql 'sum(granary_engine_prompt_tokens_total{source="remote"})')
