@@ -1,19 +1,38 @@
 use super::*;
 
+/// A temporary directory with `www/health` in it, for python's HTTP server
+/// to serve as an engine; None (after saying so) without python3.
+fn www() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    if std::process::Command::new("python3").arg("--version").output().is_err() {
+        eprintln!("skipping: python3 is not installed");
+        return None;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let www = d.path().join("www");
+    std::fs::create_dir_all(&www).unwrap();
+    std::fs::write(www.join("health"), "ok").unwrap();
+    Some((d, www))
+}
+
+fn spec(www: &std::path::Path) -> LaunchSpec {
+    LaunchSpec {
+        model: "m".into(),
+        revision: "1".into(),
+        model_path: www.to_path_buf(),
+        files: vec![],
+        tier: Tier::Disk,
+        gpus: None,
+        memory: 0,
+    }
+}
+
 /// A real HTTP server as the engine (python's, serving a directory with
 /// a `health` file): killed, it is restarted after the backoff; an agent
 /// that goes away during the backoff leaves it in the state file with
 /// pid 0, so the next one starts it again instead of forgetting it.
 #[tokio::test]
 async fn a_killed_engine_restarts_and_one_between_processes_is_not_forgotten() {
-    if std::process::Command::new("python3").arg("--version").output().is_err() {
-        eprintln!("skipping: python3 is not installed");
-        return;
-    }
-    let d = tempfile::tempdir().unwrap();
-    let www = d.path().join("www");
-    std::fs::create_dir_all(&www).unwrap();
-    std::fs::write(www.join("health"), "ok").unwrap();
+    let Some((d, www)) = www() else { return };
     let cfg = SupervisorConfig {
         command: Some(format!("cd {} && exec python3 -m http.server {{port}} --bind {{host}}", www.display())),
         health_interval: Duration::from_millis(50),
@@ -22,15 +41,7 @@ async fn a_killed_engine_restarts_and_one_between_processes_is_not_forgotten() {
         ..Default::default()
     };
     let sup = Supervisor::new(cfg.clone(), d.path()).unwrap();
-    let spec = LaunchSpec {
-        model: "m".into(),
-        revision: "1".into(),
-        model_path: www.clone(),
-        files: vec![],
-        tier: Tier::Disk,
-        gpus: None,
-        memory: 0,
-    };
+    let spec = spec(&www);
     let st = sup.start(spec.clone()).await.unwrap();
     assert_eq!(st.state, EngineState::Ready);
     let pid = st.pid.unwrap();
@@ -65,14 +76,7 @@ async fn a_killed_engine_restarts_and_one_between_processes_is_not_forgotten() {
 /// load would take the engine away from the requests that asked for it).
 #[tokio::test]
 async fn the_idle_window_starts_when_the_engine_is_ready() {
-    if std::process::Command::new("python3").arg("--version").output().is_err() {
-        eprintln!("skipping: python3 is not installed");
-        return;
-    }
-    let d = tempfile::tempdir().unwrap();
-    let www = d.path().join("www");
-    std::fs::create_dir_all(&www).unwrap();
-    std::fs::write(www.join("health"), "ok").unwrap();
+    let Some((d, www)) = www() else { return };
     let cfg = SupervisorConfig {
         command: Some(format!(
             "sleep 0.8; cd {} && exec python3 -m http.server {{port}} --bind {{host}}",
@@ -83,15 +87,7 @@ async fn the_idle_window_starts_when_the_engine_is_ready() {
         ..Default::default()
     };
     let sup = Supervisor::new(cfg, d.path()).unwrap();
-    let spec = LaunchSpec {
-        model: "m".into(),
-        revision: "1".into(),
-        model_path: www.clone(),
-        files: vec![],
-        tier: Tier::Disk,
-        gpus: None,
-        memory: 0,
-    };
+    let spec = spec(&www);
     let asked = now_ms();
     let st = sup.start(spec).await.unwrap();
     assert_eq!(st.state, EngineState::Ready);
