@@ -10,7 +10,9 @@
 //! The node agent is a separate component; here the test itself plays the
 //! agent's HTTP role (heartbeats, the `load` call) and starts real engines.
 
-use std::io::{BufRead, BufReader};
+mod common;
+use common::Proc;
+
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -28,54 +30,6 @@ fn default_model() -> Option<std::path::PathBuf> {
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// A running `granary` subcommand, killed on drop.
-struct Proc {
-    child: Child,
-}
-
-impl Proc {
-    /// Starts `granary ARGS` and waits for its `granary: ready` line.
-    fn start(args: &[&str], envs: &[(&str, &str)]) -> Proc {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_granary"));
-        cmd.args(args).env("GRANARY_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::inherit());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("spawn granary");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(180);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(line) if line.trim() == "granary: ready" => break,
-                Ok(_) => {}
-                Err(_) => {
-                    let _ = child.kill();
-                    panic!("granary {args:?} did not get ready in time");
-                }
-            }
-        }
-        Proc { child }
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill9();
-    }
 }
 
 fn engine(port: u16) -> Proc {

@@ -12,12 +12,11 @@
 //! crate, as a collector would.
 
 mod common;
+use common::Proc;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
@@ -122,56 +121,6 @@ fn spans(got: &Got) -> Vec<Span> {
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// A running `granary` subcommand, SIGKILLed on drop unless stopped.
-struct Proc {
-    child: Child,
-}
-
-impl Proc {
-    /// Starts `granary ARGS` and waits for its `granary: ready` line.
-    fn start(args: &[&str], envs: &[(&str, &str)]) -> Proc {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_granary"));
-        cmd.args(args).env("GRANARY_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::inherit());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("spawn granary");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(180);
-        loop {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) if line.trim() == "granary: ready" => break,
-                Ok(_) => {}
-                Err(_) => {
-                    let _ = child.kill();
-                    panic!("granary {args:?} did not get ready in time");
-                }
-            }
-        }
-        Proc { child }
-    }
-
-    /// SIGTERM and wait: the process flushes its spans on the way out.
-    fn terminate(&mut self) {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "granary exited with {status}");
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn traceparent(trace: &str, parent: &str) -> String {

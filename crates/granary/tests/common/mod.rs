@@ -122,3 +122,58 @@ pub fn block(seed: u64, tokens: u32) -> bytes::Bytes {
 pub fn key(seed: u64) -> String {
     granary_core::HashChain::next(&granary_core::BlockHash([7; 32]), &[seed as u32, (seed >> 32) as u32]).to_hex()
 }
+
+/// A running `granary` subcommand (its stdout read for `granary: ready`,
+/// logs at `warn`), SIGKILLed on drop unless stopped.
+pub struct Proc {
+    child: Child,
+}
+
+impl Proc {
+    /// Starts `granary ARGS` and waits (up to 180 s) for its `granary: ready` line.
+    pub fn start(args: &[&str], envs: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_granary"));
+        cmd.args(args).env("GRANARY_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::inherit());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn granary");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line.trim() == "granary: ready" => break,
+                Ok(_) => {}
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("granary {args:?} did not get ready in time");
+                }
+            }
+        }
+        Proc { child }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait; asserts a clean exit (spans and logs flushed on the way out).
+    pub fn terminate(&mut self) {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "granary exited with {status}");
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
