@@ -77,6 +77,21 @@ pub struct ModelArgs {
     /// (temperature=0.8,top_k=40,top_p=0.95,min_p=0.05).
     #[arg(long)]
     pub sampling: Option<String>,
+    /// Converted-weight checkpoint: `auto` (beside the model file, or in
+    /// the model's directory), `off`, or a file path. A current one is
+    /// loaded instead of converting the weights; otherwise one is written
+    /// in the background after the load.
+    #[arg(long, default_value = "auto")]
+    pub checkpoint: String,
+}
+
+/// Where `--checkpoint` says the model's checkpoint is (`None`: off).
+pub fn checkpoint_path(spec: &str, model: &std::path::Path) -> Option<PathBuf> {
+    match spec {
+        "off" => None,
+        "auto" => Some(granary_engine::model::checkpoint::default_path(model)),
+        path => Some(PathBuf::from(path)),
+    }
 }
 
 /// The sampling defaults of a model loaded from `source`: llama.cpp
@@ -202,6 +217,10 @@ pub struct LoadReport {
     pub load_ms: f64,
     /// From the process's start to the start of the load.
     pub before_load_ms: f64,
+    /// The converted-weight checkpoint: `loaded`, `missing`, `stale: …`,
+    /// `unusable: …` or `off`.
+    #[serde(default)]
+    pub checkpoint: String,
 }
 
 fn since_process_start_ms() -> f64 {
@@ -215,7 +234,12 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
     let before_load_ms = since_process_start_ms();
     let started = Instant::now();
     eprintln!("granary: loading {} ...", resolved.path.display());
-    let opts = LoadOptions { device: device(&args.device)?, max_context: args.max_context, ..Default::default() };
+    let opts = LoadOptions {
+        device: device(&args.device)?,
+        max_context: args.max_context,
+        checkpoint: checkpoint_path(&args.checkpoint, &resolved.path),
+        ..Default::default()
+    };
     let (model, stats) =
         Model::load_timed(&resolved.path, &opts).with_context(|| format!("loading {}", resolved.path.display()))?;
     let tok_started = Instant::now();
@@ -238,7 +262,7 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
     let c = model.config();
     let r = &stats.read;
     eprintln!(
-        "granary: loaded {} ({}; {} layers, {} KV heads x {}, context {}) in {:.1}s: weights {:.1} MB read in {:.0} ms ({:.2} GB/s, {} thread(s)), conversion {:.0} ms",
+        "granary: loaded {} ({}; {} layers, {} KV heads x {}, context {}) in {:.1}s: weights {:.1} MB read in {:.0} ms ({:.2} GB/s, {} thread(s)), conversion {:.0} ms; checkpoint {}",
         resolved.id,
         c.architecture,
         c.layers,
@@ -251,6 +275,7 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
         r.gbps(),
         r.threads,
         stats.convert.as_secs_f64() * 1e3,
+        stats.checkpoint,
     );
     let report = LoadReport {
         loader: r.loader.to_string(),
@@ -262,10 +287,36 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
         tokenizer_ms,
         load_ms: started.elapsed().as_secs_f64() * 1e3,
         before_load_ms,
+        checkpoint: stats.checkpoint.to_string(),
     };
     eprintln!("{LOAD_STATS_PREFIX}{}", serde_json::to_string(&report)?);
     let id = args.model_id.clone().unwrap_or(resolved.id);
-    Ok((Arc::new(model), Arc::new(tokenizer), id))
+    let model = Arc::new(model);
+    if let (Some(path), true) = (opts.checkpoint.clone(), stats.checkpoint.wants_write()) {
+        write_checkpoint(model.clone(), path);
+    }
+    Ok((model, Arc::new(tokenizer), id))
+}
+
+/// Writes the model's converted weights to `path` on a thread of its own,
+/// so that serving starts at once; a failure (a read-only model
+/// directory) is logged and costs only the next start's conversion.
+fn write_checkpoint(model: Arc<Model>, path: PathBuf) {
+    let spawned = std::thread::Builder::new().name("granary-checkpoint".into()).spawn(move || {
+        let started = Instant::now();
+        match model.save_checkpoint(&path) {
+            Ok(bytes) => eprintln!(
+                "granary: wrote the converted-weight checkpoint {} ({:.1} MB) in {:.0} ms",
+                path.display(),
+                bytes as f64 / 1e6,
+                started.elapsed().as_secs_f64() * 1e3
+            ),
+            Err(e) => eprintln!("granary: no converted-weight checkpoint written to {}: {e:#}", path.display()),
+        }
+    });
+    if let Err(e) = spawned {
+        eprintln!("granary: no converted-weight checkpoint written: {e}");
+    }
 }
 
 fn engine_config(a: &ModelArgs, id: String, role: Role) -> EngineConfig {

@@ -16,17 +16,17 @@ fn quant_max_rows() -> usize {
 }
 
 pub(super) struct Linear {
-    dense: Option<Tensor>,
-    quant: Option<QMatMul>,
+    pub(super) dense: Option<Tensor>,
+    pub(super) quant: Option<QMatMul>,
     /// Int8 tiles for every row count (CPUs with AVX-512 VNNI).
-    int8: Option<qmatmul::Q8Matrix>,
+    pub(super) int8: Option<qmatmul::Q8Matrix>,
     /// 4-bit tiles instead of int8 ones, for weights stored as Q4_1 (they
     /// come back exactly): a decode step reads half the bytes (about 20%
     /// faster), prefill is ~5% slower (the nibbles are unpacked). Used for
     /// every row count, so a row's result never depends on what it is
     /// batched with.
-    int4: Option<qmatmul::Q4Matrix>,
-    bias: Option<Tensor>,
+    pub(super) int4: Option<qmatmul::Q4Matrix>,
+    pub(super) bias: Option<Tensor>,
 }
 
 impl Linear {

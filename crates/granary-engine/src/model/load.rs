@@ -152,7 +152,7 @@ pub struct SafetensorsWeights {
 
 /// A pointer into a buffer that outlives the reader threads.
 #[derive(Clone, Copy)]
-struct Dst(*mut u8);
+pub(super) struct Dst(pub(super) *mut u8);
 // SAFETY: each piece's range is written by exactly one thread, and read
 // (hashed, or turned into a tensor) only after that thread has published
 // its completion with release ordering.
@@ -160,30 +160,30 @@ unsafe impl Send for Dst {}
 unsafe impl Sync for Dst {}
 
 /// One read: `len` bytes of file `file` at `offset` into `dst`.
-struct Piece {
-    file: usize,
-    offset: u64,
-    len: usize,
-    dst: Dst,
+pub(super) struct Piece {
+    pub(super) file: usize,
+    pub(super) offset: u64,
+    pub(super) len: usize,
+    pub(super) dst: Dst,
     /// The tensor the bytes belong to (`None`: header or padding).
-    tensor: Option<usize>,
+    pub(super) tensor: Option<usize>,
 }
 
 /// Everything one parallel read needs.
-struct Plan<'a> {
-    files: &'a [File],
-    paths: &'a [PathBuf],
-    names: &'a [String],
+pub(super) struct Plan<'a> {
+    pub(super) files: &'a [File],
+    pub(super) paths: &'a [PathBuf],
+    pub(super) names: &'a [String],
     /// Ordered by file, then offset.
-    pieces: Vec<Piece>,
+    pub(super) pieces: Vec<Piece>,
 }
 
 /// Bytes that are not tensor data (header, alignment padding), read only
 /// so that the fingerprint covers the whole file.
-struct Scratch(Vec<Vec<u8>>);
+pub(super) struct Scratch(pub(super) Vec<Vec<u8>>);
 
 impl Scratch {
-    fn piece(&mut self, file: usize, offset: u64, len: usize) -> Piece {
+    pub(super) fn piece(&mut self, file: usize, offset: u64, len: usize) -> Piece {
         let mut v = vec![0u8; len];
         let dst = Dst(v.as_mut_ptr());
         self.0.push(v);
@@ -195,13 +195,13 @@ impl Scratch {
 /// `Vec` of the element or block type candle stores it as.
 macro_rules! host_buffers {
     ($name:ident { $($variant:ident($t:ty)),* $(,)? }) => {
-        enum $name {
+        pub(super) enum $name {
             $($variant(Vec<$t>, usize)),*
         }
 
         impl $name {
             /// The buffer's memory (capacity, not yet initialised) and its length in bytes.
-            fn raw(&mut self) -> (*mut u8, usize) {
+            pub(super) fn raw(&mut self) -> (*mut u8, usize) {
                 match self {
                     $($name::$variant(v, n) => (v.as_mut_ptr().cast::<u8>(), *n * std::mem::size_of::<$t>())),*
                 }
@@ -212,7 +212,7 @@ macro_rules! host_buffers {
             /// # Safety
             /// Every byte of [`Self::raw`]'s range must have been written; any
             /// bit pattern is a valid value of the element type.
-            unsafe fn assume_filled(&mut self) {
+            pub(super) unsafe fn assume_filled(&mut self) {
                 match self {
                     $($name::$variant(v, n) => unsafe { v.set_len(*n) }),*
                 }
@@ -220,7 +220,7 @@ macro_rules! host_buffers {
 
             /// The filled bytes.
             #[allow(dead_code)]
-            fn bytes(&self) -> &[u8] {
+            pub(super) fn bytes(&self) -> &[u8] {
                 match self {
                     $($name::$variant(v, _) => {
                         // SAFETY: plain-old-data elements, viewed as bytes.
@@ -260,7 +260,7 @@ fn alloc<T>(n: usize) -> Vec<T> {
 }
 
 impl QBuf {
-    fn new(dtype: GgmlDType, blocks: usize) -> QBuf {
+    pub(super) fn new(dtype: GgmlDType, blocks: usize) -> QBuf {
         match dtype {
             GgmlDType::F32 => QBuf::F32(alloc(blocks), blocks),
             GgmlDType::F16 => QBuf::F16(alloc(blocks), blocks),
@@ -281,7 +281,7 @@ impl QBuf {
     }
 
     /// The candle storage owning this very buffer (host), or a device copy.
-    fn into_qtensor(self, dtype: GgmlDType, dims: Vec<usize>, device: &Device) -> candle_core::Result<QTensor> {
+    pub(super) fn into_qtensor(self, dtype: GgmlDType, dims: Vec<usize>, device: &Device) -> candle_core::Result<QTensor> {
         if !device.is_cpu() {
             return candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, self.bytes(), dims, device);
         }
@@ -321,7 +321,7 @@ host_buffers!(TBuf {
 });
 
 impl TBuf {
-    fn new(dtype: safetensors::Dtype, elems: usize, bytes: usize) -> TBuf {
+    pub(super) fn new(dtype: safetensors::Dtype, elems: usize, bytes: usize) -> TBuf {
         use safetensors::Dtype as D;
         match dtype {
             D::U8 => TBuf::U8(alloc(elems), elems),
@@ -338,7 +338,7 @@ impl TBuf {
     }
 
     /// A tensor owning this very buffer (host), or a device copy.
-    fn into_tensor(self, dtype: safetensors::Dtype, shape: &[usize], device: &Device) -> candle_core::Result<Tensor> {
+    pub(super) fn into_tensor(self, dtype: safetensors::Dtype, shape: &[usize], device: &Device) -> candle_core::Result<Tensor> {
         let host = Device::Cpu;
         let t = match self {
             TBuf::U8(v, _) => Tensor::from_vec(v, shape, &host)?,
@@ -364,11 +364,11 @@ impl TBuf {
     }
 }
 
-fn open(path: &Path) -> Result<File> {
+pub(super) fn open(path: &Path) -> Result<File> {
     File::open(path).with_context(|| format!("open {}", path.display()))
 }
 
-fn file_len(f: &File, path: &Path) -> Result<u64> {
+pub(super) fn file_len(f: &File, path: &Path) -> Result<u64> {
     Ok(f.metadata().with_context(|| format!("stat {}", path.display()))?.len())
 }
 
@@ -376,7 +376,7 @@ fn file_len(f: &File, path: &Path) -> Result<u64> {
 /// (candle asks for the stream position before every string, and a file's
 /// is a system call: tens of thousands for a tokenizer's vocabulary);
 /// otherwise, or to report what is wrong, from the file.
-fn gguf_header(file: &File, path: &Path, len: u64) -> Result<gguf_file::Content> {
+pub(super) fn gguf_header(file: &File, path: &Path, len: u64) -> Result<gguf_file::Content> {
     use std::io::{Seek, SeekFrom};
     use std::os::unix::fs::FileExt;
     for prefix in [4u64 << 20, 32 << 20] {
@@ -647,7 +647,7 @@ fn read_batch(file: &File, batch: &[Piece]) -> Result<(), (usize, std::io::Error
 /// Splits large pieces so that the threads share even a small file, joins
 /// small neighbours into one vectored read, then runs the reads; returns
 /// the fingerprint of `prefix` and the files, if asked.
-fn run(mut plan: Plan<'_>, opts: &ReadOptions, prefix: &[u8]) -> Result<Option<String>> {
+pub(super) fn run(mut plan: Plan<'_>, opts: &ReadOptions, prefix: &[u8]) -> Result<Option<String>> {
     let threads = opts.threads.max(1);
     let total: usize = plan.pieces.iter().map(|p| p.len).sum();
     let chunk = (total / (threads * 4)).clamp(MIN_CHUNK, opts.chunk_bytes.max(MIN_CHUNK));

@@ -21,6 +21,7 @@
 //! the two attention paths, `config` the architecture table.
 
 mod attention;
+pub mod checkpoint;
 mod config;
 mod device;
 mod host;
@@ -40,6 +41,7 @@ use candle_core::{DType, Device, Tensor, D};
 use host::silu_mul_host;
 use linear::{Linear, Proj};
 
+pub use checkpoint::CheckpointUse;
 pub use config::{Activation, ArchSpec, ModelConfig, RopeScaling, RopeStyle, ARCHITECTURES};
 pub use kv::KvCache;
 pub use load::{Loader, ReadOptions, ReadStats};
@@ -63,6 +65,9 @@ pub struct LoadOptions {
     /// own kernels are otherwise used). This is how the accelerator path's
     /// logic is tested on machines without one.
     pub tensor_ops: bool,
+    /// A converted-weight checkpoint to load from when it is current, and
+    /// to write after a conversion ([`checkpoint`]; `None`: neither).
+    pub checkpoint: Option<PathBuf>,
 }
 
 impl Default for LoadOptions {
@@ -74,6 +79,7 @@ impl Default for LoadOptions {
             max_context: None,
             loader: Loader::default(),
             tensor_ops: false,
+            checkpoint: None,
         }
     }
 }
@@ -87,6 +93,8 @@ pub struct LoadStats {
     /// fusing projections, re-quantizing to int8 tiles, rotary tables.
     #[serde(serialize_with = "duration_ms")]
     pub convert: Duration,
+    /// Whether the weights came from a checkpoint, or why not.
+    pub checkpoint: CheckpointUse,
 }
 
 fn duration_ms<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -149,6 +157,10 @@ pub struct Model {
     context_len: usize,
     fingerprint: String,
     source: PathBuf,
+    /// The source files' sizes and times when they were read.
+    stamps: Vec<checkpoint::Stamp>,
+    /// What a checkpoint of these weights is keyed by (`None`: not on the host).
+    checkpoint_key: Option<String>,
 }
 
 impl Model {

@@ -95,6 +95,19 @@ impl Q4Matrix {
         Ok(Q4Matrix { n, k, qs, d: ds, m: ms })
     }
 
+    /// The matrix from the buffers [`Q4Matrix::parts`] gave (a checkpoint).
+    pub(crate) fn from_parts(n: usize, k: usize, qs: Vec<u8>, d: Vec<f32>, m: Vec<f32>) -> Result<Self> {
+        ensure!(Q8Matrix::fits(n, k), "a {n}x{k} matrix does not fit 16-row 4-bit tiles");
+        ensure!(qs.len() == n * k / 2, "4-bit tiles of {} bytes for a {n}x{k} matrix", qs.len());
+        ensure!(d.len() == n * k / BLOCK && m.len() == d.len(), "4-bit tile scales of the wrong length");
+        Ok(Q4Matrix { n, k, qs, d, m })
+    }
+
+    /// Shape and buffers: `(n, k, qs, d, m)`.
+    pub(crate) fn parts(&self) -> (usize, usize, &[u8], &[f32], &[f32]) {
+        (self.n, self.k, &self.qs, &self.d, &self.m)
+    }
+
     pub(crate) fn out_features(&self) -> usize {
         self.n
     }
@@ -167,6 +180,19 @@ impl Q8Matrix {
             }
         }
         Ok(Q8Matrix { n, k, qs, scales })
+    }
+
+    /// The matrix from the buffers [`Q8Matrix::parts`] gave (a checkpoint).
+    pub(crate) fn from_parts(n: usize, k: usize, qs: Vec<u8>, scales: Vec<f32>) -> Result<Self> {
+        ensure!(Self::fits(n, k), "a {n}x{k} matrix does not fit 16-row int8 tiles");
+        ensure!(qs.len() == n * k, "int8 tiles of {} bytes for a {n}x{k} matrix", qs.len());
+        ensure!(scales.len() == n * k / BLOCK, "int8 tile scales of the wrong length");
+        Ok(Q8Matrix { n, k, qs, scales })
+    }
+
+    /// Shape and buffers: `(n, k, qs, scales)`.
+    pub(crate) fn parts(&self) -> (usize, usize, &[u8], &[f32]) {
+        (self.n, self.k, &self.qs, &self.scales)
     }
 
     pub(crate) fn out_features(&self) -> usize {

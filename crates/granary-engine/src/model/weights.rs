@@ -12,6 +12,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use super::linear::{Linear, Proj};
+use super::checkpoint::{self, CheckpointUse};
 use super::{config, load, Layer, LoadOptions, LoadStats, Loader, Model, ModelConfig, ReadOptions, Rope};
 
 /// Where weight tensors come from while building a [`Model`].
@@ -127,7 +128,7 @@ impl Model {
             Part::FfnPostNorm => names(i, "post_ffw_norm.weight"),
             Part::RopeFreqs => "rope_freqs.weight".into(),
         })?;
-        Ok((model, LoadStats { read: stats, convert: started.elapsed() }))
+        Ok((model, LoadStats { read: stats, convert: started.elapsed(), checkpoint: CheckpointUse::Off }))
     }
 
     /// Loads a Hugging Face directory: `config.json` and `*.safetensors`.
@@ -194,7 +195,7 @@ impl Model {
             Part::FfnPostNorm => names(i, "post_feedforward_layernorm.weight"),
             Part::RopeFreqs => "rope_freqs.weight".into(),
         })?;
-        Ok((model, LoadStats { read: w.stats, convert: started.elapsed() }))
+        Ok((model, LoadStats { read: w.stats, convert: started.elapsed(), checkpoint: CheckpointUse::Off }))
     }
 
     /// A GGUF file, or a directory with `config.json` and safetensors.
@@ -202,13 +203,27 @@ impl Model {
         Ok(Self::load_timed(path, opts)?.0)
     }
 
-    /// [`Model::load`], with where the time went.
+    /// [`Model::load`], with where the time went. With
+    /// [`LoadOptions::checkpoint`] set, a current checkpoint there is loaded
+    /// instead of the model's files (and [`LoadStats::checkpoint`] says
+    /// what became of it); writing a fresh one is the caller's choice
+    /// ([`Model::save_checkpoint`]).
     pub fn load_timed(path: &Path, opts: &LoadOptions) -> Result<(Self, LoadStats)> {
-        if path.is_dir() {
-            Self::load_safetensors_dir_timed(path, opts)
-        } else {
-            Self::load_gguf_timed(path, opts)
+        // Stamped before reading: a file replaced during the load makes
+        // the stamps disagree and no checkpoint is written from it.
+        let stamps = checkpoint::stamps(path).unwrap_or_default();
+        let mut used = CheckpointUse::Off;
+        if let Some(ck) = &opts.checkpoint {
+            match checkpoint::load(path, ck, opts, &stamps) {
+                Ok(loaded) => return Ok(loaded),
+                Err(miss) => used = miss.into(),
+            }
         }
+        let (mut model, mut stats) =
+            if path.is_dir() { Self::load_safetensors_dir_timed(path, opts)? } else { Self::load_gguf_timed(path, opts)? };
+        model.stamps = stamps;
+        stats.checkpoint = used;
+        Ok((model, stats))
     }
 
     fn build(
@@ -275,9 +290,7 @@ impl Model {
         }
         cfg.validate()?;
         let context_len = opts.max_context.map_or(cfg.context_len, |m| m.min(cfg.context_len));
-        let mut rope_keys: Vec<(u32, u32)> = Vec::new();
-        let mut ropes = Vec::new();
-        let half = cfg.head_dim / 2;
+        let (ropes, rope_of) = ropes(&cfg, context_len, &opts.device)?;
         let mut layers = Vec::with_capacity(cfg.layers);
         let head_norm = |src: &mut dyn TensorSource, part: Part, i: usize| -> Result<Option<Vec<f32>>> {
             if !cfg.arch.qk_norm {
@@ -300,19 +313,7 @@ impl Model {
                 proj(src, vec![name(i, Part::Gate), name(i, Part::Up)], false)?
             };
             let down = linear(src, name(i, Part::Down), false, quantize)?;
-            let (base, scale) = cfg.rope_of(i);
-            let key = (base.to_bits(), scale.to_bits());
-            let rope = match rope_keys.iter().position(|k| *k == key) {
-                Some(r) => r,
-                None => {
-                    let (cos_host, sin_host) = rope_tables(&cfg, base, scale, context_len);
-                    let cos = Tensor::from_slice(&cos_host, (context_len, half), &opts.device)?;
-                    let sin = Tensor::from_slice(&sin_host, (context_len, half), &opts.device)?;
-                    ropes.push(Rope { cos, sin, cos_host, sin_host });
-                    rope_keys.push(key);
-                    ropes.len() - 1
-                }
-            };
+            let rope = rope_of[i];
             let post = |src: &mut dyn TensorSource, part: Part| -> Result<Option<Tensor>> {
                 if cfg.arch.post_norms {
                     Ok(Some(src.get(&name(i, part))?))
@@ -370,6 +371,8 @@ impl Model {
             context_len,
             fingerprint,
             source: source.to_path_buf(),
+            stamps: Vec::new(),
+            checkpoint_key: checkpoint::key(opts),
         })
     }
 }
@@ -398,6 +401,32 @@ enum Part {
     FfnPostNorm,
     /// Llama 3's rotary frequency factors (GGUF).
     RopeFreqs,
+}
+
+/// The rotary tables (one per distinct base and scale among the layers)
+/// and each layer's index into them.
+pub(super) fn ropes(cfg: &ModelConfig, context_len: usize, device: &Device) -> Result<(Vec<Rope>, Vec<usize>)> {
+    let half = cfg.head_dim / 2;
+    let mut keys: Vec<(u32, u32)> = Vec::new();
+    let mut ropes = Vec::new();
+    let mut of = Vec::with_capacity(cfg.layers);
+    for i in 0..cfg.layers {
+        let (base, scale) = cfg.rope_of(i);
+        let key = (base.to_bits(), scale.to_bits());
+        let r = match keys.iter().position(|k| *k == key) {
+            Some(r) => r,
+            None => {
+                let (cos_host, sin_host) = rope_tables(cfg, base, scale, context_len);
+                let cos = Tensor::from_slice(&cos_host, (context_len, half), device)?;
+                let sin = Tensor::from_slice(&sin_host, (context_len, half), device)?;
+                ropes.push(Rope { cos, sin, cos_host, sin_host });
+                keys.push(key);
+                ropes.len() - 1
+            }
+        };
+        of.push(r);
+    }
+    Ok((ropes, of))
 }
 
 /// cos and sin of every position's rotation angles, `[len, head_dim / 2]`,

@@ -1,0 +1,123 @@
+//! A checkpoint of the default model gives the converted model's logits bit
+//! for bit and its fingerprint, and one that is damaged, cut short, made
+//! for other files or other options is never used: the load falls back to
+//! converting and says why.
+
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::model::Chunk;
+
+/// The default model copied into `dir` (its stamps are then this test's own).
+fn model_copy(test: &str, dir: &Path) -> Option<PathBuf> {
+    let src = granary_tokenizer::testing::model_or_skip(test)?;
+    let dst = dir.join("model.gguf");
+    std::fs::copy(&src, &dst).unwrap();
+    Some(dst)
+}
+
+fn opts(ck: &Path) -> LoadOptions {
+    LoadOptions { checkpoint: Some(ck.to_path_buf()), ..Default::default() }
+}
+
+/// Logits of a 40-token prefill, then of 6 greedy steps.
+fn logits(m: &Model) -> Vec<Vec<f32>> {
+    let prompt: Vec<u32> = (0..40u32).map(|i| 100 + i * 37).collect();
+    let mut kv = m.new_kv(16);
+    let mut out = Vec::new();
+    let mut next = prompt.clone();
+    for _ in 0..7 {
+        let l = m.forward(&mut [Chunk { tokens: &next, kv: &mut kv, logits: true }]).unwrap().unwrap();
+        let row = l.to_vec2::<f32>().unwrap().remove(0);
+        let best = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
+        out.push(row);
+        next = vec![best];
+    }
+    out
+}
+
+fn used(path: &Path, ck: &Path) -> (Model, CheckpointUse) {
+    let (m, stats) = Model::load_timed(path, &opts(ck)).unwrap();
+    (m, stats.checkpoint)
+}
+
+#[test]
+fn the_default_model_round_trips_and_bad_checkpoints_fall_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(path) = model_copy("the_default_model_round_trips_and_bad_checkpoints_fall_back", dir.path()) else {
+        return;
+    };
+    let ck = default_path(&path);
+    assert_eq!(ck.parent(), path.parent(), "the default checkpoint sits beside the model");
+
+    let (converted, u) = used(&path, &ck);
+    assert_eq!(u, CheckpointUse::Missing);
+    let want = logits(&converted);
+    let bytes = converted.save_checkpoint(&ck).unwrap();
+    // No temporary file is left beside it.
+    let names: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+
+    let (loaded, stats) = Model::load_timed(&path, &opts(&ck)).unwrap();
+    assert_eq!(stats.checkpoint, CheckpointUse::Loaded);
+    assert_eq!(stats.read.file_bytes, bytes);
+    assert_eq!(loaded.fingerprint(), converted.fingerprint());
+    assert!(logits(&loaded) == want, "logits differ after the checkpoint");
+    // A model loaded from a checkpoint writes the same checkpoint again.
+    let again = dir.path().join("again.ckpt");
+    loaded.save_checkpoint(&again).unwrap();
+    assert!(std::fs::read(&again).unwrap() == std::fs::read(&ck).unwrap(), "a rewritten checkpoint differs");
+    drop(loaded);
+
+    let good = std::fs::read(&ck).unwrap();
+    let check_falls_back = |what: &str, want_use: &dyn Fn(&CheckpointUse) -> bool| {
+        let (m, u) = used(&path, &ck);
+        assert!(want_use(&u), "{what}: {u}");
+        assert!(logits(&m) == want, "{what}: the fallback conversion gives other logits");
+    };
+
+    // One flipped bit in the data, in the header, and a cut-short file.
+    let mut bad = good.clone();
+    let at = bad.len() - 1000;
+    bad[at] ^= 0x10;
+    std::fs::write(&ck, &bad).unwrap();
+    check_falls_back("flipped data bit", &|u| *u == CheckpointUse::Unusable("data checksum mismatch".into()));
+    let mut bad = good.clone();
+    bad[PREFIX + 20] ^= 0x01;
+    std::fs::write(&ck, &bad).unwrap();
+    check_falls_back("flipped header bit", &|u| *u == CheckpointUse::Unusable("header checksum mismatch".into()));
+    std::fs::write(&ck, &good[..good.len() / 2]).unwrap();
+    check_falls_back("cut short", &|u| matches!(u, CheckpointUse::Unusable(w) if w.contains("truncated")));
+    std::fs::write(&ck, b"not a checkpoint at all, just some text that is long enough").unwrap();
+    check_falls_back("not a checkpoint", &|u| matches!(u, CheckpointUse::Unusable(w) if w.contains("magic")));
+
+    // Made for other options (dense weights for tensor operations).
+    std::fs::write(&ck, &good).unwrap();
+    let other = LoadOptions { tensor_ops: true, ..opts(&ck) };
+    let (_, stats) = Model::load_timed(&path, &other).unwrap();
+    assert!(matches!(&stats.checkpoint, CheckpointUse::Stale(w) if w.contains("tensor_ops=true")), "{}", stats.checkpoint);
+
+    // The model file changed (a new modification time) after it was written.
+    let (_, u) = used(&path, &ck);
+    assert_eq!(u, CheckpointUse::Loaded);
+    let f = std::fs::File::options().write(true).open(&path).unwrap();
+    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5)).unwrap();
+    drop(f);
+    check_falls_back("model touched", &|u| matches!(u, CheckpointUse::Stale(w) if w.contains("changed")));
+    // ... and a model whose file changed since its load writes none.
+    let err = converted.save_checkpoint(&ck).unwrap_err();
+    assert!(format!("{err:#}").contains("changed since it was loaded"), "{err:#}");
+}
+
+#[test]
+fn no_checkpoint_is_read_or_written_when_none_is_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(path) = model_copy("no_checkpoint_is_read_or_written_when_none_is_asked_for", dir.path()) else {
+        return;
+    };
+    let (_, stats) = Model::load_timed(&path, &LoadOptions::default()).unwrap();
+    assert_eq!(stats.checkpoint, CheckpointUse::Off);
+    assert!(!stats.checkpoint.wants_write());
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
