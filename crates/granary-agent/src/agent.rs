@@ -320,9 +320,13 @@ impl Agent {
         let fetching = Instant::now();
         let downloaded = self.fetch_files(name, revision).await?;
         let fetch_ms = if downloaded { fetching.elapsed().as_millis() as u64 } else { 0 };
-        self.tiers.touch(&shas);
+        // A converted-weight checkpoint an engine left for this revision
+        // is used and promoted with its weights.
+        let root = self.cfg.cache_dir.join("models").join(name).join(&revision.revision);
+        let with_checkpoints: Vec<String> = shas.iter().cloned().chain(self.tiers.checkpoint_shas(&root)).collect();
+        self.tiers.touch(&with_checkpoints);
         if self.tiers.record_load(name) {
-            self.tiers.promote(&shas).await?;
+            self.tiers.promote(&with_checkpoints).await?;
         }
         self.tiers.pin(&shas);
         let result = self.launch(name, revision, &shas, downloaded, held).await;
@@ -453,8 +457,27 @@ impl Agent {
         Ok(())
     }
 
+    /// Takes the checkpoints ready engines wrote beside their weights into
+    /// the disk tier.
+    async fn adopt_checkpoints(self: &Arc<Self>) {
+        for st in self.sup.list() {
+            if st.state != EngineState::Ready {
+                continue;
+            }
+            let root = self.cfg.cache_dir.join("models").join(&st.model).join(&st.revision);
+            let has_file = std::fs::read_dir(&root).into_iter().flatten().flatten().any(|e| {
+                crate::tiers::is_checkpoint_name(&e.file_name().to_string_lossy())
+                    && e.file_type().is_ok_and(|t| t.is_file())
+            });
+            if has_file {
+                let me = self.clone();
+                let _ = tokio::task::spawn_blocking(move || me.tiers.adopt_checkpoints(&root)).await;
+            }
+        }
+    }
+
     /// Reads each ready engine's metrics for activity, unloads idle ones,
-    /// demotes idle RAM copies.
+    /// demotes idle RAM copies, keeps engines' new checkpoints.
     async fn activity_loop(self: Arc<Self>) {
         let http = reqwest::Client::builder().timeout(Duration::from_secs(3)).build().expect("an HTTP client");
         let mut seen: HashMap<String, f64> = HashMap::new();
@@ -465,6 +488,7 @@ impl Agent {
                 _ = tokio::time::sleep(self.cfg.idle_poll) => {}
             }
             self.tiers.demote_idle();
+            self.adopt_checkpoints().await;
             for st in self.sup.list() {
                 if st.state != EngineState::Ready || st.draining {
                     continue;

@@ -542,6 +542,7 @@ impl Tiers {
     /// Lays out a model revision under `root` as symlinks named by the files'
     /// paths, each pointing into the fastest tier that holds it.
     pub fn materialise(&self, root: &Path, files: &[(String, String)]) -> Result<Tier, AgentError> {
+        let checkpoints = self.adopt_checkpoints(root);
         let _ = std::fs::remove_dir_all(root);
         std::fs::create_dir_all(root).map_err(|e| AgentError::io(format!("creating {}", root.display()), e))?;
         let mut slowest = Tier::Ram;
@@ -561,8 +562,125 @@ impl Tiers {
             std::os::unix::fs::symlink(&target, &link)
                 .map_err(|e| AgentError::io(format!("linking {} to {}", link.display(), target.display()), e))?;
         }
+        // Checkpoints come back linked to their fastest tier; one evicted
+        // meanwhile is left out (the engine converts and writes a new one).
+        for (name, sha) in checkpoints {
+            let target = match self.locate(&sha) {
+                Some(Tier::Ram) => self.ram_path(&sha).expect("RAM files need a RAM tier"),
+                Some(_) => self.disk_path(&sha),
+                None => continue,
+            };
+            let link = root.join(&name);
+            if !link.exists() {
+                std::os::unix::fs::symlink(&target, &link)
+                    .map_err(|e| AgentError::io(format!("linking {} to {}", link.display(), target.display()), e))?;
+            }
+        }
         Ok(slowest)
     }
+
+    /// The sha256 of each converted-weight checkpoint linked in a
+    /// revision's directory (to touch and promote with its weights).
+    pub fn checkpoint_shas(&self, root: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(root).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !is_checkpoint_name(&name) {
+                continue;
+            }
+            if let Some(sha) = std::fs::read_link(e.path())
+                .ok()
+                .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .filter(|n| is_sha256_hex(n))
+            {
+                out.push(sha);
+            }
+        }
+        out
+    }
+
+    /// Converted-weight checkpoints (`*.ckpt`) in a revision's directory:
+    /// a regular file (what an engine wrote there) is taken into the disk
+    /// tier like a downloaded file (hashed, moved in under its sha256,
+    /// evicting least recently used files as a download does) and replaced
+    /// by a link to it; one that does not fit is deleted. Returns each
+    /// checkpoint's file name and sha256. Checkpoints are never pinned: an
+    /// engine reads one only while it starts, and one evicted costs only a
+    /// conversion.
+    pub fn adopt_checkpoints(&self, root: &Path) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(root).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !is_checkpoint_name(&name) {
+                continue;
+            }
+            let path = e.path();
+            let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+            if meta.file_type().is_symlink() {
+                if let Some(sha) = std::fs::read_link(&path)
+                    .ok()
+                    .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .filter(|n| is_sha256_hex(n))
+                {
+                    out.push((name, sha));
+                }
+                continue;
+            }
+            if !meta.is_file() {
+                continue;
+            }
+            match self.adopt_file(&path, &name, meta.len()) {
+                Ok(sha) => {
+                    tracing::info!(file = %path.display(), sha256 = %sha, bytes = meta.len(), "took a checkpoint into the disk tier");
+                    out.push((name, sha));
+                }
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "a checkpoint was not kept");
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        out
+    }
+
+    fn adopt_file(&self, path: &Path, name: &str, size: u64) -> Result<String, AgentError> {
+        use sha2::{Digest, Sha256};
+        use std::io::Read;
+        let io = |what: &str, e: std::io::Error| AgentError::io(format!("{what} {}", path.display()), e);
+        let mut f = std::fs::File::open(path).map_err(|e| io("opening", e))?;
+        let mut h = Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = f.read(&mut buf).map_err(|e| io("reading", e))?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        let sha = hex::encode(h.finalize());
+        if self.locate(&sha).is_some() {
+            std::fs::remove_file(path).map_err(|e| io("removing", e))?;
+        } else {
+            let dest = self.begin_download(&sha, size, name)?;
+            let moved = std::fs::rename(path, &dest);
+            self.end_download(&sha, moved.is_ok());
+            moved.map_err(|e| io("moving", e))?;
+        }
+        // The link replaces the file in one rename: an engine opening the
+        // name meanwhile sees one or the other, both whole.
+        let tmp = path.with_file_name(format!(".{name}.link"));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(self.disk_path(&sha), &tmp).map_err(|e| io("linking", e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io("linking", e))?;
+        Ok(sha)
+    }
+}
+
+/// Whether a file in a model's directory is a converted-weight checkpoint
+/// (`granary engine --checkpoint auto` writes `<model>.granary-<cpu>.ckpt`
+/// there; its temporary files start with a dot).
+pub fn is_checkpoint_name(name: &str) -> bool {
+    name.ends_with(".ckpt") && !name.starts_with('.')
 }
 
 impl Blob {
@@ -589,143 +707,4 @@ pub fn safe_relative(path: &str) -> Result<&Path, AgentError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sha(n: u8) -> String {
-        hex::encode([n; 32])
-    }
-
-    /// Writes a "downloaded" file of `size` bytes through begin/end_download.
-    fn put(t: &Tiers, n: u8, size: usize) -> Result<(), AgentError> {
-        let dest = t.begin_download(&sha(n), size as u64, &format!("file{n}"))?;
-        std::fs::write(&dest, vec![n; size]).unwrap();
-        t.end_download(&sha(n), true);
-        Ok(())
-    }
-
-    fn tiers(dir: &Path, ram: bool, disk_budget: u64, ram_budget: u64) -> Tiers {
-        let cfg = TierConfig {
-            ram_dir: ram.then(|| dir.join("ram")),
-            ram_budget: ByteSize(ram_budget),
-            disk_budget: ByteSize(disk_budget),
-            promote_after: 2,
-            promote_window: Duration::from_secs(60),
-            demote_after: None,
-        };
-        Tiers::open(cfg, &dir.join("cache")).unwrap()
-    }
-
-    #[test]
-    fn disk_evicts_least_recently_used_unpinned_files() {
-        let d = tempfile::tempdir().unwrap();
-        let t = tiers(d.path(), false, 300, 0);
-        put(&t, 1, 100).unwrap();
-        std::thread::sleep(Duration::from_millis(5));
-        put(&t, 2, 100).unwrap();
-        std::thread::sleep(Duration::from_millis(5));
-        put(&t, 3, 100).unwrap();
-        // 1 is the oldest, but a load holds it; 2 is touched: 3 goes.
-        t.pin(&[sha(1)]);
-        std::thread::sleep(Duration::from_millis(5));
-        t.touch(&[sha(2)]);
-        put(&t, 4, 100).unwrap();
-        assert_eq!(t.locate(&sha(1)), Some(Tier::Disk));
-        assert_eq!(t.locate(&sha(2)), Some(Tier::Disk));
-        assert_eq!(t.locate(&sha(3)), None);
-        assert!(!t.disk_path(&sha(3)).exists(), "an evicted file is deleted");
-        assert_eq!(t.status().disk, TierStatus { budget: 300, used: 300, files: 3 });
-
-        // Everything else held: a file that cannot fit is refused, naming the budget.
-        t.pin(&[sha(2), sha(4)]);
-        match put(&t, 5, 10) {
-            Err(AgentError::OverBudget { tier: "disk", budget: 300, pinned: 300, .. }) => {}
-            other => panic!("expected OverBudget, got {other:?}"),
-        }
-        // Larger than the whole budget: refused without evicting anything.
-        t.unpin(&[sha(2), sha(4)]);
-        assert!(matches!(put(&t, 6, 301), Err(AgentError::OverBudget { .. })));
-        assert_eq!(t.status().disk.files, 3);
-    }
-
-    #[test]
-    fn the_index_survives_a_restart_with_recency() {
-        let d = tempfile::tempdir().unwrap();
-        {
-            let t = tiers(d.path(), false, 200, 0);
-            put(&t, 1, 100).unwrap();
-            std::thread::sleep(Duration::from_millis(20));
-            put(&t, 2, 100).unwrap();
-            // An interrupted download's part file is counted and evictable.
-            std::fs::write(crate::download::part_path(&t.disk_path(&sha(9))), vec![0u8; 50]).unwrap();
-        }
-        let t = tiers(d.path(), false, 200, 0);
-        assert_eq!(t.status().disk, TierStatus { budget: 200, used: 250, files: 2 });
-        // Over budget: the part file (oldest? no: written last) and file 1 are the candidates by age.
-        put(&t, 3, 100).unwrap();
-        assert_eq!(t.locate(&sha(1)), None, "the least recently used file went first");
-        assert_eq!(t.locate(&sha(3)), Some(Tier::Disk));
-        assert!(t.status().disk.used <= 200);
-    }
-
-    #[tokio::test]
-    async fn promotion_after_n_loads_and_demotion_under_pressure() {
-        let d = tempfile::tempdir().unwrap();
-        let t = tiers(d.path(), true, 1000, 250);
-        for n in 1..=3 {
-            put(&t, n, 100).unwrap();
-        }
-        // Model a = file 1; b = file 2; c = file 3.
-        assert!(!t.record_load("a"), "one load does not promote");
-        assert!(t.record_load("a"), "the second within the window does");
-        assert!(t.promote(&[sha(1)]).await.unwrap());
-        assert_eq!(t.locate(&sha(1)), Some(Tier::Ram));
-        assert_eq!(std::fs::read(t.ram_path(&sha(1)).unwrap()).unwrap(), vec![1u8; 100]);
-        std::thread::sleep(Duration::from_millis(5));
-        assert!(t.promote(&[sha(2)]).await.unwrap());
-        // RAM holds 200 of 250: promoting c demotes the least recently used, a.
-        std::thread::sleep(Duration::from_millis(5));
-        assert!(t.promote(&[sha(3)]).await.unwrap());
-        assert_eq!(t.locate(&sha(1)), Some(Tier::Disk), "demoted to disk, not lost");
-        assert!(!t.ram_path(&sha(1)).unwrap().exists());
-        assert_eq!(t.locate(&sha(3)), Some(Tier::Ram));
-        assert_eq!(t.status().ram, Some(TierStatus { budget: 250, used: 200, files: 2 }));
-
-        // Held copies are not demoted: a model that only fits by demoting them stays on disk.
-        t.pin(&[sha(2), sha(3)]);
-        assert!(!t.promote(&[sha(1)]).await.unwrap());
-        assert_eq!(t.locate(&sha(1)), Some(Tier::Disk));
-
-        // Materialised: links into the fastest tier of each file.
-        let root = d.path().join("models/m/r");
-        let slowest = t.materialise(&root, &[("w/a.bin".into(), sha(1)), ("b.bin".into(), sha(3))]).unwrap();
-        assert_eq!(slowest, Tier::Disk);
-        assert_eq!(std::fs::read_link(root.join("b.bin")).unwrap(), t.ram_path(&sha(3)).unwrap());
-        assert_eq!(std::fs::read(root.join("w/a.bin")).unwrap(), vec![1u8; 100]);
-        assert!(t.materialise(&root, &[("../x".into(), sha(1))]).is_err(), "no escaping the model directory");
-
-        // A copy deleted behind the agent's back is forgotten, not linked.
-        std::fs::remove_file(t.ram_path(&sha(3)).unwrap()).unwrap();
-        assert_eq!(t.locate(&sha(3)), Some(Tier::Disk));
-        std::fs::remove_file(t.disk_path(&sha(2))).unwrap();
-        std::fs::remove_file(t.ram_path(&sha(2)).unwrap()).unwrap();
-        assert_eq!(t.locate(&sha(2)), None);
-    }
-
-    #[test]
-    fn idle_ram_copies_are_demoted_when_configured() {
-        let d = tempfile::tempdir().unwrap();
-        let mut t = tiers(d.path(), true, 1000, 1000);
-        t.cfg.demote_after = Some(Duration::from_millis(30));
-        put(&t, 1, 10).unwrap();
-        put(&t, 2, 10).unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
-        assert!(rt.block_on(t.promote(&[sha(1), sha(2)])).unwrap());
-        t.pin(&[sha(2)]);
-        assert_eq!(t.demote_idle(), 0, "nothing is idle yet");
-        std::thread::sleep(Duration::from_millis(60));
-        assert_eq!(t.demote_idle(), 1, "the held copy stays");
-        assert_eq!(t.locate(&sha(1)), Some(Tier::Disk));
-        assert_eq!(t.locate(&sha(2)), Some(Tier::Ram));
-    }
-}
+mod tests;

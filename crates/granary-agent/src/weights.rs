@@ -38,12 +38,18 @@ pub struct HeldRevision {
     /// The revision's size, as far as the tiers know its files.
     #[serde(default)]
     pub bytes: u64,
+    /// Where the engine's converted-weight checkpoint of it is (`ram` or
+    /// `disk`); absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<WeightsTier>,
 }
 
 /// The revisions this node has laid out, with their files' sha256.
 #[derive(Default)]
 pub struct Known {
     revisions: Mutex<BTreeMap<(String, String), Vec<String>>>,
+    /// Where they are laid out (`<name>/<rev>/`), for their checkpoints.
+    models_dir: Option<std::path::PathBuf>,
 }
 
 fn is_sha256(s: &str) -> bool {
@@ -56,6 +62,8 @@ fn linked_blobs(dir: &Path, out: &mut Vec<String>, depth: usize) {
     for e in rd.flatten() {
         let p = e.path();
         match std::fs::read_link(&p) {
+            // Checkpoints are a cache beside the weights, not part of them.
+            Ok(_) if crate::tiers::is_checkpoint_name(&e.file_name().to_string_lossy()) => {}
             Ok(target) => {
                 if let Some(name) = target.file_name().and_then(|n| n.to_str()).filter(|n| is_sha256(n)) {
                     out.push(name.to_string());
@@ -84,7 +92,7 @@ impl Known {
                 }
             }
         }
-        Known { revisions: Mutex::new(map) }
+        Known { revisions: Mutex::new(map), models_dir: Some(models_dir.to_path_buf()) }
     }
 
     /// Records a revision a load laid out.
@@ -113,7 +121,16 @@ impl Known {
                         }
                     }
                 }
-                HeldRevision { model, revision, tier, bytes }
+                let checkpoint = self
+                    .models_dir
+                    .as_ref()
+                    .map(|d| tiers.checkpoint_shas(&d.join(&model).join(&revision)))
+                    .unwrap_or_default()
+                    .iter()
+                    .filter_map(|s| tiers.locate(s))
+                    .min()
+                    .map(|t| if t == Tier::Ram { WeightsTier::Ram } else { WeightsTier::Disk });
+                HeldRevision { model, revision, tier, bytes, checkpoint }
             })
             .collect()
     }
@@ -157,8 +174,20 @@ mod tests {
         let again = Known::scan(&d.path().join("models"));
         assert_eq!(
             again.report(&tiers),
-            [HeldRevision { model: "m".into(), revision: "r1".into(), tier: WeightsTier::Ram, bytes: 13 }]
+            [HeldRevision {
+                model: "m".into(),
+                revision: "r1".into(),
+                tier: WeightsTier::Ram,
+                bytes: 13,
+                checkpoint: None
+            }]
         );
+        // A checkpoint an engine left beside the weights is reported with
+        // its tier, apart from the weights' own.
+        std::fs::write(root.join("w.gguf.granary-portable.ckpt"), b"converted").unwrap();
+        assert_eq!(tiers.adopt_checkpoints(&root).len(), 1);
+        let r = again.report(&tiers);
+        assert_eq!((r[0].checkpoint, r[0].tier, r[0].bytes), (Some(WeightsTier::Disk), WeightsTier::Ram, 13), "{r:?}");
         // A file gone from every tier: a load would download it.
         std::fs::remove_file(d.path().join("ram/blobs/sha256").join(&b)).unwrap();
         std::fs::remove_file(disk.join(&b)).unwrap();

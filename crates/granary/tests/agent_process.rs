@@ -217,6 +217,18 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     assert_eq!(v["fetch_ms"], 0, "nothing to download: {v}");
     assert!(v["engine_ms"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(agent.status()["loads"][0]["upstream"], v["upstream"], "status keeps the last load");
+    // The converted-weight checkpoint an earlier start wrote beside the
+    // weights was taken into the disk tier, and this start loaded it.
+    let rev_dir = cache_dir.join("models").join(MODEL).join("0.1.2");
+    let checkpoint = std::fs::read_dir(&rev_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "ckpt"))
+        .expect("a checkpoint beside the weights");
+    let target = std::fs::read_link(&checkpoint).expect("the checkpoint is a link into the tiers");
+    assert!(target.starts_with(&cache_dir), "{target:?} is in the disk tier");
+    let (_, logs) = agent.call("GET", &format!("/models/{MODEL}/logs"), None, Some(TOKEN));
+    assert!(logs.lines().any(|l| l.contains("granary: loaded") && l.ends_with("checkpoint loaded")), "{logs}");
     assert_eq!(agent.json("POST", &format!("/models/{MODEL}/unload"), None).0, 200);
     let v = agent.load();
     assert_eq!(v["tier"], "ram", "{v}");
@@ -228,12 +240,13 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
         common::files_under(model.parent().unwrap()).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
     assert_eq!(
         st["weights"],
-        json!([{"model": MODEL, "revision": "0.1.2", "tier": "ram", "bytes": weights_bytes}]),
+        json!([{"model": MODEL, "revision": "0.1.2", "tier": "ram", "bytes": weights_bytes, "checkpoint": "ram"}]),
         "{st}"
     );
     let gguf = model.file_name().unwrap();
     let link = cache_dir.join("models").join(MODEL).join("0.1.2").join(gguf);
     assert!(std::fs::read_link(&link).unwrap().starts_with(&ram_dir), "{link:?} points into the RAM tier");
+    assert!(std::fs::read_link(&checkpoint).unwrap().starts_with(&ram_dir), "the checkpoint is promoted with it");
 }
 
 #[test]

@@ -20,7 +20,8 @@
 //!   ([`key`]);
 //! - the size and modification time of every source file are those it
 //!   recorded (the model fingerprint stored in it is then the one those
-//!   files hash to, so they need not be read);
+//!   files hash to, so they need not be read); for a link into a
+//!   content-addressed store, the size and the sha256 its target is named by;
 //! - its header's blake3, and its data's blake3 (computed while the data
 //!   is read, as the model loader computes the fingerprint), match.
 //!
@@ -104,12 +105,23 @@ pub(crate) struct Stamp {
     mtime_ns: i128,
 }
 
+/// A file's stamp. A link into a content-addressed store (a file named by
+/// the sha256 of its bytes, as the node agent's tiers keep weights) is
+/// stamped by that name instead of its time: such a store touches files
+/// to track recency and moves them between tiers, neither of which
+/// changes their bytes.
 fn stamp(path: &Path) -> Result<Stamp> {
     let m = std::fs::metadata(path).with_context(|| format!("stat {}", path.display()))?;
-    Ok(Stamp {
-        name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
-        len: m.len(),
-        mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let target = std::fs::symlink_metadata(path)
+        .ok()
+        .filter(|l| l.file_type().is_symlink())
+        .and_then(|_| std::fs::canonicalize(path).ok())
+        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .filter(|n| n.len() == 64 && n.bytes().all(|b| b.is_ascii_hexdigit()));
+    Ok(match target {
+        Some(sha) => Stamp { name: format!("{name}@sha256:{}", sha.to_ascii_lowercase()), len: m.len(), mtime_ns: 0 },
+        None => Stamp { name, len: m.len(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128 },
     })
 }
 
@@ -222,14 +234,22 @@ impl Item<'_> {
     /// (dtype, dims, len, bytes).
     fn describe(&self) -> Result<(String, Vec<usize>, usize, u64)> {
         Ok(match self {
-            Item::Tensor(t) => {
-                (tensor_dtype(t)?.into(), t.dims().to_vec(), t.elem_count(), (t.elem_count() * t.dtype().size_in_bytes()) as u64)
-            }
+            Item::Tensor(t) => (
+                tensor_dtype(t)?.into(),
+                t.dims().to_vec(),
+                t.elem_count(),
+                (t.elem_count() * t.dtype().size_in_bytes()) as u64,
+            ),
             Item::Floats(v, dims) => ("F32".into(), dims.clone(), v.len(), (v.len() * 4) as u64),
             Item::Bytes(v, dims) => ("U8".into(), dims.clone(), v.len(), v.len() as u64),
             Item::Quant(q) => {
                 let blocks = q.shape().elem_count() / q.dtype().block_size();
-                (format!("ggml:{:?}", q.dtype()), q.shape().dims().to_vec(), blocks, (blocks * q.dtype().type_size()) as u64)
+                (
+                    format!("ggml:{:?}", q.dtype()),
+                    q.shape().dims().to_vec(),
+                    blocks,
+                    (blocks * q.dtype().type_size()) as u64,
+                )
             }
         })
     }
@@ -553,7 +573,9 @@ pub(crate) fn load(
             }
             Buf::Quant(QBuf::new(g, e.len), g, e.dims.clone())
         } else if let Some((d, size)) = plain_dtype(&e.dtype) {
-            if e.bytes != (e.len * size) as u64 || e.dims.iter().product::<usize>() != e.len && d != safetensors::Dtype::U8 {
+            if e.bytes != (e.len * size) as u64
+                || e.dims.iter().product::<usize>() != e.len && d != safetensors::Dtype::U8
+            {
                 return Err(unusable(format!("entry {}: sizes do not agree", e.name)));
             }
             Buf::Plain(TBuf::new(d, e.len, e.bytes as usize), d, e.dims.clone())
@@ -726,11 +748,9 @@ impl Parts {
         let dense = self.tensor_opt(&format!("{p}.dense"))?;
         let quant = if self.has(&format!("{p}.quant")) {
             match self.take(&format!("{p}.quant"))? {
-                Buf::Quant(b, g, dims) => Some(QMatMul::QTensor(std::sync::Arc::new(b.into_qtensor(
-                    g,
-                    dims,
-                    &candle_core::Device::Cpu,
-                )?))),
+                Buf::Quant(b, g, dims) => {
+                    Some(QMatMul::QTensor(std::sync::Arc::new(b.into_qtensor(g, dims, &candle_core::Device::Cpu)?)))
+                }
                 _ => bail!("{p}.quant is not quantized"),
             }
         } else if let Some(t) = self.tensor_opt(&format!("{p}.quant_tensor"))? {

@@ -281,7 +281,12 @@ impl QBuf {
     }
 
     /// The candle storage owning this very buffer (host), or a device copy.
-    pub(super) fn into_qtensor(self, dtype: GgmlDType, dims: Vec<usize>, device: &Device) -> candle_core::Result<QTensor> {
+    pub(super) fn into_qtensor(
+        self,
+        dtype: GgmlDType,
+        dims: Vec<usize>,
+        device: &Device,
+    ) -> candle_core::Result<QTensor> {
         if !device.is_cpu() {
             return candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, self.bytes(), dims, device);
         }
@@ -338,7 +343,12 @@ impl TBuf {
     }
 
     /// A tensor owning this very buffer (host), or a device copy.
-    pub(super) fn into_tensor(self, dtype: safetensors::Dtype, shape: &[usize], device: &Device) -> candle_core::Result<Tensor> {
+    pub(super) fn into_tensor(
+        self,
+        dtype: safetensors::Dtype,
+        shape: &[usize],
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
         let host = Device::Cpu;
         let t = match self {
             TBuf::U8(v, _) => Tensor::from_vec(v, shape, &host)?,

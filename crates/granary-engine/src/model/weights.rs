@@ -11,8 +11,8 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use super::linear::{Linear, Proj};
 use super::checkpoint::{self, CheckpointUse};
+use super::linear::{Linear, Proj};
 use super::{config, load, Layer, LoadOptions, LoadStats, Loader, Model, ModelConfig, ReadOptions, Rope};
 
 /// Where weight tensors come from while building a [`Model`].
@@ -219,8 +219,11 @@ impl Model {
                 Err(miss) => used = miss.into(),
             }
         }
-        let (mut model, mut stats) =
-            if path.is_dir() { Self::load_safetensors_dir_timed(path, opts)? } else { Self::load_gguf_timed(path, opts)? };
+        let (mut model, mut stats) = if path.is_dir() {
+            Self::load_safetensors_dir_timed(path, opts)?
+        } else {
+            Self::load_gguf_timed(path, opts)?
+        };
         model.stamps = stamps;
         stats.checkpoint = used;
         Ok((model, stats))

@@ -19,7 +19,7 @@ const TIER_NAMES: [&str; 3] = ["ram", "disk", "none"];
 
 /// How good an agent is for a load, lower first: the weights' tier, the
 /// engines it runs, then its free memory (more first).
-type PlacementRank = (u8, usize, std::cmp::Reverse<u64>);
+type PlacementRank = (u8, bool, usize, std::cmp::Reverse<u64>);
 
 /// A load in progress, as its waiters see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,8 +116,9 @@ pub(super) struct LoadTarget {
 
 impl Agents {
     /// Live agents listing `model`, best first: weights in RAM, then on
-    /// disk, then elsewhere; then fewest engines; then most free memory
-    /// (`placement = "fewest_engines"`: the weights' tier is not looked at).
+    /// disk, then elsewhere, those with a converted-weight checkpoint first
+    /// within a tier; then fewest engines; then most free memory
+    /// (`placement = "fewest_engines"`: where the weights are is not looked at).
     pub(super) fn load_targets(&self, model: &str) -> Vec<LoadTarget> {
         let now = Instant::now();
         let st = self.state.lock();
@@ -126,21 +127,24 @@ impl Agents {
             .filter(|(_, a)| self.live(a, now) && a.models.iter().any(|m| m == model))
             .map(|(id, a)| {
                 let tier = a.weights.get(model).copied().unwrap_or(2).min(2);
-                let key = if self.cfg.placement == Placement::Locality { tier } else { 0 };
-                ((key, a.engines.len(), std::cmp::Reverse(a.free_memory)), id, a)
+                let locality = self.cfg.placement == Placement::Locality;
+                let key = if locality { tier } else { 0 };
+                let converts = locality && !a.checkpoints.contains(model);
+                ((key, converts, a.engines.len(), std::cmp::Reverse(a.free_memory)), id, a)
             })
             .collect();
         found.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(y.1)));
         found
             .into_iter()
-            .map(|((_, engines, free), id, a)| {
+            .map(|((_, _, engines, free), id, a)| {
                 let tier = a.weights.get(model).copied().unwrap_or(2).min(2);
+                let checkpoint = if a.checkpoints.contains(model) { " + checkpoint" } else { "" };
                 LoadTarget {
                     agent_id: id.clone(),
                     url: a.url.clone(),
                     token: a.token.clone(),
                     why: format!(
-                        "{id} (weights: {}, {engines} engine(s), {} MiB free)",
+                        "{id} (weights: {}{checkpoint}, {engines} engine(s), {} MiB free)",
                         TIER_NAMES[tier as usize],
                         free.0 >> 20
                     ),

@@ -117,6 +117,10 @@ pub struct WeightsReport {
     /// The revision's size (0: not reported).
     #[serde(default)]
     pub bytes: u64,
+    /// Where the engine's converted-weight checkpoint of it is (`ram`,
+    /// `disk`); absent: none, so a start converts the weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
 }
 
 impl WeightsReport {
@@ -268,6 +272,9 @@ struct Agent {
     last_seen_ms: i64,
     /// Per model, the closest tier holding its weights (0 RAM, 1 disk).
     weights: HashMap<String, u8>,
+    /// Models whose weights it holds with a converted-weight checkpoint
+    /// (a start that converts nothing).
+    checkpoints: std::collections::HashSet<String>,
     /// Free memory for an engine, bytes (0: not reported).
     free_memory: u64,
     /// Bytes it may stage for prefetches (its RAM tier's room, free host
@@ -415,14 +422,19 @@ impl Gateway {
                     last_seen: now,
                     last_seen_ms: now_ms(),
                     weights: HashMap::new(),
+                    checkpoints: Default::default(),
                     free_memory: 0,
                     prefetch_room: None,
                 }
             });
             agent.weights.clear();
+            agent.checkpoints.clear();
             for w in &hb.weights {
                 let r = agent.weights.entry(w.model.clone()).or_insert(u8::MAX);
                 *r = (*r).min(w.rank());
+                if w.rank() < 2 && w.checkpoint.is_some() {
+                    agent.checkpoints.insert(w.model.clone());
+                }
             }
             agent.free_memory = hb.resources.as_ref().map_or(0, ResourcesReport::free);
             let host_free = hb.resources.as_ref().map(|r| r.host_memory_free).filter(|&n| n > 0);

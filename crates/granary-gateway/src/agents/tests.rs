@@ -61,8 +61,9 @@ fn hb(agent: &str, engines: &[(&str, String, bool)], models: &[&str]) -> Heartbe
 #[tokio::test]
 async fn loads_go_where_the_weights_are_closest() {
     let gw = gateway(|_| {}).await;
-    let weights =
-        |tier: &str| vec![WeightsReport { model: "m".into(), revision: "r1".into(), tier: tier.into(), bytes: 0 }];
+    let weights = |tier: &str| {
+        vec![WeightsReport { model: "m".into(), revision: "r1".into(), tier: tier.into(), bytes: 0, checkpoint: None }]
+    };
     let free = |mib: u64| Some(ResourcesReport { host_memory_free: mib << 20, gpus: vec![] });
     // far: nothing here, idle, most memory; disk: weights on disk, one
     // engine; ram: weights in RAM, two engines; ram2: the same with less memory.
@@ -80,20 +81,43 @@ async fn loads_go_where_the_weights_are_closest() {
         ..hb("ram2", &two_more, &["m", "x", "y"])
     })
     .unwrap();
+    // disk-ck: weights on disk with the engine's converted-weight
+    // checkpoint, but busier than disk: it starts without converting.
+    let three = vec![
+        ("x", "http://127.0.0.1:15".to_string(), true),
+        ("y", "http://127.0.0.1:16".to_string(), true),
+        ("z", "http://127.0.0.1:17".to_string(), true),
+    ];
+    let mut with_checkpoint = weights("disk");
+    with_checkpoint[0].checkpoint = Some("disk".into());
+    gw.heartbeat(Heartbeat {
+        weights: with_checkpoint,
+        resources: free(1_000),
+        ..hb("disk-ck", &three, &["m", "x", "y", "z"])
+    })
+    .unwrap();
     let order: Vec<String> = gw.agents.load_targets("m").into_iter().map(|t| t.agent_id).collect();
-    assert_eq!(order, ["ram", "ram2", "disk", "far"]);
+    assert_eq!(order, ["ram", "ram2", "disk-ck", "disk", "far"]);
     let why = gw.agents.load_targets("m")[0].why.clone();
     assert_eq!(why, "ram (weights: ram, 2 engine(s), 4000 MiB free)");
+    let why = gw.agents.load_targets("m")[2].why.clone();
+    assert_eq!(why, "disk-ck (weights: disk + checkpoint, 3 engine(s), 1000 MiB free)");
     // Without locality reports, fewest engines first (then the name).
     let order: Vec<String> = gw.agents.load_targets("x").into_iter().map(|t| t.agent_id).collect();
-    assert_eq!(order, ["disk", "ram", "ram2"]);
+    assert_eq!(order, ["disk", "ram", "ram2", "disk-ck"]);
 }
 
 /// `placement = "fewest_engines"`: the weights' tier is not looked at.
 #[tokio::test]
 async fn fewest_engines_placement_ignores_the_weights() {
     let gw = gateway(|c| c.gateway.agents.placement = crate::config::Placement::FewestEngines).await;
-    let weights = vec![WeightsReport { model: "m".into(), revision: "r1".into(), tier: "ram".into(), bytes: 0 }];
+    let weights = vec![WeightsReport {
+        model: "m".into(),
+        revision: "r1".into(),
+        tier: "ram".into(),
+        bytes: 0,
+        checkpoint: None,
+    }];
     let free = |mib: u64| Some(ResourcesReport { host_memory_free: mib << 20, gpus: vec![] });
     let one = vec![("x", "http://127.0.0.1:10".to_string(), true)];
     gw.heartbeat(Heartbeat { weights, resources: free(8_000), ..hb("ram", &one, &["m", "x"]) }).unwrap();
@@ -132,7 +156,13 @@ async fn heartbeat_answers_name_the_models_to_prefetch() {
     let count = |event: &str| gw.metrics.prefetch.get_or_create(&vec![("event", event.to_string())]).get();
     gw.prefetch_for("n1");
     assert_eq!(count("asked"), 2, "asked once per agent and model");
-    let in_ram = |m: &str| WeightsReport { model: m.into(), revision: "r".into(), tier: "ram".into(), bytes: 100 };
+    let in_ram = |m: &str| WeightsReport {
+        model: m.into(),
+        revision: "r".into(),
+        tier: "ram".into(),
+        bytes: 100,
+        checkpoint: None,
+    };
     gw.heartbeat(Heartbeat {
         weights: vec![in_ram("b")],
         resources: free,

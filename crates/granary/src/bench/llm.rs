@@ -44,6 +44,7 @@ pub fn load(source: &str) -> Result<Loaded> {
         trust_namespace_header: false,
         tokenizer: None,
         sampling: None,
+        checkpoint: "auto".into(),
     };
     let (model, tokenizer, id) = tokio::task::block_in_place(|| crate::engine::load(&args))?;
     let path = model.source().to_path_buf();

@@ -21,10 +21,16 @@
 //!   overlapped with the reads), as `Model::load` runs it;
 //! - for real models (the GGUF, `--path` entries with a config): a whole
 //!   `Model::load_timed`, split into the read and the conversion that
-//!   follows (dequantizing, fusing, int8 tiles), which is not weight loading.
+//!   follows (dequantizing, fusing, int8 tiles), which is not weight loading;
+//!   the same through the naive reader (the naive read-and-convert path);
+//!   and from a converted-weight checkpoint written once before the runs
+//!   (`model::checkpoint`: header, parallel read with its checksum, no
+//!   conversion), next to the raw anchor over the checkpoint's own bytes.
 //!
 //! Figures are medians over `--runs`; GB/s is the file's bytes over the
-//! time (10^9 bytes). Goals: parallel at least 0.8x raw and 3x naive.
+//! time (10^9 bytes). Goals: parallel at least 0.8x raw and 3x naive; a
+//! checkpoint load within 1.2x the raw read of its bytes and at least 5x
+//! faster than the naive read-and-convert path.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -36,7 +42,7 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 use granary_core::ByteSize;
 use granary_engine::model::load::{self, ReadOptions};
-use granary_engine::model::{LoadOptions, Loader, Model};
+use granary_engine::model::{CheckpointUse, LoadOptions, Loader, Model};
 use granary_engine::source::ModelSource;
 use plotters::prelude::*;
 use rand::rngs::StdRng;
@@ -49,6 +55,10 @@ use super::warehouse::report::{bar, byte_bar, command_line, utc_timestamp, Goal,
 
 const RAW_GOAL: f64 = 0.8;
 const NAIVE_GOAL: f64 = 3.0;
+/// A checkpoint load at most this many times the raw read of its bytes.
+const CHECKPOINT_RAW_GOAL: f64 = 1.2;
+/// A checkpoint load at least this many times faster than naive read-and-convert.
+const CHECKPOINT_NAIVE_GOAL: f64 = 5.0;
 /// fio's block size and the fallback's buffer: the loader's largest read.
 const RAW_BLOCK: usize = 16 << 20;
 
@@ -122,6 +132,8 @@ struct Case {
     /// A model `Model::load` can build (GGUF or a directory with config.json).
     model_path: Option<PathBuf>,
     tensors: usize,
+    /// The model's converted-weight checkpoint, written before the runs.
+    checkpoint: Option<PathBuf>,
 }
 
 /// One pass: seconds and the share of the files cached when it started.
@@ -145,6 +157,13 @@ struct Runs {
     parallel: Vec<Pass>,
     parallel_fingerprint: Vec<Pass>,
     engine: Vec<EngineLoad>,
+    /// `Model::load_timed` through the naive reader: read, then convert.
+    naive_engine: Vec<EngineLoad>,
+    /// The raw anchor over the checkpoint file.
+    checkpoint_raw: Vec<Pass>,
+    /// `Model::load_timed` from the checkpoint (read_ms: header and read,
+    /// convert_ms: putting the buffers together).
+    checkpoint: Vec<EngineLoad>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -159,6 +178,10 @@ struct Medians {
     max_cached: f64,
     engine_read_ms: Option<f64>,
     engine_convert_ms: Option<f64>,
+    naive_engine_ms: Option<f64>,
+    checkpoint_bytes: Option<u64>,
+    checkpoint_raw_ms: Option<f64>,
+    checkpoint_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -237,7 +260,12 @@ fn run_blocking(args: Args) -> Result<()> {
         cases.push(external(p)?);
     }
 
-    let passes = cases.iter().map(|c| if c.model_path.is_some() { 5 } else { 4 }).sum::<usize>() * runs;
+    for case in cases.iter_mut() {
+        if let Some(path) = case.model_path.clone() {
+            case.checkpoint = Some(write_checkpoint(&path, scratch.path(), &read)?);
+        }
+    }
+    let passes = cases.iter().map(|c| if c.model_path.is_some() { 8 } else { 4 }).sum::<usize>() * runs;
     let pb = bar(passes as u64, "load");
     let mut results = Vec::new();
     for case in cases {
@@ -254,7 +282,17 @@ fn run_blocking(args: Args) -> Result<()> {
             r.parallel_fingerprint.push(timed(&case, || parallel(&case, &with_fp))?);
             pb.inc(1);
             if let Some(path) = &case.model_path {
-                r.engine.push(engine_load(&case, path, &read)?);
+                r.engine.push(engine_load(&case, path, Loader::Parallel(read.clone()), None)?);
+                pb.inc(1);
+                r.naive_engine.push(engine_load(&case, path, Loader::Naive, None)?);
+                pb.inc(1);
+            }
+            if let (Some(path), Some(ck)) = (&case.model_path, &case.checkpoint) {
+                let ck_case = Case { files: vec![ck.clone()], ..case.clone() };
+                r.checkpoint_raw.push(raw_pass(&ck_case, fio.is_some())?);
+                pb.inc(1);
+                drop_all(&ck_case)?;
+                r.checkpoint.push(engine_load(&case, path, Loader::Parallel(read.clone()), Some(ck))?);
                 pb.inc(1);
             }
             let last = |v: &[Pass]| v.last().map_or(0.0, |p| case.bytes as f64 / p.secs / 1e9);
@@ -383,7 +421,7 @@ fn external(p: &Path) -> Result<Case> {
         bail!("{}: expected a .gguf or .safetensors file, or a directory of safetensors", p.display());
     };
     let bytes = files.iter().map(|f| std::fs::metadata(f).map(|m| m.len())).sum::<std::io::Result<u64>>()?;
-    Ok(Case { label, format, files, bytes, model_path, tensors: 0 })
+    Ok(Case { label, format, files, bytes, model_path, tensors: 0, checkpoint: None })
 }
 
 /// Shapes of a Llama-like model (grouped-query attention, 4 query heads
@@ -468,6 +506,7 @@ fn write_synthetic(dir: &Path, bytes: u64, dtype: SynthDtype, seed: u64) -> Resu
         bytes,
         model_path: None,
         tensors: tensors.len(),
+        checkpoint: None,
     })
 }
 
@@ -504,17 +543,38 @@ fn parallel(case: &Case, opts: &ReadOptions) -> Result<usize> {
     })
 }
 
-/// A whole `Model::load_timed`, page cache dropped first.
-fn engine_load(case: &Case, path: &Path, read: &ReadOptions) -> Result<EngineLoad> {
-    let cached = drop_all(case)?;
-    let opts = LoadOptions { loader: Loader::Parallel(read.clone()), ..Default::default() };
+/// A whole `Model::load_timed`, page cache dropped first (the checkpoint's
+/// too, when one is given: then the load must come from it).
+fn engine_load(case: &Case, path: &Path, loader: Loader, checkpoint: Option<&Path>) -> Result<EngineLoad> {
+    let mut cached = drop_all(case)?;
+    if let Some(ck) = checkpoint {
+        drop_from_page_cache(ck)?;
+        cached = cached.max(resident_share(&[ck.to_path_buf()]));
+    }
+    let opts = LoadOptions { loader, checkpoint: checkpoint.map(Path::to_path_buf), ..Default::default() };
     let (model, stats) = Model::load_timed(path, &opts).with_context(|| format!("loading {}", path.display()))?;
     drop(model);
+    if checkpoint.is_some() {
+        ensure!(stats.checkpoint == CheckpointUse::Loaded, "{}: checkpoint {}", case.label, stats.checkpoint);
+    }
     Ok(EngineLoad {
         read_ms: stats.read.total().as_secs_f64() * 1e3,
         convert_ms: stats.convert.as_secs_f64() * 1e3,
         cached,
     })
+}
+
+/// Converts the model once and writes its checkpoint into `dir`.
+fn write_checkpoint(path: &Path, dir: &Path, read: &ReadOptions) -> Result<PathBuf> {
+    let ck = dir.join(format!(
+        "{}.ckpt",
+        path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+    ));
+    let opts = LoadOptions { loader: Loader::Parallel(read.clone()), ..Default::default() };
+    let (model, _) = Model::load_timed(path, &opts).with_context(|| format!("loading {}", path.display()))?;
+    let bytes = model.save_checkpoint(&ck).with_context(|| format!("writing {}", ck.display()))?;
+    eprintln!("load: wrote the checkpoint {} ({})", ck.display(), size(bytes));
+    Ok(ck)
 }
 
 /// The raw anchor over every file of the case: one pass, bytes over time.
@@ -579,6 +639,13 @@ fn medians(case: &Case, r: &Runs) -> Medians {
         max_cached,
         engine_read_ms: engine(|e| e.read_ms),
         engine_convert_ms: engine(|e| e.convert_ms),
+        naive_engine_ms: (!r.naive_engine.is_empty())
+            .then(|| median(&r.naive_engine.iter().map(|e| e.read_ms + e.convert_ms).collect::<Vec<_>>())),
+        checkpoint_bytes: case.checkpoint.as_ref().and_then(|p| std::fs::metadata(p).ok()).map(|m| m.len()),
+        checkpoint_raw_ms: (!r.checkpoint_raw.is_empty())
+            .then(|| median(&r.checkpoint_raw.iter().map(|p| p.secs * 1e3).collect::<Vec<_>>())),
+        checkpoint_ms: (!r.checkpoint.is_empty())
+            .then(|| median(&r.checkpoint.iter().map(|e| e.read_ms + e.convert_ms).collect::<Vec<_>>())),
     }
 }
 
@@ -598,6 +665,20 @@ fn goals(results: &[CaseResult]) -> Vec<Goal> {
             m.vs_naive >= NAIVE_GOAL,
             format!("{:.2} vs {:.2} GB/s ({:.2}x)", m.parallel_gbps, m.naive_gbps, m.vs_naive),
         ));
+        if let (Some(ck), Some(raw), Some(naive)) = (m.checkpoint_ms, m.checkpoint_raw_ms, m.naive_engine_ms) {
+            g.push(Goal::new(
+                "load",
+                format!("{}: checkpoint load <= {CHECKPOINT_RAW_GOAL}x the raw read of its bytes", r.case.label),
+                ck <= CHECKPOINT_RAW_GOAL * raw,
+                format!("{ck:.1} vs {raw:.1} ms ({:.2}x)", ck / raw),
+            ));
+            g.push(Goal::new(
+                "load",
+                format!("{}: checkpoint load >= {CHECKPOINT_NAIVE_GOAL}x naive read-and-convert", r.case.label),
+                naive >= CHECKPOINT_NAIVE_GOAL * ck,
+                format!("{ck:.1} vs {naive:.1} ms ({:.2}x)", naive / ck),
+            ));
+        }
     }
     g
 }
@@ -650,6 +731,36 @@ fn tables(r: &Report) -> Vec<Table> {
                 format!("{conv:.1}"),
                 format!("{:.1}", read + conv),
                 format!("{:.0}%", conv / (read + conv) * 100.0),
+            ]);
+        }
+        out.push(e);
+    }
+    if r.cases.iter().any(|c| c.median.checkpoint_ms.is_some()) {
+        let mut e = Table::new(
+            "load: the converted-weight checkpoint against converting (page cache dropped), ms (median): naive read-and-convert, the parallel read then convert, and a load from the checkpoint next to the raw anchor over its bytes",
+            &["weights", "naive + convert", "parallel + convert", "checkpoint size", "raw read of it", "checkpoint load", "vs raw", "vs naive"],
+        );
+        for c in &r.cases {
+            let m = &c.median;
+            let (Some(naive), Some(read), Some(conv), Some(bytes), Some(raw), Some(ck)) = (
+                m.naive_engine_ms,
+                m.engine_read_ms,
+                m.engine_convert_ms,
+                m.checkpoint_bytes,
+                m.checkpoint_raw_ms,
+                m.checkpoint_ms,
+            ) else {
+                continue;
+            };
+            e.row(vec![
+                c.case.label.clone(),
+                format!("{naive:.1}"),
+                format!("{:.1}", read + conv),
+                size(bytes),
+                format!("{raw:.1}"),
+                format!("{ck:.1}"),
+                format!("{:.2}x", ck / raw),
+                format!("{:.1}x faster", naive / ck),
             ]);
         }
         out.push(e);

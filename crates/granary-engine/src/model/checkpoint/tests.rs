@@ -96,7 +96,11 @@ fn the_default_model_round_trips_and_bad_checkpoints_fall_back() {
     std::fs::write(&ck, &good).unwrap();
     let other = LoadOptions { tensor_ops: true, ..opts(&ck) };
     let (_, stats) = Model::load_timed(&path, &other).unwrap();
-    assert!(matches!(&stats.checkpoint, CheckpointUse::Stale(w) if w.contains("tensor_ops=true")), "{}", stats.checkpoint);
+    assert!(
+        matches!(&stats.checkpoint, CheckpointUse::Stale(w) if w.contains("tensor_ops=true")),
+        "{}",
+        stats.checkpoint
+    );
 
     // The model file changed (a new modification time) after it was written.
     let (_, u) = used(&path, &ck);
@@ -120,4 +124,39 @@ fn no_checkpoint_is_read_or_written_when_none_is_asked_for() {
     assert_eq!(stats.checkpoint, CheckpointUse::Off);
     assert!(!stats.checkpoint.wants_write());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
+
+#[test]
+fn a_link_into_a_content_addressed_store_is_stamped_by_its_hash_not_its_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let blobs = dir.path().join("blobs");
+    std::fs::create_dir(&blobs).unwrap();
+    let sha = "ab".repeat(32);
+    let blob = blobs.join(&sha);
+    std::fs::write(&blob, b"weights").unwrap();
+    let link = dir.path().join("model.gguf");
+    std::os::unix::fs::symlink(&blob, &link).unwrap();
+    let before = stamps(&link).unwrap();
+    // Touched (recency) and copied to another tier under the same name.
+    let f = std::fs::File::options().write(true).open(&blob).unwrap();
+    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(60)).unwrap();
+    drop(f);
+    assert_eq!(stamps(&link).unwrap(), before);
+    let ram = dir.path().join("ram");
+    std::fs::create_dir(&ram).unwrap();
+    std::fs::copy(&blob, ram.join(&sha)).unwrap();
+    std::fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink(ram.join(&sha), &link).unwrap();
+    assert_eq!(stamps(&link).unwrap(), before);
+    // Other content is another name: a different stamp.
+    let other = blobs.join("cd".repeat(32));
+    std::fs::write(&other, b"weights").unwrap();
+    std::fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink(&other, &link).unwrap();
+    assert_ne!(stamps(&link).unwrap(), before);
+    // A plain file is stamped by its time.
+    let plain = dir.path().join("plain.gguf");
+    std::fs::write(&plain, b"weights").unwrap();
+    let s = stamps(&plain).unwrap();
+    assert!(s[0].mtime_ns > 0 && s[0].name == "plain.gguf", "{s:?}");
 }

@@ -485,6 +485,7 @@ impl Setup {
         run.ready_ms = ready["ready_ms"].as_f64().unwrap_or(0.0);
         run.weights_bytes = stats.weights_bytes;
         run.loader = stats.loader;
+        run.checkpoint = stats.checkpoint;
         Ok(run)
     }
 }

@@ -32,6 +32,8 @@ pub(super) struct Run {
     pub(super) ready_ms: f64,
     pub(super) weights_bytes: u64,
     pub(super) loader: String,
+    /// What became of the engine's converted-weight checkpoint (`loaded`, `missing`, ...).
+    pub(super) checkpoint: String,
 }
 
 impl Run {
@@ -102,6 +104,7 @@ pub(super) fn median_run(tier: TierName, runs: &[Run]) -> Run {
         ready_ms: m(|r| r.ready_ms),
         weights_bytes: runs.first().map_or(0, |r| r.weights_bytes),
         loader: runs.first().map_or_else(String::new, |r| r.loader.clone()),
+        checkpoint: runs.first().map_or_else(String::new, |r| r.checkpoint.clone()),
     }
 }
 
@@ -119,6 +122,7 @@ pub(super) fn tables(r: &Report) -> Vec<Table> {
             "load (agent)",
             "download",
             "engine start→healthy",
+            "weights from",
             "weights read",
             "read GB/s",
             "conversion",
@@ -134,6 +138,7 @@ pub(super) fn tables(r: &Report) -> Vec<Table> {
             format!("{:.0}", m.load_ms),
             format!("{:.0}", m.fetch_ms),
             format!("{:.0}", m.engine_ms),
+            m.loader.clone(),
             format!("{:.1}", m.read_ms),
             format!("{:.2}", m.weights_bytes as f64 / (m.read_ms / 1e3).max(1e-9) / 1e9),
             format!("{:.0}", m.convert_ms),
