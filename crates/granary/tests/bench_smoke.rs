@@ -320,8 +320,9 @@ fn routing_quick_run_ranks_kv_aware_above_round_robin() {
 }
 
 /// `granary bench load --quick` on the default model's GGUF and an 8 MiB
-/// synthetic checkpoint: one run, the table, the goal lines (two per file),
-/// the conversion table, JSON with every figure positive, the chart, and
+/// synthetic checkpoint: one run, the table, the goal lines (two per file,
+/// two more for the model's converted-weight checkpoint), the conversion
+/// and checkpoint tables, JSON with every figure positive, the chart, and
 /// nothing left in the scratch directory.
 #[test]
 fn load_quick_run_prints_its_table_and_goals() {
@@ -349,10 +350,13 @@ fn load_quick_run_prints_its_table_and_goals() {
     assert!(stdout.contains("conversion"), "{stdout}");
     let goal_lines: Vec<&str> =
         stdout.lines().filter(|l| l.starts_with("PASS load") || l.starts_with("MISS load")).collect();
-    assert_eq!(goal_lines.len(), 4, "{stdout}");
+    assert_eq!(goal_lines.len(), 6, "{stdout}");
     assert!(
         goal_lines.iter().any(|l| l.contains("0.8x raw disk")) && goal_lines.iter().any(|l| l.contains("3x naive"))
     );
+    assert!(goal_lines.iter().any(|l| l.contains("checkpoint load <= 1.2x the raw read of its bytes")), "{stdout}");
+    assert!(goal_lines.iter().any(|l| l.contains("checkpoint load >= 5x naive read-and-convert")), "{stdout}");
+    assert!(stdout.contains("load: the converted-weight checkpoint against converting"), "{stdout}");
 
     let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(r["quick"], true);
@@ -372,8 +376,12 @@ fn load_quick_run_prints_its_table_and_goals() {
     }
     positive(&cases[0]["median"]["engine_read_ms"], "engine_read_ms");
     positive(&cases[0]["median"]["engine_convert_ms"], "engine_convert_ms");
+    for f in ["naive_engine_ms", "checkpoint_bytes", "checkpoint_raw_ms", "checkpoint_ms"] {
+        positive(&cases[0]["median"][f], f);
+    }
+    assert!(cases[1]["median"]["checkpoint_ms"].is_null());
     assert!(cases[1]["median"]["engine_read_ms"].is_null(), "no model is built from random bytes");
-    assert_eq!(r["goals"].as_array().unwrap().len(), 4);
+    assert_eq!(r["goals"].as_array().unwrap().len(), 6);
     assert!(std::fs::metadata(out.join("load.svg")).unwrap().len() > 1000);
     assert!(std::fs::read_dir(&files).unwrap().next().is_none(), "files left in {}", files.display());
 }

@@ -41,7 +41,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::linear::{Linear, Proj};
+use super::linear::{Linear, Proj, Weights};
 use super::load::{self, Dst, Piece, Plan, QBuf, ReadOptions, ReadStats, Scratch, TBuf};
 use super::qmatmul::{Q4Matrix, Q8Matrix};
 use super::{config, Layer, LoadOptions, LoadStats, Model, ModelConfig};
@@ -318,25 +318,30 @@ fn proj_items<'a>(out: &mut Vec<(String, Item<'a>)>, p: String, proj: &'a Proj) 
 }
 
 fn linear_items<'a>(out: &mut Vec<(String, Item<'a>)>, p: String, l: &'a Linear) {
-    if let Some(w) = &l.int8 {
-        let (n, k, qs, scales) = w.parts();
-        out.push((format!("{p}.int8.qs"), Item::Bytes(qs, vec![n, k])));
-        out.push((format!("{p}.int8.scales"), Item::Floats(scales, vec![scales.len()])));
-    }
-    if let Some(w) = &l.int4 {
-        let (n, k, qs, d, m) = w.parts();
-        out.push((format!("{p}.int4.qs"), Item::Bytes(qs, vec![n, k])));
-        out.push((format!("{p}.int4.d"), Item::Floats(d, vec![d.len()])));
-        out.push((format!("{p}.int4.m"), Item::Floats(m, vec![m.len()])));
-    }
-    if let Some(t) = &l.dense {
-        out.push((format!("{p}.dense"), Item::Tensor(t)));
-    }
-    match &l.quant {
-        None => {}
-        Some(QMatMul::QTensor(q)) => out.push((format!("{p}.quant"), Item::Quant(q))),
-        Some(QMatMul::Tensor(t)) => out.push((format!("{p}.quant_tensor"), Item::Tensor(t))),
-        Some(QMatMul::TensorF16(t)) => out.push((format!("{p}.quant_f16"), Item::Tensor(t))),
+    let quant = |out: &mut Vec<(String, Item<'a>)>, name: String, q: &'a QMatMul| match q {
+        QMatMul::QTensor(q) => out.push((name, Item::Quant(q))),
+        QMatMul::Tensor(t) => out.push((format!("{name}_tensor"), Item::Tensor(t))),
+        QMatMul::TensorF16(t) => out.push((format!("{name}_f16"), Item::Tensor(t))),
+    };
+    match &l.w {
+        Weights::Int8(w) => {
+            let (n, k, qs, scales) = w.parts();
+            out.push((format!("{p}.int8.qs"), Item::Bytes(qs, vec![n, k])));
+            out.push((format!("{p}.int8.scales"), Item::Floats(scales, vec![scales.len()])));
+        }
+        Weights::Int4(w) => {
+            let (n, k, qs, d, m) = w.parts();
+            out.push((format!("{p}.int4.qs"), Item::Bytes(qs, vec![n, k])));
+            out.push((format!("{p}.int4.d"), Item::Floats(d, vec![d.len()])));
+            out.push((format!("{p}.int4.m"), Item::Floats(m, vec![m.len()])));
+        }
+        Weights::Dense { dense, quant: q } => {
+            out.push((format!("{p}.dense"), Item::Tensor(dense)));
+            if let Some(q) = q {
+                quant(out, format!("{p}.quant"), q);
+            }
+        }
+        Weights::Stored(q) => quant(out, format!("{p}.stored"), q),
     }
     if let Some(t) = &l.bias {
         out.push((format!("{p}.bias"), Item::Tensor(t)));
@@ -727,53 +732,48 @@ impl Parts {
         }
     }
 
+    /// A quantized matmul stored under `name` (as [`linear_items`] names them), if any.
+    fn quant(&mut self, name: &str) -> Result<Option<QMatMul>> {
+        if self.has(name) {
+            return match self.take(name)? {
+                Buf::Quant(b, g, dims) => {
+                    let q = b.into_qtensor(g, dims, &candle_core::Device::Cpu)?;
+                    Ok(Some(QMatMul::QTensor(std::sync::Arc::new(q))))
+                }
+                _ => bail!("{name} is not quantized"),
+            };
+        }
+        if let Some(t) = self.tensor_opt(&format!("{name}_tensor"))? {
+            return Ok(Some(QMatMul::Tensor(t)));
+        }
+        Ok(self.tensor_opt(&format!("{name}_f16"))?.map(QMatMul::TensorF16))
+    }
+
     fn linear(&mut self, p: &str) -> Result<Linear> {
-        let int8 = if self.has(&format!("{p}.int8.qs")) {
+        let w = if self.has(&format!("{p}.int8.qs")) {
             let (qs, n, k) = self.tiles(&format!("{p}.int8.qs"))?;
             let scales = self.floats(&format!("{p}.int8.scales"))?;
             ensure!(Q8Matrix::supported(), "{p}: int8 tiles need AVX-512 VNNI");
-            Some(Q8Matrix::from_parts(n, k, qs, scales)?)
-        } else {
-            None
-        };
-        let int4 = if self.has(&format!("{p}.int4.qs")) {
+            Weights::Int8(Q8Matrix::from_parts(n, k, qs, scales)?)
+        } else if self.has(&format!("{p}.int4.qs")) {
             let (qs, n, k) = self.tiles(&format!("{p}.int4.qs"))?;
             let d = self.floats(&format!("{p}.int4.d"))?;
             let m = self.floats(&format!("{p}.int4.m"))?;
             ensure!(Q8Matrix::supported(), "{p}: 4-bit tiles need AVX-512 VNNI");
-            Some(Q4Matrix::from_parts(n, k, qs, d, m)?)
+            Weights::Int4(Q4Matrix::from_parts(n, k, qs, d, m)?)
+        } else if let Some(dense) = self.tensor_opt(&format!("{p}.dense"))? {
+            Weights::Dense { dense, quant: self.quant(&format!("{p}.quant"))? }
+        } else if let Some(q) = self.quant(&format!("{p}.stored"))? {
+            Weights::Stored(q)
         } else {
-            None
+            bail!("the checkpoint has no weights for {p}");
         };
-        let dense = self.tensor_opt(&format!("{p}.dense"))?;
-        let quant = if self.has(&format!("{p}.quant")) {
-            match self.take(&format!("{p}.quant"))? {
-                Buf::Quant(b, g, dims) => {
-                    Some(QMatMul::QTensor(std::sync::Arc::new(b.into_qtensor(g, dims, &candle_core::Device::Cpu)?)))
-                }
-                _ => bail!("{p}.quant is not quantized"),
-            }
-        } else if let Some(t) = self.tensor_opt(&format!("{p}.quant_tensor"))? {
-            Some(QMatMul::Tensor(t))
-        } else {
-            self.tensor_opt(&format!("{p}.quant_f16"))?.map(QMatMul::TensorF16)
-        };
-        let bias = self.tensor_opt(&format!("{p}.bias"))?;
-        ensure!(
-            int8.is_some() || int4.is_some() || dense.is_some() || quant.is_some(),
-            "the checkpoint has no weights for {p}"
-        );
-        Ok(Linear { dense, quant, int8, int4, bias })
+        Ok(Linear { w, bias: self.tensor_opt(&format!("{p}.bias"))? })
     }
 
     fn proj(&mut self, p: &str) -> Result<Proj> {
-        if !self.has(&format!("{p}.split.0.int8.qs"))
-            && !self.has(&format!("{p}.split.0.int4.qs"))
-            && !self.has(&format!("{p}.split.0.dense"))
-            && !self.has(&format!("{p}.split.0.quant"))
-            && !self.has(&format!("{p}.split.0.quant_tensor"))
-            && !self.has(&format!("{p}.split.0.quant_f16"))
-        {
+        let first = format!("{p}.split.0.");
+        if !self.bufs.keys().any(|k| k.starts_with(&first)) {
             return Ok(Proj::Fused(self.linear(p)?));
         }
         let mut ls = Vec::new();

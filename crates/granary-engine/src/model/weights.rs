@@ -213,7 +213,8 @@ impl Model {
         // the stamps disagree and no checkpoint is written from it.
         let stamps = checkpoint::stamps(path).unwrap_or_default();
         let mut used = CheckpointUse::Off;
-        if let Some(ck) = &opts.checkpoint {
+        // Weights off the host (an accelerator) are not checkpointed.
+        if let Some(ck) = opts.checkpoint.as_ref().filter(|_| checkpoint::key(opts).is_some()) {
             match checkpoint::load(path, ck, opts, &stamps) {
                 Ok(loaded) => return Ok(loaded),
                 Err(miss) => used = miss.into(),
