@@ -361,15 +361,7 @@ impl Agent {
         held: Reservation,
     ) -> Result<(EngineStatus, u64), AgentError> {
         let (root, slowest) = self.lay_out(name, revision, shas)?;
-        let model_path: PathBuf = match revision.format.as_str() {
-            "gguf" => {
-                let f = revision.files.iter().find(|f| f.path.ends_with(".gguf")).ok_or_else(|| {
-                    AgentError::Registry(format!("{name}@{}: format gguf but no .gguf file", revision.revision))
-                })?;
-                root.join(&f.path)
-            }
-            _ => root.clone(),
-        };
+        let model_path = model_path(name, revision, &root)?;
         let spec = LaunchSpec {
             model: name.to_string(),
             revision: revision.revision.clone(),
@@ -561,6 +553,24 @@ impl Agent {
             }
         }
     }
+}
+
+/// What an engine opens of a revision laid out at `root`: its `.gguf` file,
+/// or the directory.
+pub(crate) fn model_path(
+    name: &str,
+    revision: &crate::registry::Revision,
+    root: &std::path::Path,
+) -> Result<PathBuf, AgentError> {
+    Ok(match revision.format.as_str() {
+        "gguf" => {
+            let f = revision.files.iter().find(|f| f.path.ends_with(".gguf")).ok_or_else(|| {
+                AgentError::Registry(format!("{name}@{}: format gguf but no .gguf file", revision.revision))
+            })?;
+            root.join(&f.path)
+        }
+        _ => root.to_path_buf(),
+    })
 }
 
 #[cfg(test)]

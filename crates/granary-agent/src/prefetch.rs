@@ -5,7 +5,8 @@
 //!
 //! Staging a model resolves its revision in the registry, downloads the
 //! files no tier holds into the disk tier, then promotes them all to RAM
-//! through [`Tiers::promote`]: bounded by the RAM budget, demoting only
+//! (with the engine's converted-weight checkpoint of the revision, when the
+//! tiers keep one) through [`Tiers::promote`]: bounded by the RAM budget, demoting only
 //! least recently used copies no loaded model holds (a model that cannot
 //! fit stays on disk). The revision is laid out like a load's, so
 //! heartbeats report it in RAM and an agent started again finds it. A model
@@ -153,14 +154,78 @@ impl Agent {
         }
         let shas: Vec<String> = revision.files.iter().map(|f| f.sha256.to_ascii_lowercase()).collect();
         self.fetch_files(name, &revision).await?;
-        if !self.tiers().promote(&shas).await? {
+        // An engine's converted-weight checkpoint of the revision goes to
+        // RAM with the weights: the load then neither reads the disk nor converts.
+        let root = self.config().cache_dir.join("models").join(name).join(&revision.revision);
+        let staged: Vec<String> = shas.iter().cloned().chain(self.tiers().checkpoint_shas(&root)).collect();
+        if !self.tiers().promote(&staged).await? {
             return Err(AgentError::Conflict(format!(
                 "{name}@{} stays on disk: the RAM tier cannot make room",
                 revision.revision
             )));
         }
         self.lay_out(name, &revision, &shas)?;
+        if self.tiers().checkpoint_shas(&root).is_empty() {
+            self.convert_staged(name, &revision, &root).await;
+        }
         Ok(Some(revision.revision))
+    }
+
+    /// For the embedded engine: writes the converted-weight checkpoint of
+    /// a staged revision (`granary convert`), takes it into the tiers and
+    /// promotes it with the weights, so that the load that follows neither
+    /// converts nor reads the disk. Not for a command template (another
+    /// engine), nor when `--engine-arg` sets the engine's `--checkpoint`.
+    /// A failure is logged; the weights stay staged.
+    async fn convert_staged(&self, name: &str, revision: &crate::registry::Revision, root: &std::path::Path) {
+        let engines = &self.config().engines;
+        // Unit tests run as their own test binary, not as `granary`.
+        if cfg!(test) || engines.command.is_some() || engines.engine_args.iter().any(|a| a.starts_with("--checkpoint"))
+        {
+            return;
+        }
+        let exe = match engines.granary_exe.clone().map(Ok).unwrap_or_else(std::env::current_exe) {
+            Ok(e) => e,
+            Err(e) => return tracing::warn!(error = %e, "no checkpoint converted: the granary executable is unknown"),
+        };
+        let path = match crate::agent::model_path(name, revision, root) {
+            Ok(p) => p,
+            Err(e) => return tracing::warn!(model = name, error = %e, "no checkpoint converted"),
+        };
+        let started = std::time::Instant::now();
+        let run = tokio::process::Command::new(&exe)
+            .arg("convert")
+            .arg("--model")
+            .arg(&path)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let out = match tokio::time::timeout(engines.start_timeout, run).await {
+            Ok(Ok(out)) => out,
+            Ok(Err(e)) => return tracing::warn!(model = name, error = %e, "no checkpoint converted"),
+            Err(_) => return tracing::warn!(model = name, "no checkpoint converted: the conversion took too long"),
+        };
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let last = err.lines().last().unwrap_or("").to_string();
+            return tracing::warn!(model = name, status = %out.status, error = %last, "no checkpoint converted");
+        }
+        // Hashing the file takes a moment: off the runtime's other tasks.
+        let adopted = tokio::task::block_in_place(|| self.tiers().adopt_checkpoints(root));
+        let shas: Vec<String> = adopted.into_iter().map(|(_, sha)| sha).collect();
+        let in_ram = !shas.is_empty() && self.tiers().promote(&shas).await.unwrap_or(false);
+        if in_ram {
+            // Linked to the RAM copy, as the weights are.
+            let files: Vec<(String, String)> =
+                revision.files.iter().map(|f| (f.path.clone(), f.sha256.to_ascii_lowercase())).collect();
+            let _ = self.tiers().materialise(root, &files);
+        }
+        tracing::info!(
+            model = name,
+            ms = started.elapsed().as_millis() as u64,
+            in_ram,
+            "converted the staged weights into a checkpoint"
+        );
     }
 }
 

@@ -85,6 +85,46 @@ pub struct ModelArgs {
     pub checkpoint: String,
 }
 
+/// `granary convert`.
+#[derive(Args, Debug, Clone)]
+pub struct ConvertArgs {
+    /// Model: `default`, a GGUF file, a Hugging Face directory, or hf:owner/name[@rev][:file].
+    #[arg(long, default_value = "default")]
+    pub model: String,
+    /// Where the checkpoint goes: `auto` (where `engine --checkpoint auto`
+    /// looks for it) or a file path.
+    #[arg(long, default_value = "auto")]
+    pub checkpoint: String,
+    /// Write a new one even when a current one is there.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// Writes the model's converted-weight checkpoint (unless a current one is
+/// there already); prints where, and what it took.
+pub fn convert(a: &ConvertArgs) -> Result<()> {
+    let resolved = a.model.parse::<ModelSource>()?.resolve()?;
+    let path = checkpoint_path(&a.checkpoint, &resolved.path).context("--checkpoint off writes nothing")?;
+    let started = Instant::now();
+    let opts = LoadOptions { checkpoint: (!a.force).then(|| path.clone()), ..Default::default() };
+    let (model, stats) =
+        Model::load_timed(&resolved.path, &opts).with_context(|| format!("loading {}", resolved.path.display()))?;
+    if stats.checkpoint == granary_engine::model::CheckpointUse::Loaded {
+        println!("{} is current ({:.1} MB)", path.display(), stats.read.file_bytes as f64 / 1e6);
+        return Ok(());
+    }
+    let bytes = model.save_checkpoint(&path).with_context(|| format!("writing {}", path.display()))?;
+    println!(
+        "wrote {} ({:.1} MB; conversion {:.0} ms, {:.1} s in all; checkpoint was {})",
+        path.display(),
+        bytes as f64 / 1e6,
+        stats.convert.as_secs_f64() * 1e3,
+        started.elapsed().as_secs_f64(),
+        if a.force { "not looked at (--force)".to_string() } else { stats.checkpoint.to_string() }
+    );
+    Ok(())
+}
+
 /// Where `--checkpoint` says the model's checkpoint is (`None`: off).
 pub fn checkpoint_path(spec: &str, model: &std::path::Path) -> Option<PathBuf> {
     match spec {

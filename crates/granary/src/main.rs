@@ -49,6 +49,10 @@ enum Cmd {
         #[arg(default_value = granary_engine::source::DEFAULT_MODEL)]
         model: String,
     },
+    /// Convert a model's weights into the engine's layout and write its
+    /// converted-weight checkpoint (what `engine` does after its first
+    /// start), so that engines start without converting.
+    Convert(engine::ConvertArgs),
     /// Run a benchmark; each prints a table with its anchor and the ratio.
     Bench {
         #[command(subcommand)]
@@ -176,6 +180,7 @@ fn run() -> Result<()> {
         Cmd::Agent(a) => rt.block_on(agent::run(*a)),
         Cmd::Bench { which } => rt.block_on(bench::run(which)),
         Cmd::Fetch { model } => fetch(&model),
+        Cmd::Convert(a) => engine::convert(&a),
     };
     // Spans still queued go out before the runtime the exporter uses stops.
     telemetry.shutdown();
@@ -199,6 +204,7 @@ impl Cmd {
             Cmd::Registry(_) => "granary-registry",
             Cmd::Agent(_) => "granary-agent",
             Cmd::Fetch { .. } => "granary-fetch",
+            Cmd::Convert(_) => "granary-convert",
             Cmd::Bench { .. } => "granary-bench",
         }
     }

@@ -96,8 +96,11 @@ fn a_model_the_nodes_tenants_use_is_prefetched_and_its_next_load_reads_from_ram(
     wait_until("node-a prefetches smollm2-b into RAM", Duration::from_secs(60), || {
         tier_of(&a, B).as_deref() == Some("ram")
     });
+    // Staging also converts the weights into a checkpoint, kept in RAM too.
+    wait_until("node-a's prefetch ends", Duration::from_secs(60), || a.status()["prefetch"]["done"] == 1);
     let st = a.status();
-    assert_eq!(st["prefetch"]["done"], 1, "{}", st["prefetch"]);
+    let staged = st["weights"].as_array().unwrap().iter().find(|w| w["model"] == B).cloned().unwrap();
+    assert_eq!((staged["tier"].as_str(), staged["checkpoint"].as_str()), (Some("ram"), Some("ram")), "{st}");
     assert!(a.engine_of(B).is_none(), "staged, not loaded");
     wait_until("the gateway counts the prefetch done", Duration::from_secs(10), || prefetch_count(&gw, "done") >= 1);
     assert!(prefetch_count(&gw, "asked") >= 1);
@@ -114,7 +117,9 @@ fn a_model_the_nodes_tenants_use_is_prefetched_and_its_next_load_reads_from_ram(
     let v: Value = r.json().unwrap();
     assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
     let placement = placement.expect("the answer that waited on the load says where it went");
-    assert!(placement.starts_with("loaded on node-a (weights: ram"), "{placement}");
+    assert!(placement.starts_with("loaded on node-a (weights: ram + checkpoint"), "{placement}");
+    let (_, logs) = a.call("GET", &format!("/models/{B}/logs"), None, Some(TOKEN));
+    assert!(logs.lines().any(|l| l.contains("granary: loaded") && l.ends_with("checkpoint loaded")), "{logs}");
     let load = a.status()["loads"].as_array().unwrap().iter().find(|l| l["model"] == B).cloned().unwrap();
     assert_eq!(load["tier"], "ram", "{load}");
     assert_eq!(a.status()["prefetch"]["hits"], 1);

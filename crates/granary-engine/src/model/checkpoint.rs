@@ -44,7 +44,7 @@ use serde::{Deserialize, Serialize};
 use super::linear::{Linear, Proj, Weights};
 use super::load::{self, Dst, Piece, Plan, QBuf, ReadOptions, ReadStats, Scratch, TBuf};
 use super::qmatmul::{Q4Matrix, Q8Matrix};
-use super::{config, Layer, LoadOptions, LoadStats, Model, ModelConfig};
+use super::{config, Embedding, Layer, LoadOptions, LoadStats, Model, ModelConfig};
 
 const MAGIC: &[u8; 8] = b"GRNRYCKP";
 const VERSION: u32 = 1;
@@ -276,7 +276,10 @@ impl Item<'_> {
 /// Every buffer of the model, named, in a fixed order.
 fn items(m: &Model) -> Vec<(String, Item<'_>)> {
     let mut out = Vec::new();
-    out.push(("embed".to_string(), Item::Tensor(&m.embed)));
+    match &m.embed {
+        Embedding::Dense(t) => out.push(("embed".to_string(), Item::Tensor(t))),
+        Embedding::Rows(q) => out.push(("embed.rows".to_string(), Item::Quant(q))),
+    }
     if let config::RopeScaling::Factors(f) = &m.cfg.rope_scaling {
         out.push(("rope_factors".to_string(), Item::Floats(f, vec![f.len()])));
     }
@@ -398,6 +401,10 @@ impl Model {
             .prefix(".granary-ckpt-")
             .tempfile_in(dir)
             .with_context(|| format!("create a checkpoint in {}", dir.display()))?;
+        // Readable as the model files are (a temporary file starts private).
+        let mut perms = tmp.as_file().metadata()?.permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o644);
+        tmp.as_file().set_permissions(perms).context("set a checkpoint's permissions")?;
         let file = tmp.as_file_mut();
         let mut hasher = blake3::Hasher::new();
         let mut at = 0u64;
@@ -796,7 +803,14 @@ fn assemble(
     cfg.validate()?;
     let context_len = opts.max_context.map_or(cfg.context_len, |m| m.min(cfg.context_len));
     let (ropes, rope_of) = super::weights::ropes(&cfg, context_len, &opts.device)?;
-    let embed = parts.tensor("embed")?;
+    let embed = if parts.has("embed.rows") {
+        match parts.take("embed.rows")? {
+            Buf::Quant(b, g, dims) => Embedding::Rows(b.into_qtensor(g, dims, &candle_core::Device::Cpu)?),
+            _ => bail!("embed.rows is not quantized"),
+        }
+    } else {
+        Embedding::Dense(parts.tensor("embed")?)
+    };
     ensure!(
         embed.dims() == [cfg.vocab_size, cfg.hidden_size],
         "embedding shape {:?} does not match vocab {} x hidden {}",

@@ -12,8 +12,8 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use super::checkpoint::{self, CheckpointUse};
-use super::linear::{Linear, Proj};
-use super::{config, load, Layer, LoadOptions, LoadStats, Loader, Model, ModelConfig, ReadOptions, Rope};
+use super::linear::{Linear, Proj, Weights};
+use super::{config, load, Embedding, Layer, LoadOptions, LoadStats, Loader, Model, ModelConfig, ReadOptions, Rope};
 
 /// Where weight tensors come from while building a [`Model`].
 trait TensorSource {
@@ -340,7 +340,19 @@ impl Model {
                 window: if cfg.is_sliding(i) { cfg.sliding_window } else { None },
             });
         }
-        let embed = src.get(&name(0, Part::Embed))?;
+        // On the host a quantized embedding stays as stored (rows are
+        // dequantized as they are looked up), unless the output head is
+        // the dense embedding itself.
+        let embed_rows = if host { src.get_quantized(&name(0, Part::Embed))? } else { None };
+        let embed_rows = embed_rows.filter(|q| {
+            q.dtype() != GgmlDType::F32
+                && q.shape().dims().len() == 2
+                && q.shape().dims()[1] % q.dtype().block_size() == 0
+        });
+        let embed = match &embed_rows {
+            Some(q) => q.dequantize(&opts.device)?,
+            None => src.get(&name(0, Part::Embed))?,
+        };
         if embed.dims() != [cfg.vocab_size, cfg.hidden_size] {
             bail!(
                 "embedding shape {:?} does not match vocab {} x hidden {}",
@@ -363,6 +375,11 @@ impl Model {
             (None, None) => Linear::new(embed.clone(), None, quantize, embed_q4)?,
         };
         let norm = src.get(&name(0, Part::Norm))?;
+        let head_is_embed = matches!(&lm_head.w, Weights::Dense { dense, .. } if dense.id() == embed.id());
+        let embed = match embed_rows {
+            Some(q) if !head_is_embed => Embedding::Rows(q),
+            _ => Embedding::Dense(embed),
+        };
         Ok(Model {
             cfg,
             device: opts.device.clone(),
