@@ -252,6 +252,7 @@ pub struct LoadReport {
     pub read_ms: f64,
     /// Dequantizing / converting / re-quantizing them into the engine's layout.
     pub convert_ms: f64,
+    /// Building the tokenizer, on its own thread while the weights load.
     pub tokenizer_ms: f64,
     /// The whole load (model and tokenizer).
     pub load_ms: f64,
@@ -280,17 +281,27 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
         checkpoint: checkpoint_path(&args.checkpoint, &resolved.path),
         ..Default::default()
     };
-    let (model, stats) =
-        Model::load_timed(&resolved.path, &opts).with_context(|| format!("loading {}", resolved.path.display()))?;
-    let tok_started = Instant::now();
-    let tokenizer = if let Some(t) = &args.tokenizer {
-        tokenizer_from(t)?
-    } else if resolved.path.is_dir() {
-        Tokenizer::from_file(&resolved.path.join("tokenizer.json"))?
-    } else {
-        Tokenizer::from_gguf_path(&resolved.path)
-            .with_context(|| format!("{} (pass --tokenizer to use another tokenizer)", resolved.path.display()))?
-    };
+    // The tokenizer (parsing a GGUF's vocabulary and merges is compute)
+    // is built on a thread of its own while the weights are read.
+    let (loaded, (tokenizer, tokenizer_ms)) = std::thread::scope(|s| {
+        let tok = s.spawn(|| {
+            let tok_started = Instant::now();
+            let t = if let Some(t) = &args.tokenizer {
+                tokenizer_from(t)
+            } else if resolved.path.is_dir() {
+                Tokenizer::from_file(&resolved.path.join("tokenizer.json")).map_err(anyhow::Error::from)
+            } else {
+                Tokenizer::from_gguf_path(&resolved.path)
+                    .with_context(|| format!("{} (pass --tokenizer to use another tokenizer)", resolved.path.display()))
+            };
+            (t, tok_started.elapsed().as_secs_f64() * 1e3)
+        });
+        let loaded =
+            Model::load_timed(&resolved.path, &opts).with_context(|| format!("loading {}", resolved.path.display()));
+        (loaded, tok.join().unwrap_or_else(|_| (Err(anyhow::anyhow!("building the tokenizer panicked")), 0.0)))
+    });
+    let (model, stats) = loaded?;
+    let tokenizer = tokenizer?;
     if tokenizer.vocab_size() > model.config().vocab_size {
         bail!(
             "the tokenizer has {} tokens but the model's vocabulary holds {}",
@@ -298,7 +309,6 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
             model.config().vocab_size
         );
     }
-    let tokenizer_ms = tok_started.elapsed().as_secs_f64() * 1e3;
     let c = model.config();
     let r = &stats.read;
     eprintln!(
