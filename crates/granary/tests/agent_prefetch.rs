@@ -106,6 +106,10 @@ fn a_model_the_nodes_tenants_use_is_prefetched_and_its_next_load_reads_from_ram(
     assert!(prefetch_count(&gw, "asked") >= 1);
     assert_eq!(b.status()["prefetch"]["done"], 0, "node-b has no RAM tier: {}", b.status()["prefetch"]);
 
+    wait_until("the gateway hears of node-a's checkpoint of B", Duration::from_secs(10), || {
+        gw.agent("node-a").is_some_and(|x| x["checkpoints"].as_array().unwrap().iter().any(|m| m == B))
+    });
+
     // B leaves node-b; its next load goes where its weights are in RAM.
     let (s, v) = b.json("POST", &format!("/models/{B}/unload"), None);
     assert_eq!(s, 200, "{v}");
@@ -117,7 +121,7 @@ fn a_model_the_nodes_tenants_use_is_prefetched_and_its_next_load_reads_from_ram(
     let v: Value = r.json().unwrap();
     assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
     let placement = placement.expect("the answer that waited on the load says where it went");
-    assert!(placement.starts_with("loaded on node-a (weights: ram + checkpoint"), "{placement}");
+    assert!(placement.starts_with("loaded on node-a (weights: ram + checkpoint"), "{placement}: {}", a.status());
     let (_, logs) = a.call("GET", &format!("/models/{B}/logs"), None, Some(TOKEN));
     assert!(logs.lines().any(|l| l.contains("granary: loaded") && l.ends_with("checkpoint loaded")), "{logs}");
     let load = a.status()["loads"].as_array().unwrap().iter().find(|l| l["model"] == B).cloned().unwrap();

@@ -316,6 +316,10 @@ pub struct AgentView {
     pub age_ms: u64,
     pub models: Vec<String>,
     pub engines: Vec<EngineView>,
+    /// Per model, where the agent holds its weights (`ram`, `disk`, `none`).
+    pub weights: BTreeMap<String, &'static str>,
+    /// Models whose converted-weight checkpoint it holds too.
+    pub checkpoints: Vec<String>,
 }
 
 /// An agent's engine as the gateway sees it.
@@ -655,6 +659,16 @@ impl Gateway {
                         }
                     })
                     .collect(),
+                weights: a
+                    .weights
+                    .iter()
+                    .map(|(m, &r)| (m.clone(), ["ram", "disk", "none"][usize::from(r.min(2))]))
+                    .collect(),
+                checkpoints: {
+                    let mut v: Vec<String> = a.checkpoints.iter().cloned().collect();
+                    v.sort();
+                    v
+                },
             })
             .collect();
         out.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
