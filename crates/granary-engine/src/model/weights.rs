@@ -304,7 +304,7 @@ impl Model {
             ensure!(w.len() == cfg.head_dim, "{} has {} values for a head of {}", name(i, part), w.len(), cfg.head_dim);
             Ok(Some(w))
         };
-        for i in 0..cfg.layers {
+        for (i, &rope) in rope_of.iter().enumerate() {
             let qkv = if cfg.arch.fused {
                 Proj::Fused(linear(src, name(i, Part::Qkv), cfg.qkv_bias, quantize)?)
             } else {
@@ -317,7 +317,6 @@ impl Model {
                 proj(src, vec![name(i, Part::Gate), name(i, Part::Up)], false)?
             };
             let down = linear(src, name(i, Part::Down), false, quantize)?;
-            let rope = rope_of[i];
             let post = |src: &mut dyn TensorSource, part: Part| -> Result<Option<Tensor>> {
                 if cfg.arch.post_norms {
                     Ok(Some(src.get(&name(i, part))?))
