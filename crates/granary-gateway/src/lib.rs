@@ -17,6 +17,7 @@ pub mod agents;
 pub mod cache;
 pub mod config;
 pub mod error;
+pub mod front;
 pub mod identity;
 pub mod limits;
 pub mod metrics;

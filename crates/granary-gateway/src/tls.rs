@@ -7,8 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::TokioIo;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
@@ -66,6 +65,7 @@ pub async fn serve(
     listener: TcpListener,
     app: Router,
     config: Arc<rustls::ServerConfig>,
+    header_timeout: Option<std::time::Duration>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<()> {
     let acceptor = TlsAcceptor::from(config);
@@ -85,7 +85,20 @@ pub async fn serve(
         let acceptor = acceptor.clone();
         let app = app.clone();
         tokio::spawn(async move {
-            let stream = match acceptor.accept(tcp).await {
+            // The handshake gets the header timeout too: a client that
+            // connects and sends nothing is closed as on plain HTTP.
+            let handshake = acceptor.accept(tcp);
+            let stream = match header_timeout {
+                Some(t) => match tokio::time::timeout(t, handshake).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        tracing::debug!(%peer, "TLS handshake timed out");
+                        return;
+                    }
+                },
+                None => handshake.await,
+            };
+            let stream = match stream {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::debug!(%peer, error = %e, "TLS handshake failed");
@@ -95,8 +108,7 @@ pub async fn serve(
             let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                 app.clone().oneshot(req.map(axum::body::Body::new))
             });
-            if let Err(e) =
-                auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), service).await
+            if let Err(e) = crate::front::builder(header_timeout).serve_connection(TokioIo::new(stream), service).await
             {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }

@@ -94,6 +94,12 @@ pub struct ServeLimits {
     /// Seconds a RESP connection may wait between commands before it is
     /// closed; 0 keeps idle connections open (Redis's `timeout`).
     pub idle_timeout_secs: u64,
+    /// Seconds an HTTP client has to send a request's headers, counted from
+    /// when the server is ready for them (a new connection, or the end of
+    /// the previous answer on a kept-alive one); past it the connection is
+    /// closed, so a client trickling headers (slowloris) or holding an idle
+    /// connection does not keep a slot of `max_connections`. 0: no limit.
+    pub header_timeout_secs: u64,
     /// Where the `lm://` listen address used to be set; now
     /// `[warehouse.lm] listen`. Kept only so that an old file is refused by
     /// [`ServeLimits::validate`] with the new name instead of being read
@@ -107,13 +113,23 @@ pub struct ServeLimits {
 
 impl Default for ServeLimits {
     fn default() -> Self {
-        ServeLimits { max_connections: 10_000, idle_timeout_secs: 0, lm_listen: None, lm_namespace: None }
+        ServeLimits {
+            max_connections: 10_000,
+            idle_timeout_secs: 0,
+            header_timeout_secs: 30,
+            lm_listen: None,
+            lm_namespace: None,
+        }
     }
 }
 
 impl ServeLimits {
     pub fn idle_timeout(&self) -> Option<Duration> {
         (self.idle_timeout_secs != 0).then(|| Duration::from_secs(self.idle_timeout_secs))
+    }
+
+    pub fn header_timeout(&self) -> Option<Duration> {
+        (self.header_timeout_secs != 0).then(|| Duration::from_secs(self.header_timeout_secs))
     }
 
     /// Checks what serde cannot; the error names the field.

@@ -735,3 +735,66 @@ async fn connections_past_the_cap_get_503() {
     let r = reqwest::get(format!("http://{addr}/health")).await.unwrap();
     assert_eq!(r.status(), StatusCode::OK);
 }
+
+/// Issue 13, point 4: a client that trickles its request headers and never
+/// ends them (slowloris), and one that connects and sends nothing, are
+/// closed once `header_timeout_secs` passes, giving their slots back; while
+/// they hold both slots a third client is refused, and afterwards served.
+/// Trickling does not extend the time: it counts to the end of the headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_headers_are_cut_off_and_give_their_slot_back() {
+    use granary_warehouse::config::ServeLimits;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let limits = ServeLimits { max_connections: 2, header_timeout_secs: 2, ..Default::default() };
+    let ctx = Arc::new(ServerCtx::new(Store::memory_only(1 << 20), Auth::default()).with_limits(limits));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(granary_warehouse::http::serve(listener, ctx.clone(), std::future::pending()));
+
+    let started = std::time::Instant::now();
+    let slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut slow_rx, mut slow_tx) = slow.into_split();
+    slow_tx.write_all(b"GET /health HTTP/1.1\r\n").await.unwrap();
+    let trickling = tokio::spawn(async move {
+        let mut sent = 0;
+        for i in 0..100 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if slow_tx.write_all(format!("x-{i}: y\r\n").as_bytes()).await.is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        sent
+    });
+    let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while ctx.http.connections_open.load(Relaxed) < 2 {
+        assert!(std::time::Instant::now() < deadline, "the two clients were not both accepted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let r = reqwest::get(format!("http://{addr}/health")).await;
+    assert!(r.map_or(true, |r| r.status() == StatusCode::SERVICE_UNAVAILABLE), "a third client got in");
+
+    // Both are closed after the timeout, without an answer to either.
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), idle.read_to_end(&mut got)).await.unwrap().ok();
+    assert!(!String::from_utf8_lossy(&got).contains(" 200 "), "{}", String::from_utf8_lossy(&got));
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), slow_rx.read_to_end(&mut got)).await.unwrap().ok();
+    assert!(!String::from_utf8_lossy(&got).contains(" 200 "), "{}", String::from_utf8_lossy(&got));
+    let closed_after = started.elapsed();
+    assert!(closed_after >= Duration::from_millis(1900), "closed before the timeout: {closed_after:?}");
+    let sent = trickling.await.unwrap();
+    assert!(sent >= 5, "the trickle was cut after {sent} lines, before the timeout");
+    assert!(sent < 100, "the trickling client was never cut off");
+    eprintln!("slowloris and idle clients closed after {closed_after:?} ({sent} header lines trickled)");
+
+    // Their slots are free again: a well-behaved client is served.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while ctx.http.connections_open.load(Relaxed) > 0 {
+        assert!(std::time::Instant::now() < deadline, "the closed connections still count");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = reqwest::get(format!("http://{addr}/health")).await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+}

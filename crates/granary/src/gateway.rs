@@ -159,14 +159,15 @@ async fn serve(cfg: GatewayConfig) -> Result<()> {
     );
     println!("granary: ready");
     let _ = std::io::stdout().flush();
+    let header_timeout = (g.header_timeout_s > 0).then(|| std::time::Duration::from_secs(g.header_timeout_s));
     match &g.tls {
         Some(tls) => {
             let server = granary_gateway::tls::server_config(tls)?;
-            granary_gateway::tls::serve(listener, app, server, crate::warehouse::shutdown_signal()).await?;
+            granary_gateway::tls::serve(listener, app, server, header_timeout, crate::warehouse::shutdown_signal())
+                .await?;
         }
         None => {
-            axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-                .with_graceful_shutdown(crate::warehouse::shutdown_signal())
+            granary_gateway::front::serve_plain(listener, app, header_timeout, crate::warehouse::shutdown_signal())
                 .await?;
         }
     }

@@ -71,6 +71,11 @@ pub struct GatewaySection {
     pub key_rotation_grace_s: u64,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// Seconds a client has to send a request's headers, from when the
+    /// gateway is ready for them (a new connection, or the end of the
+    /// previous answer on a kept-alive one); then the connection is closed
+    /// (slowloris, idle keep-alive). 0: no limit.
+    pub header_timeout_s: u64,
     /// Connecting to an upstream.
     pub connect_timeout_ms: u64,
     /// From sending a request upstream to its first response byte.
@@ -133,6 +138,7 @@ impl Default for GatewaySection {
             metrics_token_env: "GRANARY_METRICS_TOKEN".into(),
             key_rotation_grace_s: 86_400,
             max_body_bytes: 4 << 20,
+            header_timeout_s: 30,
             connect_timeout_ms: 2_000,
             first_byte_timeout_s: 300,
             idle_timeout_s: 120,

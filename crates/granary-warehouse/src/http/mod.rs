@@ -14,8 +14,10 @@
 //! come before a request body is read. A server with no token configured is open for the data
 //! endpoints. Every failure is answered by [`error::ApiError`] in one JSON
 //! shape. [`serve`] counts connections and bytes at the socket and refuses
-//! one past `max_connections` with a 503 (`too_many_connections`); a middleware
-//! counts requests and times them for `/metrics`.
+//! one past `max_connections` with a 503 (`too_many_connections`), and
+//! closes a connection whose client takes longer than `header_timeout_secs`
+//! to send a request's headers (slowloris, or a kept-alive connection left
+//! idle); a middleware counts requests and times them for `/metrics`.
 
 mod admin;
 mod blocks;
@@ -327,20 +329,41 @@ impl Params {
 
 /// Serves `router(ctx)` on `listener` until `shutdown` resolves, then
 /// ends event streams and waits for in-flight requests.
+///
+/// Each connection is HTTP/1.1 through hyper with a timer, so that
+/// `header_timeout_secs` closes one whose client does not finish a
+/// request's headers in time.
 pub async fn serve(
     listener: TcpListener,
     ctx: Arc<ServerCtx>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    use axum::serve::Listener as _;
     let token = CancellationToken::new();
     let app = build(ctx.clone(), token.clone());
-    let listener = CountingListener { inner: listener, ctx };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            token.cancel();
-        })
-        .await
+    let header_timeout = ctx.limits.header_timeout();
+    let mut listener = CountingListener { inner: listener, ctx };
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (io, peer) = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => accepted,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(header_timeout);
+        let conn = graceful.watch(http.serve_connection(hyper_util::rt::TokioIo::new(io), service));
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
+            }
+        });
+    }
+    // Event streams end first; then the requests in flight finish.
+    token.cancel();
+    graceful.shutdown().await;
+    Ok(())
 }
 
 /// The body answered to a connection past `max_connections` (a 503).

@@ -1,0 +1,121 @@
+//! Serving the gateway's router on its listener: plain HTTP here, TLS in
+//! [`crate::tls`]. Connections are HTTP/1.1 through hyper with a timer, so that a client which does not finish a request's headers
+//! within `header_timeout_s` (a slowloris, or a kept-alive connection left
+//! idle) is closed instead of holding its socket and task for good.
+
+use std::future::Future;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tower::ServiceExt;
+
+/// The connection builder (HTTP/1.1), with the header timeout. (hyper's
+/// protocol-detecting builder waits for a first byte with no timer, so a
+/// client that sends nothing would never be closed.)
+pub(crate) fn builder(header_timeout: Option<Duration>) -> hyper::server::conn::http1::Builder {
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new()).header_read_timeout(header_timeout);
+    b
+}
+
+/// Serves `app` over plain HTTP until `shutdown` resolves, then lets the
+/// requests in flight finish.
+pub async fn serve_plain(
+    listener: TcpListener,
+    app: Router,
+    header_timeout: Option<Duration>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = &mut shutdown => break,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let (app, watcher) = (app.clone(), graceful.watcher());
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                app.clone().oneshot(req.map(axum::body::Body::new))
+            });
+            let b = builder(header_timeout);
+            if let Err(e) = watcher.watch(b.serve_connection(TokioIo::new(tcp), service)).await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+    graceful.shutdown().await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A client trickling its headers (slowloris) and one that sends
+    /// nothing are closed once the header timeout passes, without an
+    /// answer; a client beside them is served meanwhile, over a kept-alive
+    /// connection too. Without the timeout both would stay open.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slow_or_silent_clients_are_closed_after_the_header_timeout() {
+        let app = Router::new().route("/health", get(|| async { "ok" }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve_plain(listener, app, Some(Duration::from_secs(2)), std::future::pending()));
+
+        let started = Instant::now();
+        let (mut slow_rx, mut slow_tx) = tokio::net::TcpStream::connect(addr).await.unwrap().into_split();
+        slow_tx.write_all(b"GET /health HTTP/1.1\r\n").await.unwrap();
+        let trickling = tokio::spawn(async move {
+            let mut sent = 0;
+            for i in 0..100 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                if slow_tx.write_all(format!("x-{i}: y\r\n").as_bytes()).await.is_err() {
+                    break;
+                }
+                sent += 1;
+            }
+            sent
+        });
+        let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+
+        let http = reqwest::Client::new();
+        for _ in 0..3 {
+            let r = http.get(format!("http://{addr}/health")).send().await.unwrap();
+            assert_eq!(r.text().await.unwrap(), "ok");
+        }
+
+        for (what, rx) in
+            [("silent", &mut silent as &mut (dyn tokio::io::AsyncRead + Unpin + Send)), ("slow", &mut slow_rx)]
+        {
+            let mut got = Vec::new();
+            tokio::time::timeout(Duration::from_secs(10), rx.read_to_end(&mut got))
+                .await
+                .unwrap_or_else(|_| panic!("the {what} client was never closed"))
+                .ok();
+            assert!(!String::from_utf8_lossy(&got).contains(" 200 "), "{what}: {}", String::from_utf8_lossy(&got));
+        }
+        let closed_after = started.elapsed();
+        assert!(closed_after >= Duration::from_millis(1900), "closed before the timeout: {closed_after:?}");
+        let sent = trickling.await.unwrap();
+        assert!((5..100).contains(&sent), "the trickle ran {sent} lines");
+        let r = http.get(format!("http://{addr}/health")).send().await.unwrap();
+        assert_eq!(r.text().await.unwrap(), "ok");
+    }
+}
