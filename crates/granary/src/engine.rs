@@ -348,29 +348,16 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
     Ok((model, Arc::new(tokenizer), id))
 }
 
-/// The thread writing the converted-weight checkpoint, if one runs.
-static CHECKPOINT_WRITER: std::sync::Mutex<Option<std::thread::JoinHandle<()>>> = std::sync::Mutex::new(None);
-
-/// Waits (up to `limit`) for a checkpoint being written, so that an engine
-/// stopped soon after its start still leaves one for the next.
-fn finish_checkpoint(limit: Duration) {
-    let Some(h) = CHECKPOINT_WRITER.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
-    let until = Instant::now() + limit;
-    while !h.is_finished() {
-        if Instant::now() >= until {
-            eprintln!("granary: stopping without waiting longer for the checkpoint being written");
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = h.join();
-}
-
 /// Writes the model's converted weights to `path` on a thread of its own,
-/// so that serving starts at once; a failure (a read-only model
-/// directory) is logged and costs only the next start's conversion.
+/// at a low CPU priority, so that serving starts at once and is not slowed;
+/// a failure (a read-only model directory) is logged and costs only the
+/// next start's conversion. An engine stopped before the write ends
+/// exits without waiting (the temporary file is left behind, and the next
+/// start converts and writes again): a stop is not delayed by it.
 fn write_checkpoint(model: Arc<Model>, path: PathBuf) {
     let spawned = std::thread::Builder::new().name("granary-checkpoint".into()).spawn(move || {
+        // SAFETY: lowers this thread's own scheduling priority; no memory is involved.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
         let started = Instant::now();
         match model.save_checkpoint(&path) {
             Ok(bytes) => eprintln!(
@@ -382,9 +369,8 @@ fn write_checkpoint(model: Arc<Model>, path: PathBuf) {
             Err(e) => eprintln!("granary: no converted-weight checkpoint written to {}: {e:#}", path.display()),
         }
     });
-    match spawned {
-        Ok(h) => *CHECKPOINT_WRITER.lock().unwrap_or_else(|e| e.into_inner()) = Some(h),
-        Err(e) => eprintln!("granary: no converted-weight checkpoint written: {e}"),
+    if let Err(e) = spawned {
+        eprintln!("granary: no converted-weight checkpoint written: {e}");
     }
 }
 
@@ -516,7 +502,6 @@ pub async fn run_engine(a: EngineArgs) -> Result<()> {
     if let Some(s) = store {
         s.flush(Duration::from_secs(10)).await?;
     }
-    tokio::task::block_in_place(|| finish_checkpoint(Duration::from_secs(30)));
     Ok(())
 }
 
@@ -531,6 +516,5 @@ pub async fn run_serve(a: ServeArgs) -> Result<()> {
     cfg.sampling = sampling_defaults(&a.model, model.source())?;
     start_and_serve(&a.model, cfg, model, tok, connector, Some(store.clone())).await?;
     store.flush(Duration::from_secs(10)).await?;
-    tokio::task::block_in_place(|| finish_checkpoint(Duration::from_secs(30)));
     Ok(())
 }

@@ -397,6 +397,7 @@ impl Model {
         };
         let start = data_start(header_bytes(&header)?.len());
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        remove_stale_temporaries(dir);
         let mut tmp = tempfile::Builder::new()
             .prefix(".granary-ckpt-")
             .tempfile_in(dir)
@@ -438,6 +439,20 @@ impl Model {
         file.sync_data().context("sync a checkpoint")?;
         tmp.persist(path).with_context(|| format!("rename a checkpoint to {}", path.display()))?;
         Ok(start + header.data_bytes)
+    }
+}
+
+/// Removes the temporary files of writes cut short (an engine stopped
+/// while writing) from `dir`; one younger than ten minutes may be another
+/// engine's write in progress and is left alone.
+fn remove_stale_temporaries(dir: &Path) {
+    let cutoff = std::time::SystemTime::now() - std::time::Duration::from_secs(600);
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let stale = e.file_name().to_string_lossy().starts_with(".granary-ckpt-")
+            && e.metadata().ok().and_then(|m| m.modified().ok()).is_some_and(|t| t < cutoff);
+        if stale {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
@@ -556,7 +571,12 @@ pub(crate) fn load(
         return Err(Miss::Stale(format!("made for {}, this load needs {key}", header.key)));
     }
     if header.sources != stamps_now {
-        return Err(Miss::Stale(format!("the model's files changed since it was written ({})", source.display())));
+        let was = |s: &Stamp| format!("{} ({} bytes, mtime {} ns)", s.name, s.len, s.mtime_ns);
+        let what = match header.sources.iter().zip(stamps_now).find(|(a, b)| a != b) {
+            Some((a, b)) => format!("{} is now {}", was(a), was(b)),
+            None => format!("{} files then, {} now", header.sources.len(), stamps_now.len()),
+        };
+        return Err(Miss::Stale(format!("the model's files changed since it was written: {what}")));
     }
     let mut cfg = model_config(source).map_err(|e| unusable(format!("{e:#}")))?;
     let header_time = t0.elapsed();

@@ -84,7 +84,7 @@ impl Drop for Warehouse {
     }
 }
 
-/// Every regular file under `dir`, recursively.
+/// Every regular file under `dir`, recursively, but engines' converted-weight checkpoints.
 pub fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -94,7 +94,9 @@ pub fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
             let p = e.path();
             if p.is_dir() {
                 stack.push(p);
-            } else {
+            } else if !granary_core::is_checkpoint_file(&e.file_name().to_string_lossy()) {
+                // (An engine's converted-weight checkpoint beside a model is
+                // a cache, left out of imports as here.)
                 out.push(p);
             }
         }

@@ -50,11 +50,23 @@ fn the_default_model_round_trips_and_bad_checkpoints_fall_back() {
     let ck = default_path(&path);
     assert_eq!(ck.parent(), path.parent(), "the default checkpoint sits beside the model");
 
+    // A write cut short long ago left its temporary file; a recent one
+    // may be another engine's write in progress.
+    let old_tmp = dir.path().join(".granary-ckpt-old");
+    std::fs::write(&old_tmp, b"partial").unwrap();
+    let f = std::fs::File::options().write(true).open(&old_tmp).unwrap();
+    f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(3600)).unwrap();
+    drop(f);
+    let new_tmp = dir.path().join(".granary-ckpt-new");
+    std::fs::write(&new_tmp, b"partial").unwrap();
+
     let (converted, u) = used(&path, &ck);
     assert_eq!(u, CheckpointUse::Missing);
     let want = logits(&converted);
     let bytes = converted.save_checkpoint(&ck).unwrap();
-    // No temporary file is left beside it.
+    // No temporary file of its own is left beside it; the old one is gone.
+    assert!(!old_tmp.exists(), "a stale temporary file was left");
+    std::fs::remove_file(&new_tmp).unwrap();
     let names: Vec<String> =
         std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(names.len(), 2, "{names:?}");

@@ -545,6 +545,12 @@ async fn tier_phase(
             s.wait_gateway(&agent, false).await?;
             pb.set_message(format!("{name}: warm-up load"));
             s.agent_call(&agent, reqwest::Method::POST, &format!("/models/{MODEL}/load")).await?;
+            // The engine writes its converted-weight checkpoint in the
+            // background after its first start; the runs measure starts
+            // that find it (unless the engines are told not to keep one).
+            if !s.exe_args.iter().any(|a| a.starts_with("--engine-arg=--checkpoint")) {
+                wait_checkpoint(&cache.join("models"), Duration::from_secs(120)).await?;
+            }
             s.unload(&agent).await?;
             for i in 0..runs {
                 pb.set_message(format!("{name} run {}/{runs}", i + 1));
@@ -562,6 +568,27 @@ async fn tier_phase(
             drop(agent);
             std::fs::remove_dir_all(&ram).ok();
         }
+    }
+    Ok(())
+}
+
+/// Waits until a model directory under `models` holds the engine's
+/// converted-weight checkpoint (`<name>/<revision>/*.ckpt`).
+async fn wait_checkpoint(models: &Path, limit: Duration) -> Result<()> {
+    let until = Instant::now() + limit;
+    let found = || {
+        std::fs::read_dir(models).into_iter().flatten().flatten().any(|m| {
+            std::fs::read_dir(m.path()).into_iter().flatten().flatten().any(|r| {
+                std::fs::read_dir(r.path()).into_iter().flatten().flatten().any(|f| {
+                    let n = f.file_name().to_string_lossy().into_owned();
+                    n.ends_with(".ckpt") && !n.starts_with('.')
+                })
+            })
+        })
+    };
+    while !found() {
+        ensure!(Instant::now() < until, "the engine wrote no checkpoint under {} within {limit:?}", models.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
 }
