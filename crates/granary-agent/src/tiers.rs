@@ -588,13 +588,7 @@ impl Tiers {
             if !is_checkpoint_name(&name) {
                 continue;
             }
-            if let Some(sha) = std::fs::read_link(e.path())
-                .ok()
-                .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .filter(|n| is_sha256_hex(n))
-            {
-                out.push(sha);
-            }
+            out.extend(linked_sha(&e.path()));
         }
         out
     }
@@ -617,11 +611,7 @@ impl Tiers {
             let path = e.path();
             let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
             if meta.file_type().is_symlink() {
-                if let Some(sha) = std::fs::read_link(&path)
-                    .ok()
-                    .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
-                    .filter(|n| is_sha256_hex(n))
-                {
+                if let Some(sha) = linked_sha(&path) {
                     out.push((name, sha));
                 }
                 continue;
@@ -674,6 +664,13 @@ impl Tiers {
         std::fs::rename(&tmp, path).map_err(|e| io("linking", e))?;
         Ok(sha)
     }
+}
+
+/// The sha256 a link points at (its target's name), if it is one into the tiers.
+fn linked_sha(link: &Path) -> Option<String> {
+    let target = std::fs::read_link(link).ok()?;
+    let name = target.file_name()?.to_string_lossy().into_owned();
+    is_sha256_hex(&name).then_some(name)
 }
 
 /// Whether a file in a model's directory is a converted-weight checkpoint

@@ -160,7 +160,7 @@ pub fn key(opts: &LoadOptions) -> Option<String> {
     if !opts.device.is_cpu() {
         return None;
     }
-    let int4 = std::env::var_os("GRANARY_INT4").is_none_or(|v| v != "0");
+    let int4 = super::linear::int4_enabled();
     Some(format!(
         "v{VERSION};kernels={};int4={int4};quantized_decode={};native_quant={};tensor_ops={}",
         kernels(),
@@ -831,13 +831,7 @@ fn assemble(
     } else {
         Embedding::Dense(parts.tensor("embed")?)
     };
-    ensure!(
-        embed.dims() == [cfg.vocab_size, cfg.hidden_size],
-        "embedding shape {:?} does not match vocab {} x hidden {}",
-        embed.dims(),
-        cfg.vocab_size,
-        cfg.hidden_size
-    );
+    super::weights::check_embedding(&cfg, embed.dims())?;
     let mut layers = Vec::with_capacity(cfg.layers);
     for (i, &rope) in rope_of.iter().enumerate() {
         let p = |n: &str| format!("layers.{i}.{n}");

@@ -115,6 +115,6 @@ impl Proj {
 }
 
 /// 4-bit decode tiles are on unless `GRANARY_INT4=0`.
-fn int4_enabled() -> bool {
+pub(super) fn int4_enabled() -> bool {
     std::env::var_os("GRANARY_INT4").is_none_or(|v| v != "0")
 }

@@ -352,14 +352,7 @@ impl Model {
             Some(q) => q.dequantize(&opts.device)?,
             None => src.get(&name(0, Part::Embed))?,
         };
-        if embed.dims() != [cfg.vocab_size, cfg.hidden_size] {
-            bail!(
-                "embedding shape {:?} does not match vocab {} x hidden {}",
-                embed.dims(),
-                cfg.vocab_size,
-                cfg.hidden_size
-            );
-        }
+        check_embedding(&cfg, embed.dims())?;
         let head = name(0, Part::LmHead);
         let head_q4 = src.stored_q4_1(&head);
         let embed_q4 = src.stored_q4_1(&name(0, Part::Embed));
@@ -421,6 +414,17 @@ enum Part {
     FfnPostNorm,
     /// Llama 3's rotary frequency factors (GGUF).
     RopeFreqs,
+}
+
+/// An embedding table must be `[vocab, hidden]`.
+pub(super) fn check_embedding(cfg: &ModelConfig, dims: &[usize]) -> Result<()> {
+    ensure!(
+        dims == [cfg.vocab_size, cfg.hidden_size],
+        "embedding shape {dims:?} does not match vocab {} x hidden {}",
+        cfg.vocab_size,
+        cfg.hidden_size
+    );
+    Ok(())
 }
 
 /// The rotary tables (one per distinct base and scale among the layers)

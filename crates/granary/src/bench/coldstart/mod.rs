@@ -579,10 +579,11 @@ async fn wait_checkpoint(models: &Path, limit: Duration) -> Result<()> {
     let found = || {
         std::fs::read_dir(models).into_iter().flatten().flatten().any(|m| {
             std::fs::read_dir(m.path()).into_iter().flatten().flatten().any(|r| {
-                std::fs::read_dir(r.path()).into_iter().flatten().flatten().any(|f| {
-                    let n = f.file_name().to_string_lossy().into_owned();
-                    n.ends_with(".ckpt") && !n.starts_with('.')
-                })
+                std::fs::read_dir(r.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .any(|f| granary_core::is_checkpoint_file(&f.file_name().to_string_lossy()))
             })
         })
     };
