@@ -22,6 +22,7 @@ use crate::config::AgentConfig;
 use crate::download::{DownloadStatus, Downloader, FileRequest};
 use crate::error::AgentError;
 use crate::prefetch::{PrefetchStats, Prefetches};
+use crate::profile::{EngineLoadStats, LoadProfile, StartSample};
 use crate::registry::Catalog;
 use crate::resources::{Reservation, Resources, ResourcesStatus};
 use crate::supervisor::{EngineState, EngineStatus, LaunchSpec, Supervisor};
@@ -68,6 +69,10 @@ pub struct AgentStatus {
     /// that found their weights in RAM because of one.
     #[serde(default)]
     pub prefetch: PrefetchStats,
+    /// How fast this node loads, as its loads measured it (what heartbeats
+    /// report for placement).
+    #[serde(default)]
+    pub load_profile: crate::profile::ProfileReport,
 }
 
 /// One node's agent.
@@ -82,6 +87,8 @@ pub struct Agent {
     resources: Resources,
     /// Revisions laid out here, for where their weights are.
     known: Known,
+    /// How fast this node loads, learned from its loads.
+    profile: LoadProfile,
     /// One load per model at a time.
     loading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// One download per file at a time.
@@ -135,6 +142,7 @@ impl Agent {
             sup,
             resources,
             known: Known::scan(&cfg.cache_dir.join("models")),
+            profile: LoadProfile::open(cfg.cache_dir.join("load-profile.json")),
             loading: Mutex::new(HashMap::new()),
             fetching: Mutex::new(HashMap::new()),
             catalog: Mutex::new(Vec::new()),
@@ -191,9 +199,19 @@ impl Agent {
         Self::lock_for(&self.loading, name)
     }
 
-    /// Each model revision laid out here and the tier its weights are in now.
+    /// Each model revision laid out here, the tier its weights are in now,
+    /// and what a start of it converted here last.
     pub fn weights(&self) -> Vec<HeldRevision> {
-        self.known.report(&self.tiers)
+        let mut held = self.known.report(&self.tiers);
+        for h in &mut held {
+            h.convert_ms = self.profile.convert_ms(&h.model, &h.revision);
+        }
+        held
+    }
+
+    /// How fast this node loads, as measured so far.
+    pub fn profile(&self) -> &LoadProfile {
+        &self.profile
     }
 
     /// Model names the registry listed at the last refresh.
@@ -255,6 +273,7 @@ impl Agent {
                 v
             },
             prefetch: self.prefetches.stats(),
+            load_profile: self.profile.report(),
         }
     }
 
@@ -318,7 +337,7 @@ impl Agent {
     ) -> Result<LoadResponse, AgentError> {
         let shas: Vec<String> = revision.files.iter().map(|f| f.sha256.to_ascii_lowercase()).collect();
         let fetching = Instant::now();
-        let downloaded = self.fetch_files(name, revision).await?;
+        let downloaded = self.fetch_files(name, revision).await? > 0;
         let fetch_ms = if downloaded { fetching.elapsed().as_millis() as u64 } else { 0 };
         // A converted-weight checkpoint an engine left for this revision
         // is used and promoted with its weights.
@@ -371,9 +390,24 @@ impl Agent {
             gpus: held.gpus,
             memory: held.memory,
         };
+        let weights_tier = spec.tier;
+        let checkpoint_tier = self.tiers.checkpoint_shas(&root).iter().filter_map(|s| self.tiers.locate(s)).min();
+        // The engine's load stats are the lines its log gains from here on.
+        let log = self.sup.log_path(name);
+        let log_from = std::fs::metadata(&log).map_or(0, |m| m.len());
         let started = Instant::now();
         let st = self.sup.start(spec).await?;
-        Ok((st, started.elapsed().as_millis() as u64))
+        let ready = started.elapsed();
+        self.profile.record_start(&StartSample {
+            model: name.to_string(),
+            revision: revision.revision.clone(),
+            weights_tier,
+            checkpoint_tier,
+            weights_bytes: revision.size,
+            ready,
+            stats: EngineLoadStats::read_log(&log, log_from),
+        });
+        Ok((st, ready.as_millis() as u64))
     }
 
     /// Lays `revision` out as links into the tiers (what an engine opens,
@@ -392,18 +426,20 @@ impl Agent {
         Ok((root, slowest))
     }
 
-    /// Fetches every file of `revision` no tier holds; true when any was downloaded.
+    /// Fetches every file of `revision` no tier holds; the bytes downloaded
+    /// (their rate is learned for placement).
     pub(crate) async fn fetch_files(
         &self,
         name: &str,
         revision: &crate::registry::Revision,
-    ) -> Result<bool, AgentError> {
+    ) -> Result<u64, AgentError> {
+        let started = Instant::now();
         let jobs = revision.files.iter().map(|f| async move {
             let sha = f.sha256.to_ascii_lowercase();
             let lock = Self::lock_for(&self.fetching, &sha);
             let _one = lock.lock().await;
             if self.tiers.locate(&sha).is_some() {
-                return Ok(false);
+                return Ok(0);
             }
             let (url, bearer) = self.registry.file_source(name, &revision.revision, &f.path).await?;
             let dest = self.tiers.begin_download(&sha, f.size, &f.path)?;
@@ -412,14 +448,15 @@ impl Agent {
             self.tiers.end_download(&sha, r.is_ok());
             let stats = r?;
             tracing::info!(file = %f.path, bytes = stats.bytes, resumed = stats.resumed_bytes, requests = stats.requests, "downloaded");
-            Ok::<bool, AgentError>(true)
+            Ok::<u64, AgentError>(stats.bytes)
         });
         let results = futures::future::join_all(jobs).await;
-        let mut any = false;
+        let mut bytes = 0;
         for r in results {
-            any |= r?;
+            bytes += r?;
         }
-        Ok(any)
+        self.profile.record_download(bytes, started.elapsed());
+        Ok(bytes)
     }
 
     /// Stops `name`'s engine.

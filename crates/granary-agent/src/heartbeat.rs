@@ -39,6 +39,13 @@ pub struct Heartbeat {
     /// less the copies loaded models hold); none without a RAM tier.
     #[serde(default)]
     pub prefetch_room: Option<u64>,
+    /// How fast this node loads (read rates per tier, download rate, an
+    /// engine start's fixed cost), as measured by its loads.
+    #[serde(default)]
+    pub load_profile: crate::profile::ProfileReport,
+    /// Engines starting now (loads in progress: a new one waits behind them).
+    #[serde(default)]
+    pub starting: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -82,6 +89,13 @@ pub fn body(agent: &Agent) -> Heartbeat {
         resources: Some(agent.resources().status()),
         weights: agent.weights(),
         prefetch_room: agent.tiers().ram_room(),
+        load_profile: agent.profile().report(),
+        starting: agent
+            .supervisor()
+            .list()
+            .iter()
+            .filter(|e| e.state == EngineState::Starting && !e.ever_ready)
+            .count(),
     }
 }
 

@@ -10,6 +10,8 @@
 //! - [`front`]: a proxy before an engine, so the agent sees its requests;
 //! - [`resources`]: GPUs and memory, who holds what, admission;
 //! - [`weights`]: which tier holds each revision laid out here;
+//! - [`profile`]: how fast this node loads (read rates, conversions),
+//!   learned from its loads, for the gateway's placement;
 //! - [`agent`]: loads and unloads, idle unload (scale to zero);
 //! - [`drain`]: an idle engine leaves the gateways' routing and finishes
 //!   its requests before it is stopped;
@@ -29,6 +31,7 @@ pub mod error;
 pub mod front;
 pub mod heartbeat;
 pub mod prefetch;
+pub mod profile;
 pub mod registry;
 pub mod resources;
 pub mod supervisor;

@@ -42,6 +42,18 @@ pub struct HeldRevision {
     /// `disk`); absent: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<WeightsTier>,
+    /// The checkpoint's size (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub checkpoint_bytes: u64,
+    /// What the last start of it here spent converting (or, for an engine
+    /// that reports no load stats, on its own start work), ms; absent: no
+    /// start measured since the agent started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub convert_ms: Option<u64>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The revisions this node has laid out, with their files' sha256.
@@ -121,16 +133,18 @@ impl Known {
                         }
                     }
                 }
-                let checkpoint = self
+                let held: Vec<(Tier, u64)> = self
                     .models_dir
                     .as_ref()
                     .map(|d| tiers.checkpoint_shas(&d.join(&model).join(&revision)))
                     .unwrap_or_default()
                     .iter()
-                    .filter_map(|s| tiers.locate(s))
-                    .min()
-                    .map(|t| if t == Tier::Ram { WeightsTier::Ram } else { WeightsTier::Disk });
-                HeldRevision { model, revision, tier, bytes, checkpoint }
+                    .filter_map(|s| Some((tiers.locate(s)?, tiers.size(s).unwrap_or(0))))
+                    .collect();
+                let best = held.iter().min_by_key(|(t, _)| *t);
+                let checkpoint = best.map(|(t, _)| if *t == Tier::Ram { WeightsTier::Ram } else { WeightsTier::Disk });
+                let checkpoint_bytes = best.map_or(0, |(_, n)| *n);
+                HeldRevision { model, revision, tier, bytes, checkpoint, checkpoint_bytes, convert_ms: None }
             })
             .collect()
     }
@@ -179,7 +193,9 @@ mod tests {
                 revision: "r1".into(),
                 tier: WeightsTier::Ram,
                 bytes: 13,
-                checkpoint: None
+                checkpoint: None,
+                checkpoint_bytes: 0,
+                convert_ms: None
             }]
         );
         // A checkpoint an engine left beside the weights is reported with
@@ -188,6 +204,7 @@ mod tests {
         assert_eq!(tiers.adopt_checkpoints(&root).len(), 1);
         let r = again.report(&tiers);
         assert_eq!((r[0].checkpoint, r[0].tier, r[0].bytes), (Some(WeightsTier::Disk), WeightsTier::Ram, 13), "{r:?}");
+        assert_eq!(r[0].checkpoint_bytes, 9, "its size, for the gateway's estimate of a start");
         // A file gone from every tier: a load would download it.
         std::fs::remove_file(d.path().join("ram/blobs/sha256").join(&b)).unwrap();
         std::fs::remove_file(disk.join(&b)).unwrap();

@@ -26,6 +26,13 @@ pub fn is_checkpoint_file(name: &str) -> bool {
     name.ends_with(".ckpt") && (name.starts_with("granary-") || name.contains(".granary-"))
 }
 
+/// The prefix of the one-line JSON `granary engine` prints to its log
+/// after loading: where its start went (`weights_bytes`, `read_ms`,
+/// `convert_ms`, `checkpoint`, ...). The node agent learns this host's read
+/// bandwidth and each model's conversion time from it; `granary bench
+/// coldstart` breaks cold starts down with it.
+pub const ENGINE_LOAD_STATS_PREFIX: &str = "granary: load stats ";
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -232,8 +232,9 @@ fn device(spec: &str) -> Result<candle_core::Device> {
 }
 
 /// The prefix of the one-line JSON an engine prints after loading (see
-/// [`LoadReport`]); `granary bench coldstart` reads it from the engine's log.
-pub const LOAD_STATS_PREFIX: &str = "granary: load stats ";
+/// [`LoadReport`]); the node agent and `granary bench coldstart` read it
+/// from the engine's log.
+pub use granary_core::ENGINE_LOAD_STATS_PREFIX as LOAD_STATS_PREFIX;
 /// The prefix of the JSON line `{"ready_ms": ...}` an engine prints when it
 /// starts serving: milliseconds since its process started.
 pub const STARTUP_PREFIX: &str = "granary: startup ";

@@ -110,7 +110,8 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     assert_eq!(status, 200, "{v}");
     assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= 1, "{v}");
     let placement = placement.expect("no x-granary-placement on the answer that waited for the load");
-    assert!(placement.starts_with("loaded on node-a (weights: "), "{placement}");
+    assert!(placement.starts_with("loaded on node-a (est. "), "{placement}");
+    assert!(placement.contains("; weights: none, 0 engine(s)"), "{placement}");
     let e = agent.engine().expect("the gateway had the agent load the model");
     assert_eq!((e["state"].as_str(), e["tier"].as_str()), (Some("ready"), Some("registry")), "{e}");
     let upstream = e["upstream"].as_str().unwrap().to_string();
@@ -130,8 +131,23 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     // (The engine's checkpoint may be reported too by now, once the agent
     // has taken it in: it is checked after the next loads.)
     let mut weights = st["weights"].clone();
-    weights[0].as_object_mut().unwrap().remove("checkpoint");
+    let w = weights[0].as_object_mut().unwrap();
+    w.remove("checkpoint");
+    w.remove("checkpoint_bytes");
+    // The start converted (no checkpoint yet), and the agent read how long
+    // that took from the engine's load stats; the download and the read
+    // taught it this node's rates.
+    let convert_ms = w.remove("convert_ms").and_then(|v| v.as_u64()).expect("the start's conversion is reported");
+    assert!(convert_ms > 0, "{st}");
     assert_eq!(weights, json!([{"model": MODEL, "revision": "0.1.2", "tier": "disk", "bytes": weights_bytes}]), "{st}");
+    let profile = &st["load_profile"];
+    for key in ["disk_read_bps", "download_bps", "start_ms"] {
+        assert!(profile[key].as_u64().is_some(), "{key} measured: {st}");
+    }
+    assert!(profile.get("ram_read_bps").is_none(), "nothing was read from RAM yet: {st}");
+    wait_until("the gateway hears the node's load profile", Duration::from_secs(10), || {
+        gw.agent("node-a").is_some_and(|a| a["load_profile"]["disk_read_bps"].as_u64().is_some())
+    });
     // The load the gateway asked for, broken down: a download, then the engine's start.
     let last = &st["loads"][0];
     assert_eq!((last["model"].as_str(), last["tier"].as_str()), (Some(MODEL), Some("registry")), "{st}");
@@ -238,11 +254,15 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     // The registry imported the model's whole directory.
     let weights_bytes: u64 =
         common::files_under(model.parent().unwrap()).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
+    let checkpoint_bytes = std::fs::metadata(&checkpoint).unwrap().len();
     assert_eq!(
         st["weights"],
-        json!([{"model": MODEL, "revision": "0.1.2", "tier": "ram", "bytes": weights_bytes, "checkpoint": "ram"}]),
+        json!([{"model": MODEL, "revision": "0.1.2", "tier": "ram", "bytes": weights_bytes, "checkpoint": "ram",
+                "checkpoint_bytes": checkpoint_bytes, "convert_ms": st["weights"][0]["convert_ms"]}]),
         "{st}"
     );
+    assert!(st["weights"][0]["convert_ms"].as_u64().is_some(), "the first start's conversion is remembered: {st}");
+    assert!(st["load_profile"]["ram_read_bps"].as_u64().is_some(), "the checkpoint was read from RAM: {st}");
     let gguf = model.file_name().unwrap();
     let link = cache_dir.join("models").join(MODEL).join("0.1.2").join(gguf);
     assert!(std::fs::read_link(&link).unwrap().starts_with(&ram_dir), "{link:?} points into the RAM tier");

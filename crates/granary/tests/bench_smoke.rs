@@ -442,9 +442,10 @@ fn coldstart_quick_run_measures_every_tier() {
 }
 
 /// `granary bench coldstart --fleet --quick`: three real agents and two
-/// gateways; locality loads where the weights are in RAM, fewest-engines
-/// on the first agent by name (the RAM one in the first round), and the
-/// replayed prediction pre-stages some loads' weights.
+/// gateways; locality loads on the disk node, whose checkpoint spares the
+/// conversion the RAM node's start makes (the estimate, not the tier,
+/// decides), fewest-engines on the first agent by name (the RAM one in the
+/// first round), and the replayed prediction pre-stages some loads' weights.
 #[test]
 fn coldstart_fleet_quick_run_compares_placements_and_replays_the_prediction() {
     let Some(model) = model("coldstart_fleet_quick_run_compares_placements_and_replays_the_prediction") else {
@@ -463,7 +464,7 @@ fn coldstart_fleet_quick_run_compares_placements_and_replays_the_prediction() {
     let runs = r["fleet"]["runs"].as_array().expect("runs");
     let by = |p: &str| runs.iter().find(|x| x["policy"] == p).unwrap_or_else(|| panic!("no {p} run: {r}")).clone();
     assert_eq!(runs.len(), 2);
-    assert_eq!((by("locality")["tier"].as_str(), by("locality")["agent"].as_str()), (Some("ram"), Some("fleet-1")));
+    assert_eq!((by("locality")["tier"].as_str(), by("locality")["agent"].as_str()), (Some("disk"), Some("fleet-2")));
     assert_eq!(by("fewest_engines")["agent"], "fleet-1", "all tie: the first by name");
     positive(&by("locality")["ttft_ms"], "ttft_ms");
     let on = &r["replay"]["on"];

@@ -10,6 +10,7 @@ use anyhow::Context;
 use axum::http::StatusCode;
 use tokio::sync::watch;
 
+use super::estimate::{estimate, Estimate, LoadProfileReport};
 use super::{check_http_url, Agent, Agents, Engine, EngineReport, LOAD_CALL_LIMIT, LOAD_RETRY_AFTER};
 use crate::config::Placement;
 use crate::error::{ApiError, ErrorType};
@@ -17,9 +18,16 @@ use crate::proxy::Gateway;
 
 const TIER_NAMES: [&str; 3] = ["ram", "disk", "none"];
 
-/// How good an agent is for a load, lower first: the weights' tier, the
-/// engines it runs, then its free memory (more first).
-type PlacementRank = (u8, bool, usize, std::cmp::Reverse<u64>);
+/// How good an agent is for a load, lower first: among the estimates
+/// near the best ([`NEAR_BEST`]) or not, the estimate (whole ms; 0 among
+/// the near ones), the weights' tier, whether it converts, the engines it
+/// runs, its free memory (more first), then the estimate.
+type PlacementRank = (bool, u64, u8, bool, usize, std::cmp::Reverse<u64>, u64);
+
+/// Estimates within this much of the best (a fraction of it, plus
+/// milliseconds) count as equal: they differ by less than what the
+/// measurements behind them vary by, so the closer tier decides among them.
+const NEAR_BEST: (f64, f64) = (0.2, 50.0);
 
 /// A load in progress, as its waiters see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,46 +120,108 @@ pub(super) struct LoadTarget {
     pub(super) why: String,
     /// Where it holds the weights: 0 RAM, 1 disk, 2 elsewhere.
     pub(super) tier: u8,
+    /// What a load there takes by the estimate, not counting the loads
+    /// under way (which it will run beside, not after), ms.
+    pub(super) estimate_ms: f64,
+}
+
+/// A load this gateway has under way on an agent, counted in the queue
+/// term of the estimates for that agent until dropped.
+pub(super) struct Underway<'a> {
+    agents: &'a Agents,
+    agent_id: String,
+    id: u64,
+}
+
+impl Drop for Underway<'_> {
+    fn drop(&mut self) {
+        let mut u = self.agents.underway.lock();
+        if let Some(list) = u.get_mut(&self.agent_id) {
+            list.remove(self.id);
+            if list.is_empty() {
+                u.remove(&self.agent_id);
+            }
+        }
+    }
 }
 
 impl Agents {
-    /// Live agents listing `model`, best first: weights in RAM, then on
-    /// disk, then elsewhere, those with a converted-weight checkpoint first
-    /// within a tier; then fewest engines; then most free memory
-    /// (`placement = "fewest_engines"`: where the weights are is not looked at).
+    /// Live agents listing `model`, best first: the lowest estimated time
+    /// to first token of a load there ([`super::estimate`]), then the
+    /// closer tier, a converted-weight checkpoint, fewest engines, most
+    /// free memory (`placement = "fewest_engines"`: the estimate and the
+    /// tier are not looked at).
     pub(super) fn load_targets(&self, model: &str) -> Vec<LoadTarget> {
         let now = Instant::now();
         let st = self.state.lock();
-        let mut found: Vec<(PlacementRank, &String, &Agent)> = st
-            .iter()
-            .filter(|(_, a)| self.live(a, now) && a.models.iter().any(|m| m == model))
+        let model_bytes = self.model_bytes.lock().get(model).copied().unwrap_or(0);
+        let fleet_convert = self.convert_ms.lock().get(model).copied();
+        let underway = self.underway.lock();
+        let locality = self.cfg.placement == Placement::Locality;
+        let live: Vec<(&String, &Agent)> = st.iter().filter(|(_, a)| self.live(a, now)).collect();
+        let fleet = LoadProfileReport::median(live.iter().map(|(_, a)| &a.profile));
+        let found: Vec<(Estimate, &String, &Agent)> = live
+            .into_iter()
+            .filter(|(_, a)| a.models.iter().any(|m| m == model))
             .map(|(id, a)| {
-                let tier = a.weights.get(model).copied().unwrap_or(2).min(2);
-                let locality = self.cfg.placement == Placement::Locality;
-                let key = if locality { tier } else { 0 };
-                let converts = locality && !a.checkpoints.contains(model);
-                ((key, converts, a.engines.len(), std::cmp::Reverse(a.free_memory)), id, a)
+                let profile = a.profile.or(&fleet);
+                let alone = estimate(a.held.get(model), &profile, model_bytes, fleet_convert, 0.0);
+                // Loads under way there: this gateway's by what they have
+                // left; others' (another replica's) each as long as this one.
+                let mine = underway.get(id.as_str());
+                let others = a.starting.saturating_sub(mine.map_or(0, |u| u.len()));
+                let queue = mine.map_or(0.0, |u| u.left_ms(now)) + others as f64 * alone.alone();
+                (Estimate { queue, ..alone }, id, a)
             })
             .collect();
-        found.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(y.1)));
+        let best = found.iter().map(|(e, ..)| e.total()).fold(f64::INFINITY, f64::min);
+        let near = best * (1.0 + NEAR_BEST.0) + NEAR_BEST.1;
+        let mut found: Vec<(PlacementRank, Estimate, &String, &Agent)> = found
+            .into_iter()
+            .map(|(est, id, a)| {
+                let held = a.held.get(model);
+                let tier = held.map_or(2, |h| h.tier.min(2));
+                let converts = held.is_none_or(|h| h.checkpoint.is_none());
+                let total = est.total().round() as u64;
+                let free = std::cmp::Reverse(a.free_memory);
+                let rank = if !locality {
+                    (false, 0, 0, false, a.engines.len(), free, 0)
+                } else if est.total() <= near {
+                    (false, 0, tier, converts, a.engines.len(), free, total)
+                } else {
+                    (true, total, tier, converts, a.engines.len(), free, total)
+                };
+                (rank, est, id, a)
+            })
+            .collect();
+        found.sort_by(|x, y| x.0.cmp(&y.0).then(x.2.cmp(y.2)));
         found
             .into_iter()
-            .map(|((_, _, engines, free), id, a)| {
-                let tier = a.weights.get(model).copied().unwrap_or(2).min(2);
+            .map(|((.., engines, free, _), est, id, a)| {
+                let tier = a.held.get(model).map_or(2, |h| h.tier.min(2));
                 let checkpoint = if a.checkpoints.contains(model) { " + checkpoint" } else { "" };
                 LoadTarget {
                     agent_id: id.clone(),
                     url: a.url.clone(),
                     token: a.token.clone(),
                     why: format!(
-                        "{id} (weights: {}{checkpoint}, {engines} engine(s), {} MiB free)",
+                        "{id} ({}; weights: {}{checkpoint}, {engines} engine(s), {} MiB free)",
+                        est.describe(),
                         TIER_NAMES[tier as usize],
                         free.0 >> 20
                     ),
                     tier,
+                    estimate_ms: est.alone(),
                 }
             })
             .collect()
+    }
+
+    /// Counts a load on `t` in its agent's queue until the guard is dropped.
+    pub(super) fn underway(&self, t: &LoadTarget) -> Underway<'_> {
+        let id = self.next_load.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.underway.lock().entry(t.agent_id.clone()).or_default().add(id, t.estimate_ms);
+        Underway { agents: self, agent_id: t.agent_id.clone(), id }
     }
 
     /// Whether `agent_id` runs an engine for `model` that takes requests
@@ -317,7 +387,10 @@ impl Gateway {
         let ranked: Vec<String> = targets.iter().map(|t| t.why.clone()).collect();
         for (i, t) in targets.iter().enumerate() {
             tracing::info!(agent = %t.agent_id, model = %model, rank = %t.why, reason = why.as_str(), "asking the agent to load the model");
-            match self.agents.call_load(t, &model).await {
+            let underway = self.agents.underway(t);
+            let called = self.agents.call_load(t, &model).await;
+            drop(underway);
+            match called {
                 Ok((upstream, kv_events)) => match self.engine_loaded(&t.agent_id, &model, &upstream, kv_events) {
                     Ok(()) => {
                         ok = true;

@@ -17,22 +17,26 @@
 //! request for it waiting on that one for up to `load_timeout_ms`. The
 //! agent's answer names the new engine, which joins the set at once.
 //!
-//! Which agent loads it is chosen by locality first, ServerlessLLM-style:
-//! an agent holding the model's weights in RAM, then on local disk, then
-//! one that must download them ([`Heartbeat::weights`]); among equals the
-//! one running fewest engines, then the one with the most free memory
-//! ([`Heartbeat::resources`]). The request that waited on the load is
-//! answered with `x-granary-placement` saying which agent loaded the model
-//! and why.
-//! `placement = "fewest_engines"` ignores the tier (the baseline the
-//! cold-start bench measures locality against).
+//! Which agent loads it is the one with the lowest estimated time to first
+//! token, ServerlessLLM-style ([`estimate`]): the download if no tier there
+//! holds the weights, the read of the weights (or of their converted-weight
+//! checkpoint) at the rate measured for the tier they are in, the
+//! conversion unless a checkpoint is loaded, the engine's fixed start cost,
+//! and what the loads already under way there have left
+//! ([`Heartbeat::weights`], [`Heartbeat::load_profile`]); among equals the
+//! closer tier, then the one running fewest engines, then the one with the
+//! most free memory ([`Heartbeat::resources`]). The request that waited on
+//! the load is answered with `x-granary-placement` saying which agent
+//! loaded the model and why, each estimate's terms included.
+//! `placement = "fewest_engines"` ignores the estimate (the baseline the
+//! cold-start bench measures placement against).
 //!
 //! With `prefetch` on, each heartbeat's answer also names the models the
 //! agent should stage into its RAM tier, predicted from the last hour's
 //! requests of the tenants it served ([`prefetch`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -45,8 +49,10 @@ use crate::error::ApiError;
 use crate::proxy::Gateway;
 use crate::types::now_ms;
 use crate::upstream::{Origin, Upstream};
+use estimate::{Held, Underway};
 use load::LoadState;
 
+pub mod estimate;
 mod http;
 mod load;
 pub mod prefetch;
@@ -79,7 +85,7 @@ fn yes() -> bool {
 
 /// The body of `POST /admin/v1/agents/heartbeat`. Fields beyond these are
 /// ignored, so agents may report more than this gateway reads.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Heartbeat {
     /// The agent's name, unique among agents: letters, digits, `-`, `_`, `.`.
     pub agent_id: String,
@@ -104,10 +110,17 @@ pub struct Heartbeat {
     /// budget less the copies running engines hold); absent: unknown.
     #[serde(default)]
     pub prefetch_room: Option<u64>,
+    /// How fast the node loads, as its loads measured it (absent figures:
+    /// the defaults in [`estimate`]).
+    #[serde(default)]
+    pub load_profile: estimate::LoadProfileReport,
+    /// Engines starting there now (loads under way, whoever asked).
+    #[serde(default)]
+    pub starting: usize,
 }
 
 /// Where a model revision's weights are on an agent's node.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WeightsReport {
     pub model: String,
     #[serde(default)]
@@ -121,6 +134,12 @@ pub struct WeightsReport {
     /// `disk`); absent: none, so a start converts the weights.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<String>,
+    /// The checkpoint's size (0: none or not reported).
+    #[serde(default)]
+    pub checkpoint_bytes: u64,
+    /// The conversion (or start work) the last start of it there took, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub convert_ms: Option<u64>,
 }
 
 impl WeightsReport {
@@ -130,6 +149,23 @@ impl WeightsReport {
             "ram" => 0,
             "disk" => 1,
             _ => 2,
+        }
+    }
+
+    fn held(&self) -> Held {
+        let tier = self.rank();
+        let checkpoint = match self.checkpoint.as_deref() {
+            _ if tier >= 2 => None,
+            Some("ram") => Some(0),
+            Some(_) => Some(1),
+            None => None,
+        };
+        Held {
+            tier,
+            bytes: self.bytes,
+            checkpoint,
+            checkpoint_bytes: if checkpoint.is_some() { self.checkpoint_bytes } else { 0 },
+            convert_ms: self.convert_ms,
         }
     }
 }
@@ -280,6 +316,12 @@ struct Agent {
     /// Bytes it may stage for prefetches (its RAM tier's room, free host
     /// memory, whichever is less; None: neither reported).
     prefetch_room: Option<u64>,
+    /// Per model, its closest revision there, for the load estimate.
+    held: HashMap<String, Held>,
+    /// How fast it loads.
+    profile: estimate::LoadProfileReport,
+    /// Engines starting there, as it last said.
+    starting: usize,
 }
 
 /// The agents the gateway has heard from and the loads in progress.
@@ -300,6 +342,12 @@ pub struct Agents {
     prefetch_asked: Mutex<HashMap<(String, String), prefetch::Asked>>,
     /// Each model's size as agents report it (the largest revision seen).
     model_bytes: Mutex<HashMap<String, u64>>,
+    /// Each model's conversion as an agent last measured it, ms (for
+    /// agents that have not loaded it yet).
+    convert_ms: Mutex<HashMap<String, u64>>,
+    /// Per agent, the loads this gateway has under way there.
+    underway: Mutex<HashMap<String, Underway>>,
+    next_load: AtomicU64,
     http: reqwest::Client,
     reaper: AtomicBool,
 }
@@ -320,6 +368,10 @@ pub struct AgentView {
     pub weights: BTreeMap<String, &'static str>,
     /// Models whose converted-weight checkpoint it holds too.
     pub checkpoints: Vec<String>,
+    /// How fast it loads, as it reports (what placement estimates from).
+    pub load_profile: estimate::LoadProfileReport,
+    /// Engines starting there.
+    pub starting: usize,
 }
 
 /// An agent's engine as the gateway sees it.
@@ -355,6 +407,9 @@ impl Agents {
             history: Mutex::new(prefetch::RequestHistory::default()),
             prefetch_asked: Mutex::new(HashMap::new()),
             model_bytes: Mutex::new(HashMap::new()),
+            convert_ms: Mutex::new(HashMap::new()),
+            underway: Mutex::new(HashMap::new()),
+            next_load: AtomicU64::new(0),
             http: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(5))
                 .tcp_nodelay(true)
@@ -429,17 +484,43 @@ impl Gateway {
                     checkpoints: Default::default(),
                     free_memory: 0,
                     prefetch_room: None,
+                    held: HashMap::new(),
+                    profile: Default::default(),
+                    starting: 0,
                 }
             });
             agent.weights.clear();
             agent.checkpoints.clear();
+            agent.held.clear();
             for w in &hb.weights {
                 let r = agent.weights.entry(w.model.clone()).or_insert(u8::MAX);
                 *r = (*r).min(w.rank());
                 if w.rank() < 2 && w.checkpoint.is_some() {
                     agent.checkpoints.insert(w.model.clone());
                 }
+                let h = w.held();
+                match agent.held.get(&w.model) {
+                    Some(cur) if !h.better_than(cur) => {}
+                    _ => {
+                        agent.held.insert(w.model.clone(), h);
+                    }
+                }
             }
+            {
+                let mut sizes = self.agents.model_bytes.lock();
+                let mut converts = self.agents.convert_ms.lock();
+                for w in &hb.weights {
+                    if w.bytes > 0 {
+                        let n = sizes.entry(w.model.clone()).or_insert(0);
+                        *n = (*n).max(w.bytes);
+                    }
+                    if let Some(c) = w.convert_ms {
+                        converts.insert(w.model.clone(), c);
+                    }
+                }
+            }
+            agent.profile = hb.load_profile.clone();
+            agent.starting = hb.starting;
             agent.free_memory = hb.resources.as_ref().map_or(0, ResourcesReport::free);
             let host_free = hb.resources.as_ref().map(|r| r.host_memory_free).filter(|&n| n > 0);
             agent.prefetch_room = match (hb.prefetch_room, host_free) {
@@ -447,11 +528,6 @@ impl Gateway {
                 (a, b) => a.or(b),
             };
             if self.agents.cfg.prefetch {
-                let mut sizes = self.agents.model_bytes.lock();
-                for w in hb.weights.iter().filter(|w| w.bytes > 0) {
-                    let n = sizes.entry(w.model.clone()).or_insert(0);
-                    *n = (*n).max(w.bytes);
-                }
                 let in_ram: Vec<&str> =
                     agent.weights.iter().filter(|(_, r)| **r == 0).map(|(m, _)| m.as_str()).collect();
                 let done = self.agents.prefetched(&hb.agent_id, &in_ram);
@@ -669,6 +745,8 @@ impl Gateway {
                     v.sort();
                     v
                 },
+                load_profile: a.profile.clone(),
+                starting: a.starting,
             })
             .collect();
         out.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));

@@ -112,27 +112,37 @@ impl Gateway {
         started
     }
 
-    /// The engines of `agent_id` its model needs to stay at `min_replicas`
-    /// (no other agent's engines, not draining, are enough without it).
+    /// The engines of `agent_id` its model needs to stay at `min_replicas`.
+    /// One taking requests is kept when the other agents' engines taking
+    /// requests are fewer than `min_replicas`. A draining one is kept when
+    /// those, plus the draining ones on agents named before it, are
+    /// fewer: when several drain at once (their agents saw them idle at the
+    /// same moment), the first by agent name are kept and the rest go,
+    /// rather than all being kept, or none.
     pub fn keep_warm(&self, agent_id: &str) -> Vec<String> {
         let now = Instant::now();
         let st = self.agents.state.lock();
         let Some(agent) = st.get(agent_id) else { return Vec::new() };
         agent
             .engines
-            .keys()
-            .filter(|model| {
+            .iter()
+            .filter(|(model, mine)| {
                 let min = self.agents.cfg.models.get(*model).map_or(0, |s| s.min_replicas);
                 min > 0 && {
                     let others = st
                         .iter()
                         .filter(|(id, a)| id.as_str() != agent_id && self.agents.live(a, now))
-                        .filter(|(_, a)| a.engines.get(*model).is_some_and(|e| !e.draining))
-                        .count();
-                    others < min
+                        .filter_map(|(id, a)| a.engines.get(*model).map(|e| (id, e.draining)));
+                    let serving = others.clone().filter(|(_, draining)| !draining).count();
+                    let before = others.filter(|(id, draining)| *draining && id.as_str() < agent_id).count();
+                    if mine.draining {
+                        serving + before < min
+                    } else {
+                        serving < min
+                    }
                 }
             })
-            .cloned()
+            .map(|(model, _)| model.clone())
             .collect()
     }
 }

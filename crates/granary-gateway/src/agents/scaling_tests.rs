@@ -80,6 +80,7 @@ fn beat(agent: &str, url: &str, engines: Vec<EngineReport>, models: &[&str]) -> 
         weights: vec![],
         resources: None,
         prefetch_room: None,
+        ..Default::default()
     }
 }
 
@@ -208,10 +209,26 @@ async fn min_replicas_are_loaded_on_distinct_agents_and_kept_warm() {
     assert!(gw.keep_warm("node-c").is_empty() && gw.keep_warm("node-a").is_empty());
     gw.heartbeat(beat("node-c", &c.url, vec![report("m", &e, true)], &["m"])).unwrap();
     assert_eq!(gw.keep_warm("node-a"), vec!["m".to_string()]);
+    assert!(gw.keep_warm("node-c").is_empty(), "two others serve: the draining one goes");
     // A model without an entry is never kept.
     let e2 = engine().await;
     gw.heartbeat(beat("node-c", &c.url, vec![report("x", &e2, false)], &["m", "x"])).unwrap();
     assert!(gw.keep_warm("node-c").is_empty());
+
+    // All three draining at once (their agents saw them idle together):
+    // the first two by name are kept, the third goes; none kept would fall
+    // under min_replicas, all kept would never scale in.
+    let a_engine = engine_of(&gw, "node-a", "m").unwrap().0;
+    let b_engine = engine_of(&gw, "node-b", "m").unwrap().0;
+    let e3 = engine().await;
+    gw.heartbeat(beat("node-c", &c.url, vec![report("m", &e3, true)], &["m"])).unwrap();
+    gw.heartbeat(beat("node-a", &a.url, vec![report("m", &a_engine, true)], &["m"])).unwrap();
+    gw.heartbeat(beat("node-b", &b.url, vec![report("m", &b_engine, true)], &["m"])).unwrap();
+    let kept: Vec<bool> = ["node-a", "node-b", "node-c"].iter().map(|n| !gw.keep_warm(n).is_empty()).collect();
+    assert_eq!(kept, [true, true, false]);
+    gw.heartbeat(beat("node-a", &a.url, vec![report("m", &a_engine, false)], &["m"])).unwrap();
+    gw.heartbeat(beat("node-b", &b.url, vec![report("m", &b_engine, false)], &["m"])).unwrap();
+    gw.heartbeat(beat("node-c", &c.url, vec![], &["m"])).unwrap();
 
     // An engine that goes away is replaced.
     let a_engine = engine_of(&gw, "node-a", "m").unwrap().0;

@@ -55,6 +55,7 @@ fn hb(agent: &str, engines: &[(&str, String, bool)], models: &[&str]) -> Heartbe
         weights: vec![],
         resources: None,
         prefetch_room: None,
+        ..Default::default()
     }
 }
 
@@ -62,7 +63,14 @@ fn hb(agent: &str, engines: &[(&str, String, bool)], models: &[&str]) -> Heartbe
 async fn loads_go_where_the_weights_are_closest() {
     let gw = gateway(|_| {}).await;
     let weights = |tier: &str| {
-        vec![WeightsReport { model: "m".into(), revision: "r1".into(), tier: tier.into(), bytes: 0, checkpoint: None }]
+        vec![WeightsReport {
+            model: "m".into(),
+            revision: "r1".into(),
+            tier: tier.into(),
+            bytes: 0,
+            checkpoint: None,
+            ..Default::default()
+        }]
     };
     let free = |mib: u64| Some(ResourcesReport { host_memory_free: mib << 20, gpus: vec![] });
     // far: nothing here, idle, most memory; disk: weights on disk, one
@@ -99,12 +107,130 @@ async fn loads_go_where_the_weights_are_closest() {
     let order: Vec<String> = gw.agents.load_targets("m").into_iter().map(|t| t.agent_id).collect();
     assert_eq!(order, ["ram", "ram2", "disk-ck", "disk", "far"]);
     let why = gw.agents.load_targets("m")[0].why.clone();
-    assert_eq!(why, "ram (weights: ram, 2 engine(s), 4000 MiB free)");
+    // No sizes reported: every estimate is the default start cost, and
+    // the tier decides.
+    assert_eq!(
+        why,
+        "ram (est. 200 ms: fetch 0 + read 0 + convert 0 + start 200 + queue 0; weights: ram, 2 engine(s), 4000 MiB free)"
+    );
     let why = gw.agents.load_targets("m")[2].why.clone();
-    assert_eq!(why, "disk-ck (weights: disk + checkpoint, 3 engine(s), 1000 MiB free)");
+    assert!(
+        why.starts_with("disk-ck (est. 200 ms")
+            && why.ends_with("weights: disk + checkpoint, 3 engine(s), 1000 MiB free)"),
+        "{why}"
+    );
     // Without locality reports, fewest engines first (then the name).
     let order: Vec<String> = gw.agents.load_targets("x").into_iter().map(|t| t.agent_id).collect();
     assert_eq!(order, ["disk", "ram", "ram2", "disk-ck"]);
+}
+
+/// The estimate decides, ServerlessLLM-style: a checkpoint on disk beats
+/// weights in RAM that must be converted, a fast network can beat a slow
+/// disk, and loads under way on an agent (this gateway's or another's)
+/// push it back.
+#[tokio::test]
+async fn loads_go_where_the_first_token_is_estimated_soonest() {
+    const MB: u64 = 1_000_000;
+    let gw = gateway(|_| {}).await;
+    let profile = |ram: u64, disk: u64, net: u64| estimate::LoadProfileReport {
+        ram_read_bps: Some(ram * MB),
+        disk_read_bps: Some(disk * MB),
+        download_bps: Some(net * MB),
+        start_ms: Some(100),
+    };
+    let held = |tier: &str, checkpoint: Option<&str>, convert_ms: Option<u64>| {
+        vec![WeightsReport {
+            model: "m".into(),
+            revision: "r1".into(),
+            tier: tier.into(),
+            bytes: 100 * MB,
+            checkpoint: checkpoint.map(String::from),
+            checkpoint_bytes: if checkpoint.is_some() { 140 * MB } else { 0 },
+            convert_ms,
+        }]
+    };
+    // ram: weights in RAM, converted in 1500 ms at its last start.
+    gw.heartbeat(Heartbeat {
+        weights: held("ram", None, Some(1500)),
+        load_profile: profile(1000, 500, 100),
+        ..hb("ram", &[], &["m"])
+    })
+    .unwrap();
+    // disk-ck: weights and checkpoint on disk.
+    gw.heartbeat(Heartbeat {
+        weights: held("disk", Some("disk"), Some(1400)),
+        load_profile: profile(1000, 500, 100),
+        ..hb("disk-ck", &[], &["m"])
+    })
+    .unwrap();
+    // far: nothing there, but a fast network; no start measured yet.
+    gw.heartbeat(Heartbeat {
+        load_profile: estimate::LoadProfileReport { download_bps: Some(1000 * MB), ..Default::default() },
+        ..hb("far", &[], &["m"])
+    })
+    .unwrap();
+    let targets = gw.agents.load_targets("m");
+    let order: Vec<&str> = targets.iter().map(|t| t.agent_id.as_str()).collect();
+    assert_eq!(order, ["disk-ck", "ram", "far"]);
+    assert_eq!(
+        targets[0].why,
+        "disk-ck (est. 380 ms: fetch 0 + read 280 + convert 0 + start 100 + queue 0; weights: disk + checkpoint, 0 engine(s), 0 MiB free)"
+    );
+    assert!(
+        targets[1].why.starts_with("ram (est. 1700 ms: fetch 0 + read 100 + convert 1500 + start 100"),
+        "{}",
+        targets[1].why
+    );
+    // far measured only its download: it converts as measured elsewhere
+    // (disk-ck's 1400 ms, the latest heard), and reads and starts as the
+    // fleet does (the median of the others: 0.5 GB/s, 100 ms).
+    assert!(
+        targets[2].why.starts_with("far (est. 1800 ms: fetch 100 + read 200 + convert 1400 + start 100"),
+        "{}",
+        targets[2].why
+    );
+
+    // Two loads another gateway started on disk-ck: each as long as this
+    // one would be (2 x 380), still first; four put it behind ram (an
+    // estimate near the best, within 20% + 50 ms, is taken as equal and
+    // the closer tier wins).
+    let busy = |n: usize| Heartbeat {
+        weights: held("disk", Some("disk"), Some(1400)),
+        load_profile: profile(1000, 500, 100),
+        starting: n,
+        ..hb("disk-ck", &[], &["m"])
+    };
+    gw.heartbeat(busy(2)).unwrap();
+    assert_eq!(gw.agents.load_targets("m")[0].agent_id, "disk-ck");
+    gw.heartbeat(busy(4)).unwrap();
+    let targets = gw.agents.load_targets("m");
+    assert_eq!(targets[0].agent_id, "ram");
+    assert!(targets[1].why.contains("est. 1900 ms") && targets[1].why.contains("queue 1520"), "{}", targets[1].why);
+    // This gateway's own load under way on disk-ck counts once, by what it
+    // has left, not again as one of the agent's starting engines.
+    gw.heartbeat(busy(1)).unwrap();
+    let first = gw.agents.load_targets("m").remove(0);
+    let guard = gw.agents.underway(&first);
+    let again = gw.agents.load_targets("m");
+    let q = again.iter().find(|t| t.agent_id == "disk-ck").unwrap();
+    assert!(q.why.contains("queue 38") || q.why.contains("queue 37"), "{}", q.why);
+    drop(guard);
+    gw.heartbeat(busy(0)).unwrap();
+    assert!(gw.agents.load_targets("m")[0].why.contains("queue 0;"));
+
+    // Near the best (450 against 380, within 20% + 50 ms) counts as equal:
+    // the checkpoint in RAM wins on its tier; the measurements would not
+    // tell the two apart.
+    gw.heartbeat(Heartbeat {
+        weights: held("ram", Some("ram"), Some(1500)),
+        load_profile: profile(400, 500, 100),
+        ..hb("ram-ck", &[], &["m"])
+    })
+    .unwrap();
+    let targets = gw.agents.load_targets("m");
+    let order: Vec<&str> = targets.iter().map(|t| t.agent_id.as_str()).collect();
+    assert_eq!(order, ["ram-ck", "disk-ck", "ram", "far"]);
+    assert!(targets[0].why.starts_with("ram-ck (est. 450 ms: fetch 0 + read 350"), "{}", targets[0].why);
 }
 
 /// `placement = "fewest_engines"`: the weights' tier is not looked at.
@@ -117,6 +243,7 @@ async fn fewest_engines_placement_ignores_the_weights() {
         tier: "ram".into(),
         bytes: 0,
         checkpoint: None,
+        ..Default::default()
     }];
     let free = |mib: u64| Some(ResourcesReport { host_memory_free: mib << 20, gpus: vec![] });
     let one = vec![("x", "http://127.0.0.1:10".to_string(), true)];
@@ -162,6 +289,7 @@ async fn heartbeat_answers_name_the_models_to_prefetch() {
         tier: "ram".into(),
         bytes: 100,
         checkpoint: None,
+        ..Default::default()
     };
     gw.heartbeat(Heartbeat {
         weights: vec![in_ram("b")],

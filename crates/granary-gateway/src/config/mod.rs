@@ -246,8 +246,10 @@ pub struct AgentsConfig {
     /// Replicas per model (`[gateway.agents.models.NAME]`): kept warm, and
     /// more under load (see [`crate::agents::ModelScaling`]).
     pub models: BTreeMap<String, crate::agents::ModelScaling>,
-    /// Which agent loads a model on demand: `locality` (where its weights
-    /// are closest: RAM, disk, then anywhere; then fewest engines, then
+    /// Which agent loads a model on demand: `locality` (the lowest
+    /// estimated time to first token from where its weights and checkpoint
+    /// are and the node's measured rates, see [`crate::agents::estimate`];
+    /// near-equal estimates by the closer tier, then fewest engines, then
     /// most free memory) or `fewest_engines` (fewest engines, then most
     /// free memory, wherever the weights are).
     pub placement: Placement,
@@ -265,7 +267,8 @@ pub struct AgentsConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Placement {
-    /// Where the weights are closest, ServerlessLLM-style.
+    /// The lowest estimated time to first token, from where the weights
+    /// are (ServerlessLLM-style).
     #[default]
     Locality,
     /// The agent running fewest engines, blind to where the weights are.

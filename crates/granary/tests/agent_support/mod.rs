@@ -232,6 +232,39 @@ pub struct AgentProc {
 }
 
 impl AgentProc {
+    /// An agent `id` of a fleet under `dir` (its own cache and RAM
+    /// directories), reading `registry` and beating to `gateway` every
+    /// 250 ms, with `extra` flags.
+    pub fn in_fleet(registry: &str, gateway: &str, dir: &Path, id: &str, extra: &[&str]) -> AgentProc {
+        let cache = dir.join(format!("cache-{id}"));
+        let ram = dir.join(format!("ram-{id}"));
+        let mut args = vec![
+            "--registry",
+            registry,
+            "--registry-token",
+            READ,
+            "--cache-dir",
+            cache.to_str().unwrap(),
+            "--ram-dir",
+            ram.to_str().unwrap(),
+            "--admin-token",
+            TOKEN,
+            "--gateway",
+            gateway,
+            "--gateway-token",
+            GW_ADMIN,
+            "--agent-id",
+            id,
+            "--heartbeat-interval",
+            "250ms",
+            "--health-interval",
+            "100ms",
+            "--engine-arg=--kv-cache=64MiB",
+        ];
+        args.extend_from_slice(extra);
+        AgentProc::start(&args)
+    }
+
     pub fn start(args: &[&str]) -> AgentProc {
         let mut all = vec!["agent", "--listen", "127.0.0.1:0"];
         all.extend_from_slice(args);

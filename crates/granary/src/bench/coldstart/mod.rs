@@ -26,8 +26,9 @@
 //! one, for reference.
 //!
 //! `--fleet` measures placement instead ([`fleet`]): three agents with the
-//! weights in RAM, on disk and nowhere, locality placement against
-//! fewest-engines placement; then the prefetch prediction's hit rate on a
+//! weights in RAM (no checkpoint), on disk (with one) and nowhere, locality
+//! placement (the estimated time to first token) against fewest-engines
+//! placement; then the prefetch prediction's hit rate on a
 //! replayed request log ([`replay`]).
 
 use std::path::{Path, PathBuf};
@@ -574,7 +575,7 @@ async fn tier_phase(
 
 /// Waits until a model directory under `models` holds the engine's
 /// converted-weight checkpoint (`<name>/<revision>/*.ckpt`).
-async fn wait_checkpoint(models: &Path, limit: Duration) -> Result<()> {
+pub(super) async fn wait_checkpoint(models: &Path, limit: Duration) -> Result<()> {
     let until = Instant::now() + limit;
     let found = || {
         std::fs::read_dir(models).into_iter().flatten().flatten().any(|m| {
