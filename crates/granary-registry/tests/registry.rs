@@ -467,6 +467,42 @@ async fn dir_imports_may_be_confined_to_roots() {
     assert_eq!(e.code(), Some("source_not_allowed"));
 }
 
+/// Blob URLs (a store that cannot presign) name the registry as clients
+/// reach it: `public_url` when configured, else the request's `Host` with
+/// the scheme a TLS-terminating proxy reports.
+#[tokio::test]
+async fn blob_urls_use_the_public_url_or_the_requests_scheme_and_host() {
+    let src = tempfile::tempdir().unwrap();
+    let (dir, _) = gguf_dir(src.path(), "m", 1, 100);
+    let path = |file: &str| format!("/v1/models/m/revisions/r/files/{file}/url");
+    let public = start(|c| c.public_url = Some("https://models.example.com/".into())).await;
+    let rev = public.admin.import(&req("m", dir_source(&dir), Some("r"))).await.unwrap();
+    let f = rev.files[0].clone();
+    let u = public.reader.file_url("m", "r", &f.path).await.unwrap();
+    assert_eq!(
+        (u.url.as_str(), u.presigned),
+        (format!("https://models.example.com/v1/blobs/{}", f.sha256).as_str(), false)
+    );
+
+    let behind = start(|_| {}).await;
+    behind.admin.import(&req("m", dir_source(&dir), Some("r"))).await.unwrap();
+    let get = |proto: Option<&'static str>| {
+        let mut r = reqwest::Client::new()
+            .get(format!("{}{}", behind.url, path(&f.path)))
+            .bearer_auth(READER)
+            .header("host", "reg.internal:8443");
+        if let Some(p) = proto {
+            r = r.header("x-forwarded-proto", p);
+        }
+        r.send()
+    };
+    let url = |v: Value| v["url"].as_str().unwrap().to_string();
+    let v: Value = get(Some("https")).await.unwrap().json().await.unwrap();
+    assert_eq!(url(v), format!("https://reg.internal:8443/v1/blobs/{}", f.sha256));
+    let v: Value = get(None).await.unwrap().json().await.unwrap();
+    assert_eq!(url(v), format!("http://reg.internal:8443/v1/blobs/{}", f.sha256));
+}
+
 /// An S3 store on a real `s3s-fs`: blobs under the bucket's prefix,
 /// presigned URLs that work without credentials, integrity on fetch.
 #[tokio::test]
@@ -526,6 +562,23 @@ async fn s3_store_with_presigned_urls() {
     // Delete collects the object in the bucket.
     t.admin.delete("m", None).await.unwrap();
     assert!(!object.exists());
+
+    // A push over HTTP lands in the bucket too: half of a file sent by an
+    // earlier, broken-off attempt, the rest by `push_dir`, which resumes.
+    let pushed = src.path().join("push");
+    std::fs::create_dir_all(&pushed).unwrap();
+    let body: Vec<u8> = (0..(3u32 << 20)).map(|i| (i % 251) as u8).collect();
+    std::fs::write(pushed.join("weights.gguf"), &body).unwrap();
+    let sha = sha256_hex(&body);
+    let half = t.admin.upload_part(&sha, body.len() as u64, 0, body[..1 << 20].to_vec().into()).await.unwrap();
+    assert_eq!((half.offset, half.complete), (1 << 20, false));
+    let (rev, report) = t.admin.push_dir(&pushed, "pushed", Some("r1".into()), None, &|_, _, _| {}).await.unwrap();
+    assert_eq!((report.resumed_bytes, rev.file("weights.gguf").unwrap().sha256.as_str()), (1 << 20, sha.as_str()));
+    let object = s3.bucket_dir().join("registry/blobs/sha256").join(&sha);
+    assert_eq!(sha256_hex(&std::fs::read(&object).unwrap()), sha, "the pushed file is in the bucket, whole");
+    let u = t.reader.file_url("pushed", "r1", "weights.gguf").await.unwrap();
+    assert!(u.presigned, "{u:?}");
+    assert_eq!(sha256_hex(&reqwest::get(&u.url).await.unwrap().bytes().await.unwrap()), sha);
 }
 
 /// The catalog on a real PostgreSQL: the same operations as on SQLite.

@@ -36,6 +36,10 @@ fn a_model_is_kept_at_min_replicas_scales_out_under_load_and_back_in_when_idle()
     let a = AgentProc::in_fleet(&registry.base, &gw.proc.base, dir.path(), "node-a", &idle);
     let b = AgentProc::in_fleet(&registry.base, &gw.proc.base, dir.path(), "node-b", &idle);
 
+    // The agents beat with the agent-scope token, which opens nothing else.
+    let r = gw.http.get(format!("{}/admin/v1/agents", gw.proc.base)).bearer_auth(GW_AGENT).send().unwrap();
+    assert!(matches!(r.status().as_u16(), 401 | 403), "{}", r.status());
+
     // min_replicas: loaded with no request asking.
     wait_until("min_replicas loads the model on one agent", Duration::from_secs(90), || {
         engines(&[&a, &b]).iter().any(|&e| e)

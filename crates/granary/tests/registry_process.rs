@@ -11,6 +11,7 @@ use serde_json::Value;
 
 const ADMIN: &str = "registry-admin-token-for-tests";
 const READER: &str = "registry-read-token-for-tests";
+const OTHER_READER: &str = "registry-second-read-token-for-tests";
 
 /// `granary registry serve`, killed on drop.
 struct Registry {
@@ -26,13 +27,32 @@ impl Drop for Registry {
 }
 
 impl Registry {
-    /// Starts it on port 0 with `data_dir` and waits for its `ready` line.
+    /// Starts it on port 0 with `data_dir` and waits for its `ready` line
+    /// (tokens from the command line and the environment).
     fn start(data_dir: &Path) -> Registry {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_granary"))
-            .args(["registry", "serve", "--listen", "127.0.0.1:0", "--read-token", READER])
+        Registry::start_with(data_dir, &["--read-token", READER], Some(ADMIN))
+    }
+
+    /// The same with its tokens read from files: the admin token's, and
+    /// one read token per line (`#` comments) of the other.
+    fn start_with_token_files(data_dir: &Path, dir: &Path) -> Registry {
+        let (admin, read) = (dir.join("admin-token"), dir.join("read-tokens"));
+        std::fs::write(&admin, format!("{ADMIN}\n")).unwrap();
+        std::fs::write(&read, format!("# who may read\n{READER}\n\n{OTHER_READER}\n")).unwrap();
+        let args = ["--admin-token-file", admin.to_str().unwrap(), "--read-token-file", read.to_str().unwrap()];
+        Registry::start_with(data_dir, &args, None)
+    }
+
+    fn start_with(data_dir: &Path, args: &[&str], admin_env: Option<&str>) -> Registry {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_granary"));
+        cmd.args(["registry", "serve", "--listen", "127.0.0.1:0"]).args(args);
+        match admin_env {
+            Some(t) => cmd.env("GRANARY_REGISTRY_ADMIN_TOKEN", t),
+            None => cmd.env_remove("GRANARY_REGISTRY_ADMIN_TOKEN"),
+        };
+        let mut child = cmd
             .arg("--data-dir")
             .arg(data_dir)
-            .env("GRANARY_REGISTRY_ADMIN_TOKEN", ADMIN)
             .env_remove("GRANARY_REGISTRY_DATABASE")
             .env_remove("GRANARY_REGISTRY_STORE")
             .env("GRANARY_LOG", "warn")
@@ -176,8 +196,9 @@ fn sha256_hex(b: &[u8]) -> String {
 fn push_uploads_a_directory_resumably_and_checked() {
     let Some(model) = granary_tokenizer::testing::model_or_skip("registry push") else { return };
     let data = tempfile::tempdir().unwrap();
-    let reg = Registry::start(data.path());
     let dir = tempfile::tempdir().unwrap();
+    let tokens = tempfile::tempdir().unwrap();
+    let reg = Registry::start_with_token_files(data.path(), tokens.path());
     let gguf = std::fs::read(&model).unwrap();
     std::fs::write(dir.path().join("model.gguf"), &gguf).unwrap();
     std::fs::write(dir.path().join("config.json"), br#"{"note":"pushed"}"#).unwrap();
@@ -232,6 +253,9 @@ fn push_uploads_a_directory_resumably_and_checked() {
     let config_sha = sha256_hex(br#"{"note":"pushed"}"#);
     assert_eq!(files, [("config.json", config_sha.as_str()), ("model.gguf", sha.as_str())], "{shown}");
     assert_eq!((shown["format"].as_str(), shown["license"].as_str()), (Some("gguf"), Some("apache-2.0")));
+    // The second read token of the file reads too; a token not in it does not.
+    assert!(ok(&reg.cli(&["show", "pushed@r1"], Some(OTHER_READER))).contains("pushed"));
+    assert!(!reg.cli(&["show", "pushed@r1"], Some("not-a-token-0123456789")).status.success());
     // The stored bytes are the file's.
     let back = http.get(format!("{}/v1/blobs/{sha}", reg.url)).bearer_auth(READER).send().unwrap().bytes().unwrap();
     assert_eq!(sha256_hex(&back), sha);

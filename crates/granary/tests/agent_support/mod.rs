@@ -15,6 +15,8 @@ pub const TOKEN: &str = "agent-admin-token-for-tests";
 pub const READ: &str = "registry-read-token-for-tests";
 pub const REG_ADMIN: &str = "registry-admin-token-for-tests";
 pub const GW_ADMIN: &str = "gateway-admin-token-for-tests";
+/// The gateway's agent-scope token: heartbeats and nothing else.
+pub const GW_AGENT: &str = "gateway-agent-token-for-tests";
 pub const MODEL: &str = "smollm2";
 
 pub fn default_model() -> Option<PathBuf> {
@@ -138,7 +140,7 @@ impl Gateway {
         std::fs::write(&path, cfg).unwrap();
         let proc = Proc::start(
             &["gateway", "--config", path.to_str().unwrap()],
-            &[("GRANARY_ADMIN_TOKEN", GW_ADMIN)],
+            &[("GRANARY_ADMIN_TOKEN", GW_ADMIN), ("GRANARY_AGENT_TOKEN", GW_AGENT)],
             "granary: gateway on ",
             "granary: ready",
         );
@@ -234,7 +236,7 @@ pub struct AgentProc {
 impl AgentProc {
     /// An agent `id` of a fleet under `dir` (its own cache and RAM
     /// directories), reading `registry` and beating to `gateway` every
-    /// 250 ms, with `extra` flags.
+    /// 250 ms with the gateway's agent-scope token, with `extra` flags.
     pub fn in_fleet(registry: &str, gateway: &str, dir: &Path, id: &str, extra: &[&str]) -> AgentProc {
         let cache = dir.join(format!("cache-{id}"));
         let ram = dir.join(format!("ram-{id}"));
@@ -251,8 +253,10 @@ impl AgentProc {
             TOKEN,
             "--gateway",
             gateway,
+            // The agent-scope token: the gateway takes its heartbeats and
+            // nothing else from it.
             "--gateway-token",
-            GW_ADMIN,
+            GW_AGENT,
             "--agent-id",
             id,
             "--heartbeat-interval",
