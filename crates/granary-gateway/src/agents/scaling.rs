@@ -11,7 +11,8 @@
 //! model listed there: one with fewer engines taking requests than
 //! `min_replicas` is loaded on the best agent not running it yet (ranked as
 //! for loads on demand), and so is one whose engines have more than
-//! `scale_out_active` requests in flight each, up to `max_replicas`. One
+//! `scale_out_active` requests each, in flight or waiting in the gateway's
+//! admission queue for them, up to `max_replicas`. One
 //! load per model at a time, whatever started it; a replica load that
 //! failed is tried again after [`LOAD_RETRY_AFTER`].
 //!
@@ -54,7 +55,9 @@ impl Default for ModelScaling {
 pub(super) struct Replicas {
     /// Engines taking requests (not draining) on live agents.
     pub engines: usize,
-    /// Requests in flight on them through this gateway.
+    /// Requests in flight on them through this gateway, and those waiting
+    /// in its admission queue for one of them (engines with `max_active`
+    /// full: the queue grows there, not on the engines).
     pub active: usize,
     /// Some live agent lists the model and does not run it yet.
     pub spare_agent: bool,
@@ -65,15 +68,19 @@ impl Gateway {
         let now = Instant::now();
         let st = self.agents.state.lock();
         let mut r = Replicas { engines: 0, active: 0, spare_agent: false };
+        let mut ids = Vec::new();
         for a in st.values().filter(|a| self.agents.live(a, now)) {
             match a.engines.get(model).filter(|e| !e.draining) {
                 Some(e) => {
                     r.engines += 1;
                     r.active += e.upstream.active.load(std::sync::atomic::Ordering::Acquire);
+                    ids.push(e.upstream.id);
                 }
                 None => r.spare_agent |= a.models.iter().any(|m| m == model),
             }
         }
+        drop(st);
+        r.active += self.admission.waiting_for(&ids);
         r
     }
 

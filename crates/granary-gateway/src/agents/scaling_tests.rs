@@ -279,3 +279,39 @@ async fn busy_engines_scale_out_to_another_agent_up_to_max_replicas() {
     let _busy: Vec<_> = (0..4).map(|_| u1.try_acquire().unwrap()).collect();
     assert!(gw1.reconcile_replicas().is_empty());
 }
+
+/// Engines with `max_active`: once full, requests wait in the gateway's
+/// admission queue, not on the engines; those waiting count toward
+/// `scale_out_active` as much as those in flight.
+#[tokio::test]
+async fn requests_queued_at_the_gateway_for_full_engines_scale_out_too() {
+    let gw = gateway(|c| {
+        c.gateway
+            .agents
+            .models
+            .insert("m".into(), ModelScaling { min_replicas: 0, max_replicas: 2, scale_out_active: 2 });
+    })
+    .await;
+    let (a, b) = (fake_agent(Duration::ZERO).await, fake_agent(Duration::ZERO).await);
+    let e = engine().await;
+    let full = EngineReport { max_active: 2, ..report("m", &e, false) };
+    gw.heartbeat(beat("node-a", &a.url, vec![full], &["m"])).unwrap();
+    gw.heartbeat(beat("node-b", &b.url, vec![], &["m"])).unwrap();
+    let u = gw.upstreams.by_name("agent:node-a:m").unwrap();
+    let _slots: Vec<_> = (0..2).map(|_| u.try_acquire().unwrap()).collect();
+    assert!(u.try_acquire().is_none(), "the engine takes two at a time");
+    assert!(gw.reconcile_replicas().is_empty(), "2 on 1 engine: not over 2");
+    // A request waits at the gateway for that engine.
+    let (gw2, id) = (gw.clone(), u.id);
+    let waiter = tokio::spawn(async move {
+        gw2.admission.acquire(crate::types::Priority::Standard, &[id], Duration::from_secs(30), || None).await
+    });
+    while gw.admission.waiting_for(&[id]) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(gw.replicas("m").active, 3);
+    assert_eq!(gw.reconcile_replicas(), vec![("m".to_string(), "scale_out")]);
+    loads_done(&gw, "m").await;
+    assert_eq!(b.loads.load(Ordering::SeqCst), 1);
+    waiter.abort();
+}

@@ -161,7 +161,7 @@ pub struct Gateway {
     topology: ArcSwap<Topology>,
     rebuilding: Mutex<()>,
     pub(crate) agents: Agents,
-    admission: Arc<Admission<Slot>>,
+    pub(crate) admission: Arc<Admission<Slot>>,
     tokenizers: Arc<Tokenizers>,
     /// Whole answers to deterministic requests (`[gateway.response_cache]`).
     cache: Option<ResponseCache>,

@@ -138,4 +138,10 @@ impl<T> Admission<T> {
     pub fn waiting(&self, priority: Priority) -> usize {
         self.queues.lock().tiers[priority.rank()].len()
     }
+
+    /// Requests waiting (any tier) that could use one of `resources`.
+    pub fn waiting_for(&self, resources: &[usize]) -> usize {
+        let q = self.queues.lock();
+        q.tiers.iter().flatten().filter(|w| w.wants.iter().any(|r| resources.contains(r))).count()
+    }
 }
