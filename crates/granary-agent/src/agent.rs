@@ -459,11 +459,13 @@ impl Agent {
         Ok(bytes)
     }
 
-    /// Stops `name`'s engine.
+    /// Stops `name`'s engine, once the gateways route nothing more to it
+    /// and its requests have finished (see [`crate::drain`]).
     pub async fn unload(&self, name: &str) -> Result<(), AgentError> {
         check_name("name", name)?;
         let lock = Self::lock_for(&self.loading, name);
         let _one_at_a_time = lock.lock().await;
+        self.drain_before_unload(name).await;
         self.stop_engine(name).await
     }
 

@@ -12,6 +12,9 @@
 //! twice in a row [`DRAIN_POLL`] apart, or after `drain_timeout` whatever
 //! they say. A gateway that lists the model in its answer's `keep` (its
 //! `min_replicas`) ends the drain and the engine stays loaded.
+//!
+//! An unload someone asks for (`POST /models/{model}/unload`) drains the
+//! same way first, but a gateway's `keep` does not stop it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -23,6 +26,20 @@ pub const DRAIN_POLL: Duration = Duration::from_millis(50);
 
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// How a drain ended.
+enum Drained {
+    /// No request left, at the gateways or the engine.
+    Quiet,
+    /// `drain_timeout` passed with requests still in flight.
+    TimedOut,
+    /// A load took the engine back.
+    TakenBack,
+    /// A gateway needs it kept (`min_replicas`).
+    Kept,
+    /// The agent is stopping.
+    Stopping,
 }
 
 /// What the gateways said of a draining engine.
@@ -48,40 +65,65 @@ impl Agent {
     }
 
     async fn drain_then_unload(self: Arc<Self>, model: String) -> bool {
-        let http = crate::heartbeat::client();
-        let started = Instant::now();
-        let mut quiet = 0;
-        loop {
-            if !self.supervisor().is_draining(&model) {
-                tracing::info!(model = %model, "a load took the draining engine back");
-                return false;
-            }
-            let say = self.tell_gateways(&http, &model).await;
-            if say.keep {
-                tracing::info!(model = %model, "a gateway keeps the engine loaded (min_replicas)");
-                self.supervisor().mark_active(&model, now_ms());
-                self.supervisor().set_draining(&model, false);
-                return false;
-            }
-            let here = self.engine_in_flight(&http, &model).await;
-            quiet = if say.in_flight == Some(0) && here == 0 { quiet + 1 } else { 0 };
-            if quiet >= 2 {
-                break;
-            }
-            if started.elapsed() >= self.config().drain_timeout {
-                tracing::warn!(model = %model, gateways = ?say.in_flight, engine = here, "drain timeout: unloading with requests in flight");
-                break;
-            }
-            tokio::select! {
-                _ = self.stopping().cancelled() => return false,
-                _ = tokio::time::sleep(DRAIN_POLL) => {}
-            }
+        match self.wait_drained(&model, true).await {
+            Drained::Quiet | Drained::TimedOut => {}
+            Drained::TakenBack | Drained::Kept | Drained::Stopping => return false,
         }
         match self.unload_drained(&model).await {
             Ok(unloaded) => unloaded,
             Err(e) => {
                 tracing::warn!(model = %model, error = %e, "idle unload failed");
                 false
+            }
+        }
+    }
+
+    /// Before an unload someone asked for: the engine leaves the gateways'
+    /// routing and its requests finish (up to `drain_timeout`), whatever
+    /// their `keep` says. Nothing to do without gateways or for an engine
+    /// not serving yet. The caller holds the model's load lock, so no load
+    /// takes the engine back meanwhile.
+    pub(crate) async fn drain_before_unload(&self, model: &str) {
+        let serving = self.supervisor().status(model).is_some_and(|st| st.ever_ready);
+        if self.config().gateways.is_empty() || !serving {
+            return;
+        }
+        self.supervisor().set_draining(model, true);
+        tracing::info!(model, "draining the engine before unloading it");
+        self.wait_drained(model, false).await;
+    }
+
+    /// Waits until the gateways and the engine have no request in flight
+    /// (twice in a row), the drain times out, a load takes the engine back,
+    /// or (with `honour_keep`) a gateway keeps it.
+    async fn wait_drained(&self, model: &str, honour_keep: bool) -> Drained {
+        let http = crate::heartbeat::client();
+        let started = Instant::now();
+        let mut quiet = 0;
+        loop {
+            if !self.supervisor().is_draining(model) {
+                tracing::info!(model = %model, "a load took the draining engine back");
+                return Drained::TakenBack;
+            }
+            let say = self.tell_gateways(&http, model).await;
+            if say.keep && honour_keep {
+                tracing::info!(model = %model, "a gateway keeps the engine loaded (min_replicas)");
+                self.supervisor().mark_active(model, now_ms());
+                self.supervisor().set_draining(model, false);
+                return Drained::Kept;
+            }
+            let here = self.engine_in_flight(&http, model).await;
+            quiet = if say.in_flight == Some(0) && here == 0 { quiet + 1 } else { 0 };
+            if quiet >= 2 {
+                return Drained::Quiet;
+            }
+            if started.elapsed() >= self.config().drain_timeout {
+                tracing::warn!(model = %model, gateways = ?say.in_flight, engine = here, "drain timeout: unloading with requests in flight");
+                return Drained::TimedOut;
+            }
+            tokio::select! {
+                _ = self.stopping().cancelled() => return Drained::Stopping,
+                _ = tokio::time::sleep(DRAIN_POLL) => {}
             }
         }
     }

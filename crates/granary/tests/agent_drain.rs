@@ -2,7 +2,8 @@
 //! gateway, registry and engines: the agent takes an idle engine out of the
 //! gateway's routing and lets its requests finish before it stops it, so a
 //! request arriving just as the engine goes idle is served (by the engine
-//! taken back, or by a new one), never failed.
+//! taken back, or by a new one), never failed. An unload someone asks for
+//! drains the same way: a request in flight finishes first.
 
 mod agent_support;
 mod common;
@@ -88,4 +89,50 @@ fn no_request_fails_across_idle_unloads() {
     wait_until("the gateway drops it", Duration::from_secs(10), || {
         gw.agent("node-d").is_some_and(|a| a["engines"].as_array().unwrap().is_empty())
     });
+
+    // An unload asked for while a long request runs: the engine leaves
+    // routing, the request finishes, then the engine stops.
+    let (base, key) = (gw.proc.base.clone(), gw.key.clone());
+    let long = std::thread::spawn(move || {
+        let body = serde_json::json!({"model": MODEL, "max_tokens": 200, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count from 1 to 300, one number per line."}]});
+        let r = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(300))
+            .build()
+            .unwrap()
+            .post(format!("{base}/v1/chat/completions"))
+            .bearer_auth(&key)
+            .json(&body)
+            .send()
+            .unwrap();
+        (r.status().as_u16(), r.json::<serde_json::Value>().unwrap())
+    });
+    wait_until("the long request runs on the engine", Duration::from_secs(60), || {
+        gw.agent("node-d").is_some_and(|a| a["engines"][0]["active_requests"].as_u64() >= Some(1))
+    });
+    let asked = Instant::now();
+    let unload = {
+        let base = agent.base.clone();
+        std::thread::spawn(move || {
+            let r = reqwest::blocking::Client::new()
+                .post(format!("{base}/models/{MODEL}/unload"))
+                .bearer_auth(TOKEN)
+                .send()
+                .unwrap();
+            (r.status().as_u16(), asked.elapsed())
+        })
+    };
+    // Out of the gateway's routing (draining) while the request still runs.
+    wait_until("the gateway sees the engine draining", Duration::from_secs(5), || {
+        gw.agent("node-d").is_some_and(|a| a["engines"][0]["draining"] == true)
+    });
+    assert!(!long.is_finished(), "the request was still running when the engine left routing");
+    let (s, took) = unload.join().unwrap();
+    assert_eq!(s, 200);
+    let (status, v) = long.join().unwrap();
+    assert_eq!(status, 200, "the request in flight finished: {v}");
+    let tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
+    eprintln!("explicit unload waited {took:?} for a request of {tokens} tokens");
+    assert!(tokens > 0, "{v}");
+    assert!(agent.engine().is_none(), "unloaded once the request was done");
 }
