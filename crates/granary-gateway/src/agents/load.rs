@@ -127,13 +127,13 @@ pub(super) struct LoadTarget {
 
 /// A load this gateway has under way on an agent, counted in the queue
 /// term of the estimates for that agent until dropped.
-pub(super) struct Underway<'a> {
+pub(super) struct UnderwayLoad<'a> {
     agents: &'a Agents,
     agent_id: String,
     id: u64,
 }
 
-impl Drop for Underway<'_> {
+impl Drop for UnderwayLoad<'_> {
     fn drop(&mut self) {
         let mut u = self.agents.underway.lock();
         if let Some(list) = u.get_mut(&self.agent_id) {
@@ -218,10 +218,10 @@ impl Agents {
     }
 
     /// Counts a load on `t` in its agent's queue until the guard is dropped.
-    pub(super) fn underway(&self, t: &LoadTarget) -> Underway<'_> {
+    pub(super) fn underway(&self, t: &LoadTarget) -> UnderwayLoad<'_> {
         let id = self.next_load.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.underway.lock().entry(t.agent_id.clone()).or_default().add(id, t.estimate_ms);
-        Underway { agents: self, agent_id: t.agent_id.clone(), id }
+        UnderwayLoad { agents: self, agent_id: t.agent_id.clone(), id }
     }
 
     /// Whether `agent_id` runs an engine for `model` that takes requests

@@ -59,6 +59,15 @@ async fn gateway(tweak: impl FnOnce(&mut GatewayConfig)) -> Arc<Gateway> {
     Gateway::new(&cfg, identity, Limiter::in_process()).unwrap()
 }
 
+/// A gateway whose model `m` has these replica settings.
+async fn scaled(min_replicas: usize, max_replicas: usize, scale_out_active: usize) -> Arc<Gateway> {
+    let s = ModelScaling { min_replicas, max_replicas, scale_out_active };
+    gateway(move |c| {
+        c.gateway.agents.models.insert("m".into(), s);
+    })
+    .await
+}
+
 fn report(model: &str, upstream: &str, draining: bool) -> EngineReport {
     EngineReport {
         model: model.into(),
@@ -178,13 +187,7 @@ async fn loads_done(gw: &Gateway, model: &str) {
 
 #[tokio::test]
 async fn min_replicas_are_loaded_on_distinct_agents_and_kept_warm() {
-    let gw = gateway(|c| {
-        c.gateway
-            .agents
-            .models
-            .insert("m".into(), ModelScaling { min_replicas: 2, max_replicas: 2, scale_out_active: 0 });
-    })
-    .await;
+    let gw = scaled(2, 2, 0).await;
     let (a, b, c) =
         (fake_agent(Duration::ZERO).await, fake_agent(Duration::ZERO).await, fake_agent(Duration::ZERO).await);
     assert!(gw.reconcile_replicas().is_empty(), "no agent can load it yet");
@@ -242,13 +245,7 @@ async fn min_replicas_are_loaded_on_distinct_agents_and_kept_warm() {
 
 #[tokio::test]
 async fn busy_engines_scale_out_to_another_agent_up_to_max_replicas() {
-    let gw = gateway(|c| {
-        c.gateway
-            .agents
-            .models
-            .insert("m".into(), ModelScaling { min_replicas: 0, max_replicas: 2, scale_out_active: 2 });
-    })
-    .await;
+    let gw = scaled(0, 2, 2).await;
     let (a, b) = (fake_agent(Duration::ZERO).await, fake_agent(Duration::ZERO).await);
     let e = engine().await;
     gw.heartbeat(beat("node-a", &a.url, vec![report("m", &e, false)], &["m"])).unwrap();
@@ -267,13 +264,7 @@ async fn busy_engines_scale_out_to_another_agent_up_to_max_replicas() {
     assert!(gw.keep_warm("node-a").is_empty(), "min_replicas 0: nothing kept");
     drop(slots);
     // With no agent to spare, nothing is tried either.
-    let gw1 = gateway(|c| {
-        c.gateway
-            .agents
-            .models
-            .insert("m".into(), ModelScaling { min_replicas: 0, max_replicas: 3, scale_out_active: 1 });
-    })
-    .await;
+    let gw1 = scaled(0, 3, 1).await;
     gw1.heartbeat(beat("node-a", &a.url, vec![report("m", &e, false)], &["m"])).unwrap();
     let u1 = gw1.upstreams.by_name("agent:node-a:m").unwrap();
     let _busy: Vec<_> = (0..4).map(|_| u1.try_acquire().unwrap()).collect();
@@ -285,13 +276,7 @@ async fn busy_engines_scale_out_to_another_agent_up_to_max_replicas() {
 /// `scale_out_active` as much as those in flight.
 #[tokio::test]
 async fn requests_queued_at_the_gateway_for_full_engines_scale_out_too() {
-    let gw = gateway(|c| {
-        c.gateway
-            .agents
-            .models
-            .insert("m".into(), ModelScaling { min_replicas: 0, max_replicas: 2, scale_out_active: 2 });
-    })
-    .await;
+    let gw = scaled(0, 2, 2).await;
     let (a, b) = (fake_agent(Duration::ZERO).await, fake_agent(Duration::ZERO).await);
     let e = engine().await;
     let full = EngineReport { max_active: 2, ..report("m", &e, false) };
