@@ -107,7 +107,12 @@ impl Directives {
 
 /// Whether a request asks for determinism: `temperature` 0 or a `seed`.
 pub fn deterministic(body: &serde_json::Map<String, Value>) -> bool {
-    body.get("temperature").and_then(Value::as_f64) == Some(0.0) || body.get("seed").is_some_and(Value::is_number)
+    deterministic_fields(body.get("temperature"), body.get("seed"))
+}
+
+/// [`deterministic`] from the two fields it reads.
+pub fn deterministic_fields(temperature: Option<&Value>, seed: Option<&Value>) -> bool {
+    temperature.and_then(Value::as_f64) == Some(0.0) || seed.is_some_and(Value::is_number)
 }
 
 /// Object keys sorted at every depth, so that field order does not matter;

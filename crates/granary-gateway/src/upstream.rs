@@ -175,6 +175,8 @@ pub struct Upstream {
     models: RwLock<Vec<String>>,
     kv: RwLock<Option<KvInfo>>,
     metrics: Arc<GatewayMetrics>,
+    /// The generation endpoints' URLs, parsed once (not per request).
+    generation_urls: Vec<(&'static str, reqwest::Url)>,
 }
 
 /// Attempt outcomes, as counted in `granary_gateway_upstream_attempts_total`.
@@ -201,7 +203,13 @@ impl Upstream {
         for m in &cfg.models {
             metrics.know_model(m);
         }
+        let base = cfg.url.trim_end_matches('/');
+        let generation_urls = ["/v1/chat/completions", "/v1/completions"]
+            .into_iter()
+            .filter_map(|p| Some((p, reqwest::Url::parse(&format!("{base}{p}")).ok()?)))
+            .collect();
         let u = Upstream {
+            generation_urls,
             id,
             client,
             auth,
@@ -225,6 +233,12 @@ impl Upstream {
 
     pub fn name(&self) -> &str {
         &self.cfg.name
+    }
+
+    /// The parsed URL of a generation endpoint (`None`: another path, or a
+    /// base URL that does not parse).
+    pub fn generation_url(&self, path: &str) -> Option<reqwest::Url> {
+        self.generation_urls.iter().find(|(p, _)| *p == path).map(|(_, u)| u.clone())
     }
 
     /// `base/path` (path starting with `/`).

@@ -60,8 +60,11 @@ pub(super) fn request_to(
     payload: Bytes,
     timeout: Duration,
 ) -> reqwest::RequestBuilder {
-    let mut req =
-        up.client.post(up.url(path)).header(header::CONTENT_TYPE, "application/json").timeout(timeout).body(payload);
+    let req = match up.generation_url(path) {
+        Some(url) => up.client.post(url),
+        None => up.client.post(up.url(path)),
+    };
+    let mut req = req.header(header::CONTENT_TYPE, "application/json").timeout(timeout).body(payload);
     // Granary headers go to Granary engines only: a tenant's namespace is
     // its name by default, and must not reach a third party; and servers
     // may read `x-request-id` their own way (llama-cpp-python's answers a
@@ -116,7 +119,7 @@ async fn prefill_on(
     if !up.breaker.allow() {
         return "busy";
     }
-    let mut body = parsed.body.clone();
+    let mut body = parsed.body().clone();
     body.insert("stream".into(), Value::Bool(false));
     body.insert("model".into(), Value::String(up.wire_model(model).to_string()));
     body.remove("stream_options");
@@ -209,7 +212,7 @@ pub(super) async fn attempt_all(
         tried.push(up.id);
         out.rec.upstream = Some(up.name().to_string());
         let model = models.get(&up.id).cloned().unwrap_or_else(|| parsed.model.clone());
-        let payload = payload_for(&mut payloads, &parsed.body, up.wire_model(&model))?;
+        let payload = payload_for(&mut payloads, parsed, up.wire_model(&model))?;
         // A pair: the decode slot is held; its partner prefills first (once:
         // the warehouse keeps the KV for a retry on another decode engine).
         if let (None, Some(prefill)) = (out.prefill, partners.get(&up.id)) {
@@ -242,6 +245,15 @@ pub(super) async fn attempt_all(
     }
     let _ = last;
     Err(ApiError::bad_gateway("The upstream engines failed to answer this request; try again."))
+}
+
+/// The members of a whole answer the gateway reads (any others are skipped).
+#[derive(serde::Deserialize)]
+struct AnswerHead {
+    #[serde(default)]
+    usage: Option<Value>,
+    #[serde(default)]
+    error: Option<Value>,
 }
 
 pub(super) async fn attempt_one(
@@ -297,12 +309,14 @@ pub(super) async fn attempt_one(
     }
     // Whole answers: read to the end (a failure here is still retryable:
     // the client has received nothing).
-    let mut buf = first.to_vec();
+    // One chunk (the usual small answer) is relayed as it came, uncopied.
+    let mut more: Option<Vec<u8>> = None;
     loop {
         match tokio::time::timeout(gw.cfg.idle_timeout(), body.next()).await {
             Err(_) => return Err(AttemptError::Retryable("timeout", "upstream went silent".into())),
             Ok(Some(Err(e))) => return Err(AttemptError::Retryable("bad_response", e.to_string())),
             Ok(Some(Ok(b))) => {
+                let buf = more.get_or_insert_with(|| first.to_vec());
                 if buf.len() + b.len() > 64 << 20 {
                     return Err(AttemptError::Retryable("bad_response", "answer over 64 MiB".into()));
                 }
@@ -311,8 +325,11 @@ pub(super) async fn attempt_one(
             Ok(None) => break,
         }
     }
-    let json: Option<Value> = serde_json::from_slice(&buf).ok();
-    if code.is_success() && json.as_ref().is_none_or(|v| !v.is_object()) {
+    let buf: Bytes = more.map_or(first, Bytes::from);
+    // Only what metering and the audit need is read; the rest is checked to
+    // be JSON and relayed as it came.
+    let json: Option<AnswerHead> = serde_json::from_slice(&buf).ok();
+    if code.is_success() && json.is_none() {
         return Err(AttemptError::Retryable("bad_response", "the upstream's answer is not a JSON object".into()));
     }
     up.attempt(if code.is_success() { "ok" } else { "status_4xx" });
@@ -320,18 +337,20 @@ pub(super) async fn attempt_one(
     drop(slot);
     if let Some(key) = out.cache_key.take().filter(|k| code == StatusCode::OK && k.store) {
         if let Some(cache) = &gw.cache {
-            cache.put(&key, Bytes::from(buf.clone()));
+            cache.put(&key, buf.clone());
         }
     }
     if let Some(probe) = out.semantic.take().filter(|_| code == StatusCode::OK) {
         if let Some(sem) = &gw.semantic {
-            sem.put(probe, Bytes::from(buf.clone()));
+            sem.put(probe, buf.clone());
         }
     }
     if let Some(v) = &json {
-        out.usage(v);
+        if let Some(u) = &v.usage {
+            out.usage_object(u);
+        }
         if !code.is_success() {
-            out.rec.error_code = v["error"]["code"].as_str().map(str::to_string);
+            out.rec.error_code = v.error.as_ref().and_then(|e| e["code"].as_str()).map(str::to_string);
         }
     }
     let mut r = Response::builder().status(code);

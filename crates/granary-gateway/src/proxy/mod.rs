@@ -16,7 +16,7 @@ use serde_json::Value;
 use tracing::Instrument;
 
 use crate::agents::Agents;
-use crate::cache::{deterministic, CacheKey, Directives, ResponseCache, CACHE_HEADER};
+use crate::cache::{CacheKey, Directives, ResponseCache, CACHE_HEADER};
 use crate::config::{GatewayConfig, GatewaySection, PoolConfig, Role};
 use crate::error::ApiError;
 use crate::identity::keys::bearer;
@@ -465,8 +465,8 @@ async fn serve(
         tracing::Span::current().record("gen_ai.request.model", parsed.model.as_str());
         if principal.log_prompts {
             out.rec.prompt = Some(match endpoint {
-                Endpoint::Chat => parsed.body.get("messages").map(Value::to_string).unwrap_or_default(),
-                Endpoint::Completions => parsed.body.get("prompt").map(Value::to_string).unwrap_or_default(),
+                Endpoint::Chat => parsed.body().get("messages").map(Value::to_string).unwrap_or_default(),
+                Endpoint::Completions => parsed.body().get("prompt").map(Value::to_string).unwrap_or_default(),
             });
         }
         // 3. May this key use the model, and does anyone serve it (or can an
@@ -515,12 +515,12 @@ async fn serve(
         out.principal = Some(principal.clone());
         Ok::<_, ApiError>((principal, parsed, topo, loadable))
     };
-    let (principal, mut parsed, mut topo, loadable) = admitted.instrument(admission).await?;
+    let (principal, parsed, mut topo, loadable) = admitted.instrument(admission).await?;
     // 5. The response cache, for whole answers to deterministic requests
     // (after the limits: a hit is a request like any other).
-    if let Some(cache) = gw.cache.as_ref().filter(|_| !parsed.stream && deterministic(&parsed.body)) {
+    if let Some(cache) = gw.cache.as_ref().filter(|_| !parsed.stream && parsed.deterministic) {
         let d = Directives::of(headers);
-        let key = CacheKey::new(principal.tenant_id, endpoint.path(), &parsed.body, d.store);
+        let key = CacheKey::new(principal.tenant_id, endpoint.path(), parsed.body(), d.store);
         out.cache_state = Some("miss");
         if d.lookup {
             if let Some(body) = cache.get(&key).await {
@@ -535,11 +535,11 @@ async fn serve(
     }
     // 5b. The semantic cache: a kept answer to a prompt that means nearly
     // the same (the same requests qualify as for the exact cache).
-    if let Some(sem) = gw.semantic.as_ref().filter(|_| !parsed.stream && deterministic(&parsed.body)) {
+    if let Some(sem) = gw.semantic.as_ref().filter(|_| !parsed.stream && parsed.deterministic) {
         let d = Directives::of(headers);
         if d.lookup || d.store {
             let id = out.rec.request_id.clone();
-            if let Some(probe) = similar::probe(gw, sem, &principal, endpoint, &parsed.body, d.store, &id).await {
+            if let Some(probe) = similar::probe(gw, sem, &principal, endpoint, parsed.body(), d.store, &id).await {
                 if let Some((body, _)) = d.lookup.then(|| sem.get(&probe)).flatten() {
                     out.cache_state = Some("hit");
                     out.cache_match = Some("semantic");
@@ -551,14 +551,8 @@ async fn serve(
             }
         }
     }
-    // 6. Route.
-    if parsed.stream {
-        // Usage arrives in a last chunk; the client sees it only if it asked.
-        let opts = parsed.body.entry("stream_options").or_insert_with(|| Value::Object(Default::default()));
-        if let Value::Object(o) = opts {
-            o.insert("include_usage".into(), Value::Bool(true));
-        }
-    }
+    // 6. Route. (Streams ask for the usage chunk: `Parsed::payload`; the
+    // client sees it only if it asked.)
     // Routed again (once) when every engine the plan named left routing
     // before the request took a slot on one: drained for an idle unload.
     let mut loadable = loadable;
@@ -578,8 +572,10 @@ async fn serve(
                 out.placement = gw.agents.placement(&parsed.model);
                 topo = gw.topology();
             }
-            let prompt = PromptText::of(endpoint, &parsed.body);
-            let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), &parsed.model, &principal).await;
+            // The prompt, read only for pools that route by its KV blocks.
+            let prompt_text = std::sync::OnceLock::new();
+            let prompt = || prompt_text.get_or_init(|| PromptText::of(endpoint, parsed.body())).as_ref();
+            let blocks = prompt_blocks(gw, &topo, prompt, &parsed.model, &principal).await;
             if let Some(n) = blocks.prompt_tokens {
                 // Tokenized for routing: the count is exact, not estimated.
                 out.prompt_estimate = n as u64;
@@ -591,7 +587,7 @@ async fn serve(
                 if !principal.may_use(fallback) {
                     continue;
                 }
-                let blocks = prompt_blocks(gw, &topo, prompt.as_ref(), fallback, &principal).await;
+                let blocks = prompt_blocks(gw, &topo, prompt, fallback, &principal).await;
                 for c in route(gw, &topo, &blocks, fallback, &principal, headers) {
                     if !plan.iter().any(|p| p.upstream.id == c.upstream.id && p.model == c.model) {
                         plan.push(c);

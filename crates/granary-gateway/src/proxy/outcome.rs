@@ -122,9 +122,17 @@ impl Outcome {
         }
     }
 
+    /// Reads the `usage` member of an answer or chunk `v`, if it has one.
     pub(super) fn usage(&mut self, v: &Value) {
+        if let Some(u) = v.get("usage") {
+            self.usage_object(u);
+        }
+    }
+
+    /// Reads a `usage` object (anything else is no usage).
+    pub(super) fn usage_object(&mut self, u: &Value) {
         let n = |x: &Value| x.as_u64().unwrap_or(0);
-        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+        if u.is_object() {
             self.usage_seen = true;
             self.rec.prompt_tokens = n(&u["prompt_tokens"]);
             self.rec.completion_tokens = n(&u["completion_tokens"]);

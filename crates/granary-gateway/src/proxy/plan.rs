@@ -7,15 +7,13 @@ use super::*;
 /// the upstream knows it. Serialized once per distinct name.
 pub(super) fn payload_for(
     cache: &mut Vec<(String, Bytes)>,
-    body: &serde_json::Map<String, Value>,
+    parsed: &Parsed,
     wire_model: &str,
 ) -> Result<Bytes, ApiError> {
     if let Some((_, b)) = cache.iter().find(|(m, _)| m == wire_model) {
         return Ok(b.clone());
     }
-    let mut body = body.clone();
-    body.insert("model".into(), Value::String(wire_model.to_string()));
-    let bytes = Bytes::from(serde_json::to_vec(&body).map_err(|e| ApiError::internal(&e))?);
+    let bytes = parsed.payload(wire_model)?;
     cache.push((wire_model.to_string(), bytes.clone()));
     Ok(bytes)
 }
@@ -135,14 +133,13 @@ pub(super) fn route(
 /// The prompt's blocks as the routable members of the kv-aware pools
 /// serving `model` name them, tokenized off the async workers (empty where
 /// no tokenizer or layout is known: the policy then decides by load).
-pub(super) async fn prompt_blocks(
+pub(super) async fn prompt_blocks<'p>(
     gw: &Arc<Gateway>,
     topo: &Topology,
-    prompt: Option<&PromptText>,
+    prompt: impl FnOnce() -> Option<&'p PromptText>,
     model: &str,
     p: &Principal,
 ) -> PromptBlocks {
-    let Some(prompt) = prompt else { return PromptBlocks::default() };
     let candidates: Vec<Arc<Upstream>> = topo
         .pool_members(model)
         .filter(|(pool, _)| pool.kv_aware)
@@ -151,6 +148,10 @@ pub(super) async fn prompt_blocks(
         .cloned()
         .collect();
     let jobs = jobs_for(&gw.tokenizers, model, &p.namespace, &candidates);
+    if jobs.is_empty() {
+        return PromptBlocks::default();
+    }
+    let Some(prompt) = prompt() else { return PromptBlocks::default() };
     PromptBlocks::compute(prompt.clone(), jobs).await
 }
 

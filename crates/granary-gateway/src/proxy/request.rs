@@ -3,12 +3,22 @@
 
 use super::*;
 
-/// What the gateway read from a request body.
+/// What the gateway read from a request body. Only the fields routing,
+/// limits and metering need are read; the body is forwarded as received
+/// (unless the model's name or the usage option must change), and parsed
+/// whole only for the features that need all of it (caches, prompt
+/// hashing, logged prompts).
 pub(super) struct Parsed {
-    pub(super) body: serde_json::Map<String, Value>,
+    /// The body as the client sent it.
+    pub(super) raw: Bytes,
+    whole: std::sync::OnceLock<serde_json::Map<String, Value>>,
     pub(super) model: String,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
+    /// The body has a `stream_options` object.
+    has_stream_options: bool,
+    /// `temperature` 0 or a numeric `seed`: the answer may be cached.
+    pub(super) deterministic: bool,
     pub(super) estimate: u64,
     /// The prompt alone, estimated (~4 bytes a token).
     pub(super) prompt_estimate: u64,
@@ -16,14 +26,78 @@ pub(super) struct Parsed {
     pub(super) max_tokens: Option<u64>,
 }
 
-pub(super) fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
-    let v: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::bad_request("invalid_json", format!("The request body is not valid JSON: {e}.")))?;
-    let Value::Object(body) = v else {
-        return Err(ApiError::bad_request("invalid_json", "The request body must be a JSON object."));
+impl Parsed {
+    /// The whole body, parsed on first use.
+    pub(super) fn body(&self) -> &serde_json::Map<String, Value> {
+        // The bytes parsed as a JSON object in `parse_body`.
+        self.whole.get_or_init(|| serde_json::from_slice(&self.raw).unwrap_or_default())
+    }
+
+    /// The body to send upstream as `wire_model`: as received when nothing
+    /// changes, else with the model's name and (streams) the usage chunk
+    /// asked for.
+    pub(super) fn payload(&self, wire_model: &str) -> Result<Bytes, ApiError> {
+        let add_usage = self.stream && !self.include_usage;
+        if wire_model == self.model && !add_usage {
+            return Ok(self.raw.clone());
+        }
+        if wire_model == self.model && !self.has_stream_options {
+            // A member put first: the object has no other by that name.
+            let at = self.raw.iter().position(|&b| b == b'{').map_or(0, |i| i + 1);
+            let mut out = Vec::with_capacity(self.raw.len() + 40);
+            out.extend_from_slice(&self.raw[..at]);
+            out.extend_from_slice(br#""stream_options":{"include_usage":true},"#);
+            out.extend_from_slice(&self.raw[at..]);
+            return Ok(out.into());
+        }
+        let mut body = self.body().clone();
+        body.insert("model".into(), Value::String(wire_model.to_string()));
+        if add_usage {
+            let opts = body.entry("stream_options").or_insert_with(|| Value::Object(Default::default()));
+            if let Value::Object(o) = opts {
+                o.insert("include_usage".into(), Value::Bool(true));
+            }
+        }
+        Ok(Bytes::from(serde_json::to_vec(&body).map_err(|e| ApiError::internal(&e))?))
+    }
+}
+
+/// The fields the gateway reads; the rest of the body is checked to be
+/// JSON and skipped.
+#[derive(serde::Deserialize)]
+struct Head<'a> {
+    #[serde(default)]
+    model: Option<Value>,
+    #[serde(default)]
+    stream: Option<Value>,
+    #[serde(default)]
+    stream_options: Option<Value>,
+    #[serde(default)]
+    max_tokens: Option<Value>,
+    #[serde(default)]
+    max_completion_tokens: Option<Value>,
+    #[serde(default)]
+    temperature: Option<Value>,
+    #[serde(default)]
+    seed: Option<Value>,
+    #[serde(default, borrow)]
+    messages: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    prompt: Option<&'a serde_json::value::RawValue>,
+}
+
+pub(super) fn parse_body(endpoint: Endpoint, bytes: &Bytes) -> Result<Parsed, ApiError> {
+    let invalid = |e: serde_json::Error| {
+        ApiError::bad_request("invalid_json", format!("The request body is not valid JSON: {e}."))
     };
-    let model = match body.get("model") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        // Tell a JSON value that is not an object from text that is not JSON.
+        serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(invalid)?;
+        return Err(ApiError::bad_request("invalid_json", "The request body must be a JSON object."));
+    }
+    let head: Head<'_> = serde_json::from_slice(bytes).map_err(invalid)?;
+    let model = match head.model {
+        Some(Value::String(s)) if !s.is_empty() => s,
         Some(Value::String(_)) | None | Some(Value::Null) => {
             return Err(ApiError::invalid(
                 "model",
@@ -35,14 +109,15 @@ pub(super) fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, Api
             return Err(ApiError::invalid("model", "invalid_type", "Invalid type for `model`: expected a string."))
         }
     };
-    let stream = match body.get("stream") {
+    let stream = match head.stream {
         None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
+        Some(Value::Bool(b)) => b,
         Some(_) => {
             return Err(ApiError::invalid("stream", "invalid_type", "Invalid type for `stream`: expected a boolean."))
         }
     };
-    let include_usage = match body.get("stream_options") {
+    let has_stream_options = matches!(head.stream_options, Some(Value::Object(_)));
+    let include_usage = match &head.stream_options {
         None | Some(Value::Null) => false,
         Some(Value::Object(o)) => match o.get("include_usage") {
             None | Some(Value::Null) => false,
@@ -64,8 +139,8 @@ pub(super) fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, Api
         }
     };
     let mut max_tokens = None;
-    for field in ["max_tokens", "max_completion_tokens"] {
-        match body.get(field) {
+    for (field, v) in [("max_tokens", &head.max_tokens), ("max_completion_tokens", &head.max_completion_tokens)] {
+        match v {
             None | Some(Value::Null) => {}
             Some(v) => match v.as_u64() {
                 Some(n) => max_tokens = Some(n),
@@ -79,13 +154,23 @@ pub(super) fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, Api
             },
         }
     }
+    // The first character of a field's JSON text tells its type.
+    let starts = |v: Option<&serde_json::value::RawValue>| v.and_then(|r| r.get().bytes().next());
     let (field, ok) = match endpoint {
-        Endpoint::Chat => ("messages", matches!(body.get("messages"), Some(Value::Array(a)) if !a.is_empty())),
-        Endpoint::Completions => ("prompt", matches!(body.get("prompt"), Some(Value::String(_) | Value::Array(_)))),
+        Endpoint::Chat => {
+            let non_empty_array =
+                head.messages.is_some_and(|r| r.get().starts_with('[') && !r.get()[1..].trim_start().starts_with(']'));
+            ("messages", non_empty_array)
+        }
+        Endpoint::Completions => ("prompt", matches!(starts(head.prompt), Some(b'"' | b'['))),
     };
     if !ok {
-        return Err(match body.get(field) {
-            None | Some(Value::Null) => ApiError::invalid(
+        let present = match endpoint {
+            Endpoint::Chat => head.messages,
+            Endpoint::Completions => head.prompt,
+        };
+        return Err(match present.filter(|r| r.get() != "null") {
+            None => ApiError::invalid(
                 field,
                 "missing_required_parameter",
                 format!("Missing required parameter: `{field}`."),
@@ -101,10 +186,22 @@ pub(super) fn parse_body(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, Api
             ),
         });
     }
+    let deterministic = crate::cache::deterministic_fields(head.temperature.as_ref(), head.seed.as_ref());
     // A rough token estimate for token limits: ~4 bytes a token.
     let prompt_estimate = bytes.len() as u64 / 4;
     let estimate = prompt_estimate + max_tokens.unwrap_or(0);
-    Ok(Parsed { body, model, stream, include_usage, estimate, prompt_estimate, max_tokens })
+    Ok(Parsed {
+        raw: bytes.clone(),
+        whole: std::sync::OnceLock::new(),
+        model,
+        stream,
+        include_usage,
+        has_stream_options,
+        deterministic,
+        estimate,
+        prompt_estimate,
+        max_tokens,
+    })
 }
 
 #[cfg(test)]
@@ -113,7 +210,7 @@ mod tests {
 
     #[test]
     fn bodies_are_checked_field_by_field() {
-        let err = |e: Endpoint, s: &str| parse_body(e, s.as_bytes()).err().unwrap();
+        let err = |e: Endpoint, s: &str| parse_body(e, &Bytes::copy_from_slice(s.as_bytes())).err().unwrap();
         let e = err(Endpoint::Chat, "{");
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert!(e.message.contains("not valid JSON"), "{}", e.message);
@@ -139,7 +236,7 @@ mod tests {
             Some("stream_options.include_usage")
         );
         let ok =
-            parse_body(Endpoint::Completions, format!("{{{m}, \"stream\": true, \"max_tokens\": 100}}").as_bytes())
+            parse_body(Endpoint::Completions, &Bytes::from(format!("{{{m}, \"stream\": true, \"max_tokens\": 100}}")))
                 .ok()
                 .unwrap();
         assert!(ok.stream && !ok.include_usage);

@@ -54,6 +54,8 @@ struct Seen {
     /// The `Authorization` header of each generation request.
     auths: Vec<String>,
     bodies: Vec<Value>,
+    /// The same bodies as they arrived.
+    raw: Vec<bytes::Bytes>,
 }
 
 struct Upstream {
@@ -74,7 +76,10 @@ struct UpState {
     delay: Duration,
 }
 
-async fn up_generate(State(s): State<UpState>, headers: HeaderMap, Json(body): Json<Value>) -> Response {
+async fn up_generate(State(s): State<UpState>, headers: HeaderMap, raw: bytes::Bytes) -> Response {
+    let Ok(body) = serde_json::from_slice::<Value>(&raw) else {
+        return (StatusCode::BAD_REQUEST, "the body is not JSON").into_response();
+    };
     s.hits.fetch_add(1, Ordering::SeqCst);
     {
         let mut seen = s.seen.lock();
@@ -82,6 +87,7 @@ async fn up_generate(State(s): State<UpState>, headers: HeaderMap, Json(body): J
         seen.namespaces.push(header("x-granary-namespace"));
         seen.auths.push(header("authorization"));
         seen.bodies.push(body.clone());
+        seen.raw.push(raw.clone());
     }
     match s.mode {
         Mode::Fail500 => return (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response(),

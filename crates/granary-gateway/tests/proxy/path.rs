@@ -529,3 +529,63 @@ async fn curl_gets_answers_streams_and_errors() {
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(text.ends_with("\n401") && text.contains("authentication_error"), "{text}");
 }
+
+/// Issue 14, point 7: the body reaches the upstream as the client sent it
+/// (spacing, member order, numbers no parser would keep) unless something
+/// in it must change: a stream asks for the usage chunk, a mapped model is
+/// renamed. Two `model` members are refused rather than read one way here
+/// and another upstream.
+#[tokio::test]
+async fn bodies_are_forwarded_as_received() {
+    let up = start_upstream("a", Mode::Ok, &["m", "other"]).await;
+    let g = Gw::start(&named(&[("a", up.addr)]), |c| {
+        c.upstreams[0].model_map.insert("other".into(), "org/other".into());
+    })
+    .await;
+    let key = g.key("acme", json!({})).await;
+    let send = |body: &'static str| {
+        g.http
+            .post(format!("{}/v1/chat/completions", g.base))
+            .bearer_auth(&key)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let exact = r#" { "messages" : [ {"role":"user","content":"hi"} ],"model":"m",
+        "logit_bias": {"15": 1.000000000000000000001}, "user": 123456789012345678901234567890 }"#;
+    let r = send(exact).await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    assert_eq!(up.seen.lock().raw[0], exact.as_bytes(), "the body was rewritten on the way");
+    assert_eq!(g.audit().await[0].completion_tokens, 2, "usage is read from the answer");
+
+    // A stream without `stream_options`: asked for usage, the rest as sent.
+    let r = send(r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#).await.unwrap();
+    assert_eq!(r.status(), 200);
+    up.gate.notify_one();
+    let text = r.text().await.unwrap();
+    assert!(!text.contains("\"usage\""), "the client did not ask for usage: {text}");
+    assert_eq!(
+        up.seen.lock().raw[1],
+        &br#"{"stream_options":{"include_usage":true},"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#[..]
+    );
+    // With `stream_options` of its own, the option is set inside it.
+    let r = send(r#"{"model":"m","stream":true,"stream_options":{"x":1},"messages":[{"role":"user","content":"hi"}]}"#)
+        .await
+        .unwrap();
+    up.gate.notify_one();
+    let _ = r.text().await.unwrap();
+    assert_eq!(up.seen.lock().bodies[2]["stream_options"], json!({"x": 1, "include_usage": true}));
+
+    // A mapped model is renamed; everything else is kept.
+    let r = send(r#"{"model":"other","messages":[{"role":"user","content":"hi"}],"seed":7}"#).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let b = up.seen.lock().bodies[3].clone();
+    assert_eq!((b["model"].as_str(), b["seed"].as_i64()), (Some("org/other"), Some(7)));
+
+    // Two `model` members: a 400 naming the duplicate, nothing sent upstream.
+    let r = send(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"model":"other"}"#).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("duplicate field `model`"), "{v}");
+    assert_eq!(up.hits.load(Ordering::SeqCst), 4);
+}
