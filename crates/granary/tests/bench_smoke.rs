@@ -232,13 +232,18 @@ fn row<'a>(stdout: &'a str, name: &str) -> Vec<&'a str> {
     line[name.len()..].split_whitespace().collect()
 }
 
-/// `granary bench gateway` with a few requests: direct, gateway and nginx
-/// rows with positive figures, and the three goal lines.
+/// `granary bench gateway` with a few requests over two rounds: the
+/// upstream and the gateway as processes of their own, direct, gateway and
+/// nginx rows, positive figures for every path in every round, the goal
+/// lines and the chart.
 #[test]
 fn gateway_quick_run_measures_every_path() {
     let nginx = have("nginx", "gateway_quick_run_measures_every_path");
+    let out = tempfile::tempdir().unwrap();
     let run = Command::new(env!("CARGO_BIN_EXE_granary"))
-        .args(["bench", "gateway", "--requests", "40", "--connections", "4", "--seconds", "1"])
+        .args(["bench", "gateway", "--requests", "40", "--connections", "4", "--seconds", "1", "--rounds", "2"])
+        .arg("--out")
+        .arg(out.path())
         .env("GRANARY_LOG", "warn")
         .output()
         .expect("run granary bench gateway");
@@ -248,17 +253,22 @@ fn gateway_quick_run_measures_every_path() {
     if nginx {
         paths.push("nginx proxy_pass");
     }
-    for p in paths {
-        let cells = row(&stdout, p);
-        // p50, p99, (added p50, added p99,) req/s: every number positive
-        // except the added latencies, which may be below zero on noise.
-        let p50: f64 = cells[0].parse().unwrap();
-        let rps: f64 = cells[4].parse().unwrap();
-        assert!(p50 > 0.0 && rps > 0.0, "{p}: {cells:?}");
+    for p in &paths {
+        row(&stdout, p);
     }
-    for goal in ["added p50 <= 0.3 ms", "added p99 <= 2 ms", "throughput >= 0.8x nginx"] {
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("gateway.json")).unwrap()).unwrap();
+    assert_eq!(r["paths"].as_array().unwrap().len(), paths.len(), "{r}");
+    let rounds = r["rounds"].as_array().expect("rounds");
+    assert_eq!(rounds.len(), 2);
+    for round in rounds {
+        for (m, p) in round.as_array().unwrap().iter().zip(&paths) {
+            assert!(m["p50_ms"].as_f64().unwrap() > 0.0 && m["rps"].as_f64().unwrap() > 0.0, "{p}: {m}");
+        }
+    }
+    for goal in ["added p50 <= 0.1 ms", "added p99 <= 2 ms", "throughput >= 1.0x nginx"] {
         assert!(stdout.lines().any(|l| l.contains(goal)), "no goal line {goal:?}:\n{stdout}");
     }
+    assert!(out.path().join("gateway.svg").is_file());
 }
 
 /// The Mooncake conversation trace where `granary bench` looks for it
