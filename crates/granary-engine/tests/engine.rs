@@ -118,9 +118,11 @@ async fn a_repeated_prompt_loads_its_blocks_from_engine_memory() {
         other => panic!("{other:?}"),
     };
     assert_eq!(cached(&end1), 0);
-    assert_eq!(cached(&end2), 48, "three full blocks of 16 should come from memory");
-    assert_eq!(metric(&engine, "granary_engine_prompt_tokens_total{source=\"engine\"}"), 48.0);
-    assert_eq!(metric(&engine, "granary_engine_prompt_tokens_total{source=\"computed\"}"), 50.0 + 2.0);
+    // Three full blocks of 16 and the partial fourth (kept when the first
+    // request finished): all but the last token, computed for the logits.
+    assert_eq!(cached(&end2), 49, "the prompt should come from memory, full blocks and the partial one");
+    assert_eq!(metric(&engine, "granary_engine_prompt_tokens_total{source=\"engine\"}"), 49.0);
+    assert_eq!(metric(&engine, "granary_engine_prompt_tokens_total{source=\"computed\"}"), 50.0 + 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -140,13 +142,20 @@ async fn the_next_turn_reuses_the_previous_answer() {
         other => panic!("{other:?}"),
     };
     // 40 prompt tokens and 29 answer tokens have KV (the last sampled
-    // token's is never computed): four full blocks of 16.
-    assert_eq!(cached, 64, "turn 2 should load turn 1's prompt and answer up to the last full block");
+    // token's is never computed): four full blocks of 16 and five tokens of
+    // the partial fifth.
+    assert_eq!(cached, 69, "turn 2 should load turn 1's prompt and every answer token with KV");
     // The same turn on an engine that holds nothing gives the same tokens.
     let Some(fresh) = start(EngineConfig { local_cache_bytes: 0, ..cfg }) else { return };
     let (alone, end) = collect(fresh.generate(greedy(turn2, 6)).unwrap()).await;
     assert!(matches!(end, Event::Finished { usage, .. } if usage.cached_tokens == 0));
     assert_eq!(second, alone, "reusing the answer's KV changed the output");
+
+    // Turn 1 again: the block holding the end of its prompt was filled by
+    // the answer, and is kept for a prompt that ends inside it.
+    let (again, end) = collect(engine.generate(greedy(prompt, 30)).unwrap()).await;
+    assert!(matches!(end, Event::Finished { usage, .. } if usage.cached_tokens == 39), "{end:?}");
+    assert_eq!(again, answer, "the kept partial block changed the output");
 }
 
 /// A token id the fixture's prompts and greedy answers never hold.

@@ -1,5 +1,7 @@
 //! The engine's local KV block cache (exported blocks kept in memory, LRU by
-//! bytes) and the KV event feed routers subscribe to.
+//! bytes), its partial blocks ("tails": the KV of a sequence's last, unfilled
+//! block, found by the tokens it holds), and the KV event feed routers
+//! subscribe to.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -33,7 +35,32 @@ struct Inner {
     order: BTreeMap<u64, BlockHash>,
     tick: u64,
     bytes: usize,
+    tails: Tails,
 }
+
+/// A block's worth of KV of which the first `tokens.len()` positions hold
+/// the KV of `tokens`, following the full blocks up to `parent`.
+struct TailEntry {
+    tokens: Arc<[u32]>,
+    bytes: Bytes,
+    tick: u64,
+}
+
+/// Partial blocks by the hash of the full block before them (the chain's
+/// root for a sequence shorter than a block): named blocks cover only full
+/// blocks, so without these a prompt that was seen whole still computes
+/// its last partial block again, up to `block_tokens - 1` tokens against
+/// the whole context. LRU by bytes within their own budget.
+#[derive(Default)]
+struct Tails {
+    by_parent: HashMap<BlockHash, Vec<TailEntry>>,
+    order: BTreeMap<u64, BlockHash>,
+    bytes: usize,
+}
+
+/// Partial blocks kept after one parent (a prompt's tail and the answers
+/// that followed it, say).
+const TAILS_PER_PARENT: usize = 4;
 
 pub struct BlockCache {
     inner: Mutex<Inner>,
@@ -45,7 +72,13 @@ impl BlockCache {
     pub fn new(capacity_bytes: usize) -> Self {
         let (events, _) = broadcast::channel(4096);
         BlockCache {
-            inner: Mutex::new(Inner { map: HashMap::new(), order: BTreeMap::new(), tick: 0, bytes: 0 }),
+            inner: Mutex::new(Inner {
+                map: HashMap::new(),
+                order: BTreeMap::new(),
+                tick: 0,
+                bytes: 0,
+                tails: Tails::default(),
+            }),
             capacity: capacity_bytes,
             events,
         }
@@ -92,6 +125,84 @@ impl BlockCache {
 
     pub fn contains(&self, h: &BlockHash) -> bool {
         self.inner.lock().map.contains_key(h)
+    }
+
+    /// Bytes partial blocks may hold: a quarter of the cache's.
+    fn tail_capacity(&self) -> usize {
+        self.capacity / 4
+    }
+
+    /// Keeps a partial block: `bytes` (a whole block, as exported) holds the
+    /// KV of `tokens` (fewer than a block's) after the full blocks ending
+    /// in `parent`. A tail with the same tokens, or one whose tokens begin
+    /// these, is replaced.
+    pub fn insert_tail(&self, parent: BlockHash, tokens: &[u32], bytes: Bytes) {
+        if tokens.is_empty() || bytes.len() > self.tail_capacity() {
+            return;
+        }
+        let mut g = self.inner.lock();
+        g.tick += 1;
+        let tick = g.tick;
+        let t = &mut g.tails;
+        let list = t.by_parent.entry(parent).or_default();
+        if list.iter().any(|e| e.tokens.len() >= tokens.len() && e.tokens[..tokens.len()] == *tokens) {
+            // Something held already covers these tokens.
+            return;
+        }
+        let mut freed = Vec::new();
+        list.retain(|e| {
+            let covered = e.tokens.len() < tokens.len() && tokens[..e.tokens.len()] == *e.tokens;
+            if covered {
+                freed.push((e.tick, e.bytes.len()));
+            }
+            !covered
+        });
+        if list.len() >= TAILS_PER_PARENT {
+            let oldest = (0..list.len()).min_by_key(|&i| list[i].tick).expect("not empty");
+            let e = list.swap_remove(oldest);
+            freed.push((e.tick, e.bytes.len()));
+        }
+        list.push(TailEntry { tokens: tokens.into(), bytes: bytes.clone(), tick });
+        for (tick, n) in freed {
+            t.order.remove(&tick);
+            t.bytes -= n;
+        }
+        t.order.insert(tick, parent);
+        t.bytes += bytes.len();
+        let cap = self.tail_capacity();
+        while t.bytes > cap {
+            let Some((old, p)) = t.order.pop_first() else { break };
+            if let Some(list) = t.by_parent.get_mut(&p) {
+                if let Some(i) = list.iter().position(|e| e.tick == old) {
+                    t.bytes -= list.swap_remove(i).bytes.len();
+                }
+                if list.is_empty() {
+                    t.by_parent.remove(&p);
+                }
+            }
+        }
+    }
+
+    /// The partial block after `parent` sharing the longest run of tokens
+    /// with `rest` (the tokens that follow the full blocks), and how many
+    /// of its positions that run covers; touched as used.
+    pub fn tail(&self, parent: &BlockHash, rest: &[u32]) -> Option<(Bytes, usize)> {
+        let mut g = self.inner.lock();
+        g.tick += 1;
+        let tick = g.tick;
+        let t = &mut g.tails;
+        let list = t.by_parent.get_mut(parent)?;
+        let common = |e: &TailEntry| e.tokens.iter().zip(rest).take_while(|(a, b)| a == b).count();
+        let best = (0..list.len()).max_by_key(|&i| common(&list[i]))?;
+        let n = common(&list[best]);
+        if n == 0 {
+            return None;
+        }
+        let e = &mut list[best];
+        t.order.remove(&e.tick);
+        e.tick = tick;
+        t.order.insert(tick, *parent);
+        Some((e.bytes.clone(), n))
     }
 
     /// Keeps `blocks` (in prompt order) and evicts the least recently used
@@ -159,5 +270,34 @@ mod tests {
         let removed = rx.try_recv().unwrap();
         assert_eq!(removed.kind, "removed");
         assert_eq!(removed.hashes, vec![h(3).to_hex()]);
+    }
+
+    #[test]
+    fn tails_match_by_the_longest_common_run_and_stay_within_their_budget() {
+        // Tails get a quarter: 40 bytes, four of 10.
+        let c = BlockCache::new(160);
+        let b = |n: u8| -> Bytes { vec![n; 10].into() };
+        c.insert_tail(h(1), &[1, 2, 3], b(1));
+        c.insert_tail(h(1), &[1, 2, 7, 8], b(2));
+        c.insert_tail(h(2), &[1, 2, 3, 4], b(3));
+        // The longest common run wins, and may be shorter than either side.
+        assert_eq!(c.tail(&h(1), &[1, 2, 3, 9]).map(|(x, n)| (x[0], n)), Some((1, 3)));
+        assert_eq!(c.tail(&h(1), &[1, 2, 7]).map(|(x, n)| (x[0], n)), Some((2, 3)));
+        assert_eq!(c.tail(&h(1), &[1]).map(|(_, n)| n), Some(1));
+        // Other parents, and no common token, find nothing.
+        assert!(c.tail(&h(9), &[1, 2, 3]).is_none());
+        assert!(c.tail(&h(1), &[5, 1, 2]).is_none());
+        // A longer tail replaces the one it extends.
+        c.insert_tail(h(2), &[1, 2, 3, 4, 5], b(4));
+        assert_eq!(c.tail(&h(2), &[1, 2, 3, 4, 5]).map(|(x, n)| (x[0], n)), Some((4, 5)));
+        // A fifth tail evicts the least recently used (parent 1's [1, 2, 3]
+        // was touched before [1, 2, 7, 8]).
+        c.insert_tail(h(3), &[7], b(5));
+        c.insert_tail(h(4), &[7], b(6));
+        assert!(c.tail(&h(1), &[1, 2, 3]).is_some_and(|(x, _)| x[0] == 2), "the older tail of parent 1 stays");
+        assert!(c.tail(&h(3), &[7]).is_some() && c.tail(&h(4), &[7]).is_some());
+        // A tail over the budget is not kept.
+        c.insert_tail(h(5), &[1], vec![0; 41].into());
+        assert!(c.tail(&h(5), &[1]).is_none());
     }
 }

@@ -179,6 +179,9 @@ struct Admitted {
     tx: mpsc::UnboundedSender<Event>,
     hashes: Vec<BlockHash>,
     loaded: Vec<(Bytes, Source)>,
+    /// A partial block from engine memory continuing `loaded` (every full
+    /// block of the prompt loaded), and the prompt tokens it covers.
+    tail: Option<(Bytes, usize)>,
     arrived: Instant,
     spans: RequestSpans,
 }
@@ -343,7 +346,9 @@ impl Engine {
             return Err(SubmitError::KvMemory { budget, needed });
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let hashes = self.chain(&req.namespace).hashes(&req.prompt);
+        let chain = self.chain(&req.namespace);
+        let hashes = chain.hashes(&req.prompt);
+        let root = chain.root();
         self.shared.metrics.waiting.inc();
         let this = self.clone();
         let request = tracing::Span::current();
@@ -361,7 +366,15 @@ impl Engine {
                 }
             };
             drop(load);
-            let a = Admitted { req, tx, hashes, loaded, arrived: Instant::now(), spans };
+            // The rest of the prompt from a partial block, once every full
+            // block is here (a prefill engine computes only full blocks).
+            let tail = if loaded.len() == hashes.len() && this.shared.cfg.role != Role::Prefill {
+                let parent = hashes.last().copied().unwrap_or(root);
+                this.shared.cache.tail(&parent, &req.prompt[hashes.len() * bt..])
+            } else {
+                None
+            };
+            let a = Admitted { req, tx, hashes, loaded, tail, arrived: Instant::now(), spans };
             if this.admit.send(a).is_err() {
                 this.shared.metrics.waiting.dec();
             }

@@ -244,6 +244,15 @@ impl StepLoop {
             }
             sources.push(*source);
         }
+        if let Some((bytes, n)) = a.tail.as_ref().filter(|_| sources.len() == a.hashes.len()) {
+            // Positions past `n` hold other tokens' KV: cut off, and written
+            // over (on a copy) as this sequence computes its own.
+            let at = sources.len();
+            match kv.import_block(layers, at, bt, bytes.clone()) {
+                Ok(()) => kv.truncate(at * bt + n),
+                Err(e) => tracing::warn!(error = %e, block = at, "unusable partial KV block; computing from here"),
+            }
+        }
         let role = sh.cfg.role;
         // Logits need at least one computed token: a fully cached prompt
         // recomputes its last token only.
@@ -255,6 +264,7 @@ impl StepLoop {
             let n = bt.min(cached.saturating_sub(i * bt));
             sh.metrics.add_prompt_tokens(*src, n);
         }
+        sh.metrics.add_prompt_tokens(Source::Engine, cached.saturating_sub(sources.len() * bt));
         // Blocks taken from the warehouse are kept in engine memory too.
         let from_store: Vec<(BlockHash, Bytes)> = a
             .loaded
@@ -392,6 +402,41 @@ impl StepLoop {
         }
     }
 
+    /// Keeps the partial blocks of a finished sequence in engine memory, so
+    /// that a request repeating its prompt, or continuing its answer (a
+    /// chat's next turn), computes only what follows: the block holding the
+    /// end of its prompt when generated tokens filled it, and its last,
+    /// unfilled block.
+    fn keep_tails(&mut self, i: usize) {
+        let bt = self.sh.cfg.block_tokens;
+        let s = &mut self.running[i];
+        let len = s.kv.len();
+        let prompt_len = s.req.prompt.len();
+        let tokens: Vec<u32> = s.req.prompt.iter().chain(&s.output).copied().take(len).collect();
+        if tokens.len() < len {
+            return;
+        }
+        let root =
+            || HashChain::for_layout(&s.req.namespace, self.sh.model.fingerprint().as_bytes(), &self.sh.layout).root();
+        let parent = |b: usize| if b == 0 { Some(root()) } else { s.hashes.get(b - 1).copied() };
+        let (pb, last) = (prompt_len / bt, len / bt);
+        let (prompt_parent, last_parent) = (parent(pb), parent(last));
+        let mut keep = Vec::new();
+        if !prompt_len.is_multiple_of(bt) && (pb + 1) * bt <= len {
+            if let (Some(p), Ok(bytes)) = (prompt_parent, s.kv.export_block(pb, bt)) {
+                keep.push((p, pb * bt..(pb + 1) * bt, bytes));
+            }
+        }
+        if !len.is_multiple_of(bt) {
+            if let (Some(p), Ok(bytes)) = (last_parent, s.kv.export_last_block(last, bt)) {
+                keep.push((p, last * bt..len, bytes));
+            }
+        }
+        for (p, range, bytes) in keep {
+            self.sh.cache.insert_tail(p, &tokens[range], bytes);
+        }
+    }
+
     fn cache_blocks(&self, namespace: &str, blocks: &[(BlockHash, Bytes)]) {
         self.sh.cache.insert(namespace, blocks.to_vec());
     }
@@ -468,6 +513,9 @@ impl StepLoop {
         // Apply results; remember which sequences end.
         let mut rows = rows.into_iter();
         let mut finished: Vec<usize> = Vec::new();
+        // Sent once the finished sequences' blocks are kept, so that a
+        // request sent on their answer finds them.
+        let mut endings: Vec<Event> = Vec::new();
         // Sequences whose grammar failed (their error is sent already).
         let mut failed: Vec<usize> = Vec::new();
         let mut prefill_done: Vec<usize> = Vec::new();
@@ -502,12 +550,12 @@ impl StepLoop {
             }
             s.last_token = Some(now);
             if s.req.stop_token_ids.contains(&tok) {
-                let _ = s.tx.send(Event::Finished { reason: FinishReason::Stop, usage: Self::usage(s) });
+                endings.push(Event::Finished { reason: FinishReason::Stop, usage: Self::usage(s) });
                 finished.push(i);
                 continue;
             }
             if s.generated >= s.req.max_tokens {
-                let _ = s.tx.send(Event::Finished { reason: FinishReason::Length, usage: Self::usage(s) });
+                endings.push(Event::Finished { reason: FinishReason::Length, usage: Self::usage(s) });
                 finished.push(i);
                 continue;
             }
@@ -530,10 +578,10 @@ impl StepLoop {
             let out_of_room = s.kv.len() + 1 > self.sh.model.context_len();
             if s.req.constraint.as_ref().is_some_and(|c| c.is_finished()) {
                 // The grammar is complete: nothing but an end may follow.
-                let _ = s.tx.send(Event::Finished { reason: FinishReason::Stop, usage: Self::usage(s) });
+                endings.push(Event::Finished { reason: FinishReason::Stop, usage: Self::usage(s) });
                 finished.push(i);
             } else if s.generated >= s.req.max_tokens || out_of_room {
-                let _ = s.tx.send(Event::Finished { reason: FinishReason::Length, usage: Self::usage(s) });
+                endings.push(Event::Finished { reason: FinishReason::Length, usage: Self::usage(s) });
                 finished.push(i);
             }
         }
@@ -559,6 +607,13 @@ impl StepLoop {
             for &(i, _, _, _) in &plan {
                 self.save_generated_blocks(i);
             }
+        }
+        // Keep the finished sequences' partial blocks, then tell their clients.
+        for (&i, end) in finished.iter().zip(endings) {
+            if self.sh.cfg.role != Role::Prefill {
+                self.keep_tails(i);
+            }
+            let _ = self.running[i].tx.send(end);
         }
         // Remove ended sequences (highest index first keeps indices valid).
         let mut ended: Vec<usize> = finished;
