@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use granary_core::hash::BlockHash;
+use granary_core::hash::{BlockHash, KvLayout};
 use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::sync::broadcast;
@@ -132,9 +132,9 @@ impl BlockCache {
         self.capacity / 4
     }
 
-    /// Keeps a partial block: `bytes` (a whole block, as exported) holds the
-    /// KV of `tokens` (fewer than a block's) after the full blocks ending
-    /// in `parent`. A tail with the same tokens, or one whose tokens begin
+    /// Keeps a partial block: `bytes` (a [`compact_tail`]) holds the KV of
+    /// `tokens` (fewer than a block's) after the full blocks ending in
+    /// `parent`. A tail with the same tokens, or one whose tokens begin
     /// these, is replaced.
     pub fn insert_tail(&self, parent: BlockHash, tokens: &[u32], bytes: Bytes) {
         if tokens.is_empty() || bytes.len() > self.tail_capacity() {
@@ -245,9 +245,65 @@ impl BlockCache {
     }
 }
 
+/// A tail in the form kept: for each layer K then V, each `[kv_heads,
+/// tokens, head_dim]` f16, of a block exported whole (`[kv_heads,
+/// block_tokens, head_dim]`), so a tail of a few tokens does not hold a
+/// whole block's memory.
+pub fn compact_tail(layout: &KvLayout, block: &[u8], tokens: usize) -> Bytes {
+    let (rows, bt, row) = tail_shape(layout);
+    assert_eq!(block.len(), rows * bt * row, "not a whole block of this layout");
+    assert!(tokens <= bt);
+    let mut out = Vec::with_capacity(rows * tokens * row);
+    for r in 0..rows {
+        out.extend_from_slice(&block[r * bt * row..][..tokens * row]);
+    }
+    out.into()
+}
+
+/// A whole block (as exported) from a [`compact_tail`]: positions past the
+/// tail's tokens are zero.
+pub fn expand_tail(layout: &KvLayout, tail: &[u8]) -> Option<Bytes> {
+    let (rows, bt, row) = tail_shape(layout);
+    if tail.is_empty() || !tail.len().is_multiple_of(rows * row) {
+        return None;
+    }
+    let tokens = tail.len() / (rows * row);
+    if tokens > bt {
+        return None;
+    }
+    let mut out = vec![0u8; rows * bt * row];
+    for r in 0..rows {
+        out[r * bt * row..][..tokens * row].copy_from_slice(&tail[r * tokens * row..][..tokens * row]);
+    }
+    Some(out.into())
+}
+
+/// (K and V rows per block, tokens per block, bytes per token row).
+fn tail_shape(layout: &KvLayout) -> (usize, usize, usize) {
+    let rows = 2 * layout.layers as usize * layout.kv_heads as usize;
+    (rows, layout.block_tokens as usize, layout.head_dim as usize * 2)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_compact_tail_expands_to_its_block_up_to_its_tokens() {
+        let layout =
+            KvLayout { dtype: granary_core::block::DType::F16, layers: 2, kv_heads: 3, head_dim: 4, block_tokens: 5 };
+        let block: Vec<u8> = (0..2 * 2 * 3 * 5 * 4 * 2).map(|i| (i % 251) as u8).collect();
+        let tail = compact_tail(&layout, &block, 2);
+        assert_eq!(tail.len(), block.len() * 2 / 5);
+        let back = expand_tail(&layout, &tail).unwrap();
+        let (row, bt) = (8, 5);
+        for r in 0..12 {
+            let (want, got) = (&block[r * bt * row..][..bt * row], &back[r * bt * row..][..bt * row]);
+            assert_eq!(got[..2 * row], want[..2 * row], "row {r}: the tail's tokens");
+            assert!(got[2 * row..].iter().all(|&b| b == 0), "row {r}: zero past them");
+        }
+        assert!(expand_tail(&layout, &tail[1..]).is_none(), "a cut tail is refused");
+    }
 
     fn h(i: u8) -> BlockHash {
         BlockHash([i; 32])

@@ -248,7 +248,9 @@ impl StepLoop {
             // Positions past `n` hold other tokens' KV: cut off, and written
             // over (on a copy) as this sequence computes its own.
             let at = sources.len();
-            match kv.import_block(layers, at, bt, bytes.clone()) {
+            let block = super::cache::expand_tail(&sh.layout, bytes)
+                .ok_or_else(|| anyhow::anyhow!("a partial block of {} bytes does not fit this layout", bytes.len()));
+            match block.and_then(|b| kv.import_block(layers, at, bt, b)) {
                 Ok(()) => kv.truncate(at * bt + n),
                 Err(e) => tracing::warn!(error = %e, block = at, "unusable partial KV block; computing from here"),
             }
@@ -422,9 +424,11 @@ impl StepLoop {
         let (pb, last) = (prompt_len / bt, len / bt);
         let (prompt_parent, last_parent) = (parent(pb), parent(last));
         let mut keep = Vec::new();
+        // The prompt's part of the block holding its end, when generated
+        // tokens filled that block (the whole block is a named one).
         if !prompt_len.is_multiple_of(bt) && (pb + 1) * bt <= len {
             if let (Some(p), Ok(bytes)) = (prompt_parent, s.kv.export_block(pb, bt)) {
-                keep.push((p, pb * bt..(pb + 1) * bt, bytes));
+                keep.push((p, pb * bt..prompt_len, bytes));
             }
         }
         if !len.is_multiple_of(bt) {
@@ -433,7 +437,8 @@ impl StepLoop {
             }
         }
         for (p, range, bytes) in keep {
-            self.sh.cache.insert_tail(p, &tokens[range], bytes);
+            let tail = super::cache::compact_tail(&self.sh.layout, &bytes, range.len());
+            self.sh.cache.insert_tail(p, &tokens[range], tail);
         }
     }
 
