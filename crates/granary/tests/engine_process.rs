@@ -249,3 +249,87 @@ fn a_client_hanging_up_stops_its_generation() {
     eprintln!("not streamed: {at_close} tokens at the hang-up, {later} three seconds later");
     assert!(later <= at_close + 5.0, "generation went on after the client left: {at_close} -> {later}");
 }
+
+/// HTTP/2 (h2c, prior knowledge): a client that resets its stream (the
+/// connection stays open) stops the generation it asked for, streamed or
+/// not, and the connection goes on serving.
+#[test]
+fn an_http2_client_resetting_its_stream_stops_its_generation() {
+    if default_model().is_none() {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    let serve = EngineProc::start(&["serve", "--data-dir", data.path().to_str().unwrap()]);
+    // The connection is driven by the runtime's worker thread; the counters
+    // are read from this one.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let _in_runtime = rt.enter();
+    let addr = serve.addr.clone();
+    let mut client = rt.block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (client, conn) = h2::client::handshake(tcp).await.expect("an HTTP/2 handshake");
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        client
+    });
+    let request = |client: &mut h2::client::SendRequest<bytes::Bytes>, stream: bool, max_tokens: u32| {
+        let body = serde_json::json!({
+            "model": "SmolLM2-135M-Instruct", "stream": stream, "max_tokens": max_tokens, "temperature": 1.0, "seed": 3,
+            "logit_bias": {"0": -100, "1": -100, "2": -100},
+            "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        })
+        .to_string();
+        let req = http::Request::post(format!("http://{}/v1/chat/completions", serve.addr))
+            .header("content-type", "application/json")
+            .body(())
+            .unwrap();
+        let (resp, mut send) = client.send_request(req, false).unwrap();
+        send.send_data(bytes::Bytes::from(body), true).unwrap();
+        (resp, send)
+    };
+
+    // Streamed: reset after 12 chunks.
+    let before = generated(&serve);
+    let (resp, send) = request(&mut client, true, 2000);
+    let body = rt.block_on(async {
+        let resp = resp.await.expect("response headers over HTTP/2");
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        let mut seen = Vec::new();
+        while seen.windows(6).filter(|w| w == b"data: ").count() < 12 {
+            let chunk = body.data().await.expect("the stream ended early").unwrap();
+            let _ = body.flow_control().release_capacity(chunk.len());
+            seen.extend_from_slice(&chunk);
+        }
+        body
+    });
+    drop((body, send));
+    rt.block_on(tokio::time::sleep(Duration::from_millis(50)));
+    let at_reset = generated(&serve) - before;
+    std::thread::sleep(Duration::from_secs(3));
+    let later = generated(&serve) - before;
+    eprintln!("HTTP/2 streamed: {at_reset} tokens at the reset, {later} three seconds later");
+    assert!(later <= at_reset + 5.0, "generation went on after the stream was reset: {at_reset} -> {later}");
+
+    // Not streamed: reset while the answer is being generated.
+    let before = generated(&serve);
+    let (resp, send) = request(&mut client, false, 2000);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while generated(&serve) - before < 5.0 {
+        assert!(Instant::now() < deadline, "the request did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop((resp, send));
+    rt.block_on(tokio::time::sleep(Duration::from_millis(50)));
+    let at_reset = generated(&serve) - before;
+    std::thread::sleep(Duration::from_secs(3));
+    let later = generated(&serve) - before;
+    eprintln!("HTTP/2 not streamed: {at_reset} tokens at the reset, {later} three seconds later");
+    assert!(later <= at_reset + 5.0, "generation went on after the stream was reset: {at_reset} -> {later}");
+
+    // The same connection still answers.
+    let (resp, _send) = request(&mut client, false, 4);
+    let status = rt.block_on(async { resp.await.expect("a response on the same connection").status() });
+    assert_eq!(status, 200);
+}
