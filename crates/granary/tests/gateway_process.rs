@@ -677,3 +677,44 @@ fn a_model_nobody_serves_is_loaded_by_an_agent_on_request() {
     beat.stop();
     refresh.join().unwrap();
 }
+
+/// The semantic cache with a real engine embedding the prompts
+/// (`/v1/embeddings` of the default model, mean-pooled): a question asked
+/// again in other words is answered from the cache, with the first answer;
+/// an unrelated one goes to the engine.
+#[test]
+fn the_semantic_cache_answers_a_rephrased_question_with_a_real_engines_embeddings() {
+    if default_model().is_none() {
+        return;
+    }
+    let port = free_port();
+    let _engine = engine(port);
+    let extra = format!("[gateway.semantic_cache]\nenabled = true\nembedding_model = \"{MODEL}\"\nthreshold = 0.95\n");
+    let gw = Gateway::start(&[port], &extra);
+    let key = gw.key("acme", json!({}));
+    let ask = |question: &str| {
+        let r = gw
+            .http
+            .post(format!("{}/v1/chat/completions", gw.base))
+            .bearer_auth(&key)
+            .json(&json!({"model": MODEL, "temperature": 0, "max_tokens": 12,
+                "messages": [{"role": "user", "content": question}]}))
+            .send()
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let header = |n: &str| r.headers().get(n).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+        let (cache, matched) = (header("x-granary-cache"), header("x-granary-cache-match"));
+        let v: Value = r.json().unwrap();
+        (cache, matched, v["choices"][0]["message"]["content"].as_str().unwrap().to_string())
+    };
+    let (cache, _, first) = ask("What is the capital of France?");
+    assert_eq!(cache, "miss");
+    // The answer is kept before it is sent, so the next request finds it.
+    let again = ask("what is the capital of France ?");
+    assert_eq!((again.0.as_str(), again.1.as_str()), ("hit", "semantic"), "the rephrased question missed");
+    assert_eq!(again.2, first, "a hit gives the kept answer");
+    let (cache, _, _) = ask("Write a haiku about autumn leaves.");
+    assert_eq!(cache, "miss", "an unrelated question was answered from the cache");
+    let m = gw.metrics();
+    assert!(metric(&m, "granary_gateway_semantic_cache_total{event=\"hit\"}") >= 1.0, "{m}");
+}
