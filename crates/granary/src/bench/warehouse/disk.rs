@@ -318,13 +318,13 @@ pub fn goals(r: &DiskReport) -> Vec<Goal> {
     let figures = |f: &dyn Fn(&DiskRow) -> f64| {
         r.rows.iter().map(|row| format!("{} {:.0}%", size_label(row.block_bytes), f(row) * 100.0)).collect::<Vec<_>>()
     };
-    let read_ok = !r.rows.is_empty() && r.rows.iter().all(|row| row.read_ratio >= 0.85);
-    let write_ok = !r.rows.is_empty() && r.rows.iter().all(|row| row.write_ratio >= 0.70);
+    let read_ok = !r.rows.is_empty() && r.rows.iter().all(|row| row.read_ratio >= 0.90);
+    let write_ok = !r.rows.is_empty() && r.rows.iter().all(|row| row.write_ratio >= 0.85);
     vec![
-        Goal::new("disk", "read >= 85% of raw, every block size", read_ok, figures(&|row| row.read_ratio).join(", ")),
+        Goal::new("disk", "read >= 90% of raw, every block size", read_ok, figures(&|row| row.read_ratio).join(", ")),
         Goal::new(
             "disk",
-            "write >= 70% of raw, every block size",
+            "write >= 85% of raw, every block size",
             write_ok,
             figures(&|row| row.write_ratio).join(", "),
         ),

@@ -415,20 +415,35 @@ pub fn tables(r: &RespReport) -> Vec<Table> {
 }
 
 pub fn goals(r: &RespReport) -> Vec<Goal> {
-    let goal = "1 MiB GET: granary >= 1.5x Redis req/s, p99 no worse";
-    let find = |server: &str| r.rows.iter().find(|x| x.value_bytes == GOAL_SIZE && x.op == "GET" && x.server == server);
-    match (find("granary"), find("redis")) {
-        (Some(g), Some(a)) => {
-            let ratio = g.rps / a.rps;
-            vec![Goal::new(
-                "resp",
-                goal,
-                ratio >= 1.5 && g.p99_ms <= a.p99_ms,
-                format!("{:.0} vs {:.0} req/s ({ratio:.2}x), p99 {:.2} vs {:.2} ms", g.rps, a.rps, g.p99_ms, a.p99_ms),
-            )]
-        }
-        _ => vec![Goal::unmeasured("resp", goal, r.granary_error.as_deref().unwrap_or("no 1 MiB GET rows"))],
-    }
+    // (value size, op, req/s against Redis, p99 no worse too)
+    const GOALS: [(u64, &str, f64, bool); 3] =
+        [(GOAL_SIZE, "GET", 1.5, true), (4 << 20, "GET", 2.0, true), (64 << 10, "SET", 1.0, false)];
+    GOALS
+        .iter()
+        .map(|&(size, op, want, p99)| {
+            let goal = format!(
+                "{} {op}: granary >= {want:.1}x Redis req/s{}",
+                size_label(size),
+                if p99 { ", p99 no worse" } else { "" }
+            );
+            let find = |server: &str| r.rows.iter().find(|x| x.value_bytes == size && x.op == op && x.server == server);
+            match (find("granary"), find("redis")) {
+                (Some(g), Some(a)) => {
+                    let ratio = g.rps / a.rps;
+                    Goal::new(
+                        "resp",
+                        goal,
+                        ratio >= want && (!p99 || g.p99_ms <= a.p99_ms),
+                        format!(
+                            "{:.0} vs {:.0} req/s ({ratio:.2}x), p99 {:.2} vs {:.2} ms",
+                            g.rps, a.rps, g.p99_ms, a.p99_ms
+                        ),
+                    )
+                }
+                _ => Goal::unmeasured("resp", goal, r.granary_error.as_deref().unwrap_or("no rows for this size")),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
