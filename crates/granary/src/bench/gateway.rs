@@ -17,7 +17,6 @@
 //! `--seconds`. `--rounds` alternating rounds (the order of the paths turns
 //! each round); the report gives each figure's median and its range.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -32,6 +31,7 @@ use clap::Args as ClapArgs;
 use hdrhistogram::Histogram;
 use serde_json::{json, Value};
 
+use super::child::Proc;
 use super::llm::median;
 use super::warehouse::report::{bar, command_line, utc_timestamp, Goal, Host, Table};
 
@@ -99,94 +99,49 @@ async fn serve_upstream() -> Result<()> {
         )
         .route("/v1/chat/completions", post(move || async move { Json(answer.clone()) }));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    println!("listening {}", l.local_addr()?);
+    println!("granary: upstream on http://{}", l.local_addr()?);
+    println!("granary: ready");
     axum::serve(l, app).await?;
     Ok(())
 }
 
-/// A child process killed when dropped.
-struct Proc {
-    child: Child,
-    name: &'static str,
-}
+/// nginx, killed when dropped.
+struct Nginx(Child);
 
-impl Drop for Proc {
+impl Drop for Nginx {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn spawn(name: &'static str, cmd: &mut Command) -> Result<Proc> {
-        let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
-        Ok(Proc { child, name })
-    }
-
-    /// Fails when the process has exited.
-    fn alive(&mut self) -> Result<()> {
-        if let Some(st) = self.child.try_wait()? {
-            anyhow::bail!("{} exited: {st}", self.name);
-        }
-        Ok(())
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
 fn upstream() -> Result<(Proc, SocketAddr)> {
-    let exe = std::env::current_exe()?;
-    let mut p = Proc::spawn(
-        "the fixed upstream",
-        Command::new(exe)
-            .args(["bench", "gateway", "--serve-upstream"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit()),
-    )?;
-    let out = p.child.stdout.take().context("no stdout")?;
-    let mut line = String::new();
-    BufReader::new(out).read_line(&mut line)?;
-    let addr = line.trim().strip_prefix("listening ").with_context(|| format!("the upstream said {line:?}"))?;
-    Ok((p, addr.parse()?))
+    let args = ["bench", "gateway", "--serve-upstream"].map(String::from);
+    let p = Proc::start("fixed upstream", &args, &[], "granary: upstream on ", "granary: ready")?;
+    let addr = p.base.trim_start_matches("http://").parse()?;
+    Ok((p, addr))
 }
 
 fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn wait_listening(p: &mut Proc, addr: SocketAddr) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(addr).is_err() {
-        p.alive()?;
-        anyhow::ensure!(Instant::now() < deadline, "{} did not start listening on {addr}", p.name);
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(())
-}
-
 /// The real `granary gateway` in front of the upstream, with a tenant and
 /// a key whose limits are high enough never to refuse (so that the limit
 /// checks run on every request).
 async fn gateway(up: SocketAddr, dir: &std::path::Path, workers: usize) -> Result<(Proc, SocketAddr, String)> {
-    let port = free_port()?;
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let conf = format!(
-        "[gateway]\nlisten = \"{addr}\"\ndatabase = \"sqlite://{}\"\n\n\
+        "[gateway]\nlisten = \"127.0.0.1:0\"\ndatabase = \"sqlite://{}\"\n\n\
          [[upstream]]\nname = \"fixed\"\nurl = \"http://{up}\"\nkv_events = false\ngranary = false\n",
         dir.join("gateway.db").display()
     );
     let path = dir.join("gateway.toml");
     std::fs::write(&path, conf)?;
-    let log = std::fs::File::create(dir.join("gateway.log"))?;
-    let mut p = Proc::spawn(
-        "granary gateway",
-        Command::new(std::env::current_exe()?)
-            .args(["gateway", "--config"])
-            .arg(&path)
-            .env("GRANARY_ADMIN_TOKEN", ADMIN)
-            .env("TOKIO_WORKER_THREADS", workers.to_string())
-            .stdout(Stdio::null())
-            .stderr(log),
-    )?;
-    wait_listening(&mut p, addr)?;
+    let args = ["gateway".to_string(), "--config".into(), path.display().to_string()];
+    let threads = workers.to_string();
+    let envs = [("GRANARY_ADMIN_TOKEN", ADMIN), ("TOKIO_WORKER_THREADS", threads.as_str())];
+    let p = Proc::start("gateway", &args, &envs, "granary: gateway on ", "granary: ready")?;
+    let addr: SocketAddr = p.base.trim_start_matches("http://").parse()?;
     let http = reqwest::Client::new();
     let base = format!("http://{addr}");
     let limits = json!({"requests_per_minute": 100_000_000u64, "tokens_per_minute": 1_000_000_000u64});
@@ -225,7 +180,7 @@ async fn gateway(up: SocketAddr, dir: &std::path::Path, workers: usize) -> Resul
     Ok((p, addr, key))
 }
 
-fn nginx(bin: &str, up: SocketAddr, dir: &std::path::Path, workers: usize) -> Result<(Proc, SocketAddr)> {
+fn nginx(bin: &str, up: SocketAddr, dir: &std::path::Path, workers: usize) -> Result<(Nginx, SocketAddr)> {
     let port = free_port()?;
     let d = dir.display();
     let conf = format!(
@@ -239,15 +194,23 @@ fn nginx(bin: &str, up: SocketAddr, dir: &std::path::Path, workers: usize) -> Re
     );
     let path = dir.join("nginx.conf");
     std::fs::write(&path, conf)?;
-    let mut p = Proc::spawn(
-        "nginx",
+    let mut p = Nginx(
         Command::new(bin)
             .args(["-p", &d.to_string(), "-c", &path.display().to_string()])
             .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    )?;
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {bin}"))?,
+    );
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    wait_listening(&mut p, addr)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(addr).is_err() {
+        if let Some(st) = p.0.try_wait()? {
+            anyhow::bail!("nginx exited: {st}");
+        }
+        anyhow::ensure!(Instant::now() < deadline, "nginx did not start listening on {addr}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     Ok((p, addr))
 }
 
@@ -341,9 +304,8 @@ pub async fn run(args: Args) -> Result<()> {
     let started = SystemTime::now();
     let host = Host::probe();
     let dir = tempfile::tempdir()?;
-    let (mut up_proc, up) = upstream()?;
-    wait_listening(&mut up_proc, up)?;
-    let (mut gw_proc, gw, key) = gateway(up, dir.path(), args.workers).await?;
+    let (up_proc, up) = upstream()?;
+    let (gw_proc, gw, key) = gateway(up, dir.path(), args.workers).await?;
     let mut paths = vec![
         Path { name: "direct", url: format!("http://{up}/v1/chat/completions"), key: None },
         Path { name: "granary gateway", url: format!("http://{gw}/v1/chat/completions"), key: Some(key) },
@@ -368,7 +330,6 @@ pub async fn run(args: Args) -> Result<()> {
             let m = measure(&paths[i], &args, r).await.with_context(|| format!("measuring {}", paths[i].name))?;
             got[i] = Some(m);
         }
-        gw_proc.alive()?;
         rounds.push(got.into_iter().map(|m| m.expect("every path measured")).collect());
     }
     drop(nginx);

@@ -4,6 +4,7 @@
 use anyhow::Result;
 use clap::Subcommand;
 
+mod child;
 mod coldstart;
 mod engine;
 mod gateway;
