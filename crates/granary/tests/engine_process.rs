@@ -191,6 +191,25 @@ fn generated(e: &EngineProc) -> f64 {
     e.metric("granary_engine_generated_tokens_total")
 }
 
+/// Waits until a request has generated a few tokens since `before`.
+fn wait_generating(e: &EngineProc, before: f64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while generated(e) - before < 5.0 {
+        assert!(Instant::now() < deadline, "the request did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// After a client left (`what`): the tokens generated since `before` at
+/// that moment and three seconds later, which may differ by a step or so.
+fn assert_generation_stopped(e: &EngineProc, before: f64, what: &str) {
+    let at_close = generated(e) - before;
+    std::thread::sleep(Duration::from_secs(3));
+    let later = generated(e) - before;
+    eprintln!("{what}: {at_close} tokens when the client left, {later} three seconds later");
+    assert!(later <= at_close + 5.0, "{what}: generation went on after the client left: {at_close} -> {later}");
+}
+
 #[test]
 fn a_client_hanging_up_stops_its_generation() {
     use std::io::Write;
@@ -228,26 +247,14 @@ fn a_client_hanging_up_stops_its_generation() {
         seen.extend_from_slice(&buf[..n]);
     }
     drop(s);
-    let at_close = generated(&serve) - before;
-    std::thread::sleep(Duration::from_secs(3));
-    let later = generated(&serve) - before;
-    eprintln!("streamed: {at_close} tokens at the hang-up, {later} three seconds later");
-    assert!(later <= at_close + 5.0, "generation went on after the client left: {at_close} -> {later}");
+    assert_generation_stopped(&serve, before, "streamed");
 
     // Not streamed: hang up while the answer is being generated.
     let before = generated(&serve);
     let s = request(false);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while generated(&serve) - before < 5.0 {
-        assert!(Instant::now() < deadline, "the request did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_generating(&serve, before);
     drop(s);
-    let at_close = generated(&serve) - before;
-    std::thread::sleep(Duration::from_secs(3));
-    let later = generated(&serve) - before;
-    eprintln!("not streamed: {at_close} tokens at the hang-up, {later} three seconds later");
-    assert!(later <= at_close + 5.0, "generation went on after the client left: {at_close} -> {later}");
+    assert_generation_stopped(&serve, before, "not streamed");
 }
 
 /// HTTP/2 (h2c, prior knowledge): a client that resets its stream (the
@@ -306,27 +313,15 @@ fn an_http2_client_resetting_its_stream_stops_its_generation() {
     });
     drop((body, send));
     rt.block_on(tokio::time::sleep(Duration::from_millis(50)));
-    let at_reset = generated(&serve) - before;
-    std::thread::sleep(Duration::from_secs(3));
-    let later = generated(&serve) - before;
-    eprintln!("HTTP/2 streamed: {at_reset} tokens at the reset, {later} three seconds later");
-    assert!(later <= at_reset + 5.0, "generation went on after the stream was reset: {at_reset} -> {later}");
+    assert_generation_stopped(&serve, before, "HTTP/2 streamed, stream reset");
 
     // Not streamed: reset while the answer is being generated.
     let before = generated(&serve);
     let (resp, send) = request(&mut client, false, 2000);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while generated(&serve) - before < 5.0 {
-        assert!(Instant::now() < deadline, "the request did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_generating(&serve, before);
     drop((resp, send));
     rt.block_on(tokio::time::sleep(Duration::from_millis(50)));
-    let at_reset = generated(&serve) - before;
-    std::thread::sleep(Duration::from_secs(3));
-    let later = generated(&serve) - before;
-    eprintln!("HTTP/2 not streamed: {at_reset} tokens at the reset, {later} three seconds later");
-    assert!(later <= at_reset + 5.0, "generation went on after the stream was reset: {at_reset} -> {later}");
+    assert_generation_stopped(&serve, before, "HTTP/2 not streamed, stream reset");
 
     // The same connection still answers.
     let (resp, _send) = request(&mut client, false, 4);
