@@ -414,8 +414,7 @@ impl StepLoop {
         let s = &mut self.running[i];
         let len = s.kv.len();
         let prompt_len = s.req.prompt.len();
-        let tokens: Vec<u32> = s.req.prompt.iter().chain(&s.output).copied().take(len).collect();
-        if tokens.len() < len {
+        if len > prompt_len + s.output.len() {
             return;
         }
         let root =
@@ -437,8 +436,11 @@ impl StepLoop {
             }
         }
         for (p, range, bytes) in keep {
+            // The tail's tokens alone (not the whole sequence's).
+            let tokens: Vec<u32> =
+                s.req.prompt.iter().chain(&s.output).skip(range.start).take(range.len()).copied().collect();
             let tail = super::cache::compact_tail(&self.sh.layout, &bytes, range.len());
-            self.sh.cache.insert_tail(p, &tokens[range], tail);
+            self.sh.cache.insert_tail(p, &tokens, tail);
         }
     }
 
