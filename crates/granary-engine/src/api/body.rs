@@ -86,6 +86,15 @@ fn field_error(path: &str, e: serde_json::Error) -> ApiError {
             format!("Missing required parameter: `{param}`."),
         );
     }
+    if let Some(field) = reason.strip_prefix("unknown field `").and_then(|r| r.split('`').next()) {
+        // The path already ends with the unknown field.
+        let param = path.unwrap_or(field).to_string();
+        return ApiError::invalid(
+            &param,
+            "unknown_parameter",
+            format!("Unknown parameter: `{param}`. This server does not take it; leave it out."),
+        );
+    }
     let code = if reason.starts_with("invalid type") { "invalid_type" } else { "invalid_value" };
     match path {
         Some(p) => ApiError::invalid(p, code, format!("Invalid value for `{p}`: {reason}.")),
@@ -151,6 +160,36 @@ mod tests {
 
         let e = parse_json::<Outer>(br#"{"name":"x","items":[{},{"value":1}]}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("items[0].value"));
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct Strict {
+        name: String,
+        #[serde(default)]
+        inner: Option<StrictInner>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct StrictInner {
+        value: u32,
+    }
+
+    #[test]
+    fn unknown_fields_are_named() {
+        let e = parse_json::<Strict>(br#"{"name":"x","bogus_field":1}"#).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.code, Some("unknown_parameter"));
+        assert_eq!(e.param.as_deref(), Some("bogus_field"));
+        assert!(e.message.contains("`bogus_field`"), "{}", e.message);
+        // The list of expected fields serde appends stays out of the message.
+        assert!(!e.message.contains("expected"), "{}", e.message);
+
+        let e = parse_json::<Strict>(br#"{"name":"x","inner":{"value":1,"extra":true}}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("inner.extra"));
     }
 
     #[test]

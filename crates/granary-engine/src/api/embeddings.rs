@@ -19,7 +19,9 @@ use super::AppState;
 /// Most inputs per request (OpenAI's limit).
 const MAX_INPUTS: usize = 2048;
 
+/// The body of `POST /v1/embeddings`; a field not named here is refused.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct EmbeddingsRequest {
     pub model: String,
     pub input: Inputs,
@@ -27,6 +29,10 @@ pub(crate) struct EmbeddingsRequest {
     pub encoding_format: Option<String>,
     #[serde(default)]
     pub dimensions: Option<u64>,
+    /// An end-user identifier; it asks nothing of the model.
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub user: Option<String>,
 }
 
 /// `input`: a string, an array of strings, an array of token ids, or an

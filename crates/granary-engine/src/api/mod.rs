@@ -30,8 +30,10 @@
 //!   are accepted too;
 //! - `echo` puts the prompt's text before the answer (not with `logprobs`);
 //! - `n` up to 8, streamed or not, and completions' `best_of` up to 8, not
-//!   streamed (see `answer::generate_n`); `suffix` is refused; `user` and unknown fields
-//!   are ignored;
+//!   streamed (see `answer::generate_n`); `suffix` is refused; a field the server does
+//!   not know is refused with a 400 naming it (`unknown_parameter`), as
+//!   OpenAI's API does, while OpenAI's fields that ask nothing of generation
+//!   (`user`, `metadata`, `prompt_cache_key`...) are accepted;
 //! - structured outputs (`response_format`, vLLM's `guided_*`) are enforced
 //!   by constrained decoding ([`crate::constraint`]); tools are rendered
 //!   through the model's chat template and calls parsed from its output in

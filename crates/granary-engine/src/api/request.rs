@@ -3,10 +3,12 @@
 //!
 //! Type errors are caught while parsing (see [`super::body`]); range and
 //! support checks happen in [`ChatRequest::validate`] and
-//! [`CompletionRequest::validate`]. Fields this server does not know are
-//! ignored, as OpenAI does (`user`, `metadata`, `store`...); fields it knows
-//! and cannot honour (llama.cpp's GBNF `grammar`, `functions`, audio...)
-//! are refused with a 400 naming them, never ignored. Structured outputs
+//! [`CompletionRequest::validate`]. A field this server does not know is
+//! refused with a 400 naming it (`unknown_parameter`), as OpenAI's API
+//! does; OpenAI's fields that ask nothing of generation (`user`,
+//! `metadata`...) are accepted (see [`check_no_action`]); fields it knows
+//! and cannot honour (`functions`, audio, `store: true`...) are refused
+//! with a 400 naming them, never ignored. Structured outputs
 //! and tools are read in [`super::structured`].
 
 use granary_tokenizer::ChatMessage;
@@ -25,8 +27,10 @@ pub(crate) use values::{Prompt, Seed, Stop};
 /// Most stop sequences per request (OpenAI's limit).
 pub const MAX_STOP_SEQUENCES: usize = 4;
 
-/// The body of `POST /v1/chat/completions`.
+/// The body of `POST /v1/chat/completions`. A field not named here is
+/// refused (`unknown_parameter`), as OpenAI's API does.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct ChatRequest {
     pub model: String,
     pub messages: Vec<Message>,
@@ -101,6 +105,23 @@ pub(crate) struct ChatRequest {
     pub prediction: Option<serde_json::Value>,
     #[serde(default)]
     pub web_search_options: Option<serde_json::Value>,
+    /// OpenAI fields that ask nothing of generation, checked in
+    /// [`check_no_action`]; the identifiers are taken and not used.
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub user: Option<String>,
+    #[serde(default)]
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
+    #[serde(default)]
+    pub store: Option<bool>,
+    #[serde(default)]
+    pub service_tier: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub prompt_cache_key: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub safety_identifier: Option<String>,
 }
 
 /// Sampling fields beyond OpenAI's that vLLM and llama.cpp servers take,
@@ -141,8 +162,9 @@ fn is_set(v: &Option<serde_json::Value>) -> bool {
     v.as_ref().is_some_and(|v| !v.is_null())
 }
 
-/// The body of `POST /v1/completions`.
+/// The body of `POST /v1/completions`. A field not named here is refused.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct CompletionRequest {
     pub model: String,
     pub prompt: Prompt,
@@ -202,6 +224,23 @@ pub(crate) struct CompletionRequest {
     /// OpenAI's chat field, taken here too as vLLM does.
     #[serde(default)]
     pub response_format: Option<serde_json::Value>,
+    /// OpenAI fields that ask nothing of generation, checked in
+    /// [`check_no_action`]; the identifiers are taken and not used.
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub user: Option<String>,
+    #[serde(default)]
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
+    #[serde(default)]
+    pub store: Option<bool>,
+    #[serde(default)]
+    pub service_tier: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub prompt_cache_key: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub safety_identifier: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -326,8 +365,37 @@ fn refuse_if(set: bool, param: &str, why: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// OpenAI's fields that need no action here: `user`, `prompt_cache_key`
+/// and `safety_identifier` (identifiers), `metadata` (tags for stored
+/// completions). `store: true` and service tiers other than `auto` and
+/// `default` ask for something this server does not do, so they are
+/// refused.
+fn check_no_action(
+    store: Option<bool>,
+    service_tier: Option<&str>,
+    metadata: Option<&std::collections::BTreeMap<String, String>>,
+) -> Result<(), ApiError> {
+    refuse_if(store == Some(true), "store", "completions are not stored.")?;
+    // OpenAI's limits on `metadata`, so that what passes here passes there.
+    if let Some(m) = metadata {
+        if m.len() > 16 || m.iter().any(|(k, v)| k.chars().count() > 64 || v.chars().count() > 512) {
+            return Err(ApiError::invalid(
+                "metadata",
+                "invalid_value",
+                "Invalid value for `metadata`: at most 16 pairs, keys up to 64 characters, values up to 512.",
+            ));
+        }
+    }
+    refuse_if(
+        service_tier.is_some_and(|t| t != "auto" && t != "default"),
+        "service_tier",
+        "there is one service tier (`auto` or `default`); use `priority` to rank requests.",
+    )
+}
+
 impl ChatRequest {
     pub fn validate(self) -> Result<Validated, ApiError> {
+        check_no_action(self.store, self.service_tier.as_deref(), self.metadata.as_ref())?;
         refuse_if(
             is_set(&self.functions),
             "functions",
@@ -426,6 +494,7 @@ pub const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
 
 impl CompletionRequest {
     pub fn validate(self) -> Result<Validated, ApiError> {
+        check_no_action(self.store, self.service_tier.as_deref(), self.metadata.as_ref())?;
         let logprobs = match self.logprobs {
             Some(n) if n > MAX_COMPLETION_LOGPROBS => {
                 return Err(out_of_range("logprobs", n as f64, "between 0 and 5"));

@@ -266,6 +266,53 @@ async fn field_errors_name_the_field() {
 }
 
 #[tokio::test]
+async fn unknown_fields_are_refused_by_name() {
+    let (_, app) = no_models();
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "bogus_field": 1});
+    let completion = json!({"model": "m", "prompt": "a", "reasoning_effort": "low"});
+    let embeddings = json!({"model": "m", "input": "a", "truncate": true});
+    let tokenize = json!({"model": "m", "prompt": "a", "with_spaces": true});
+    for (path, req, param) in [
+        ("/v1/chat/completions", chat, "bogus_field"),
+        ("/v1/completions", completion, "reasoning_effort"),
+        ("/v1/embeddings", embeddings, "truncate"),
+        ("/tokenize", tokenize, "with_spaces"),
+    ] {
+        let (status, body) = send_json(&app, post(path, req.to_string())).await;
+        let e = assert_error(status, &body, StatusCode::BAD_REQUEST, Some(param));
+        assert_eq!(e["code"], "unknown_parameter", "{path}: {e}");
+        assert!(e["message"].as_str().unwrap().contains(param), "{e}");
+    }
+}
+
+#[tokio::test]
+async fn fields_that_ask_nothing_are_accepted_and_those_that_ask_too_much_refused() {
+    let Some((_, app)) = scripted() else { return };
+    let no_action = json!({"user": "u-1", "metadata": {"team": "a"}, "store": false, "service_tier": "auto",
+                           "prompt_cache_key": "k", "safety_identifier": "s"});
+    let (status, body) = send_json(&app, post("/v1/chat/completions", chat_body(no_action.clone()))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let mut completion = json!({"model": MODEL, "prompt": "Hi"});
+    completion.as_object_mut().unwrap().extend(no_action.as_object().unwrap().clone());
+    let (status, body) = send_json(&app, post("/v1/completions", completion.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let embeddings = json!({"model": MODEL, "input": "Hi", "user": "u-1"});
+    let (status, body) = send_json(&app, post("/v1/embeddings", embeddings.to_string())).await;
+    assert_ne!(body["error"]["code"], "unknown_parameter", "{status} {body}");
+
+    let metadata: serde_json::Map<String, Value> = (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+    for (extra, param) in [
+        (json!({"store": true}), "store"),
+        (json!({"service_tier": "flex"}), "service_tier"),
+        (json!({"metadata": metadata}), "metadata"),
+    ] {
+        let (status, body) = send_json(&app, post("/v1/chat/completions", chat_body(extra))).await;
+        let e = assert_error(status, &body, StatusCode::BAD_REQUEST, Some(param));
+        assert!(e["message"].as_str().unwrap().contains(param), "{e}");
+    }
+}
+
+#[tokio::test]
 async fn bodies_over_the_limit() {
     let backend = Arc::new(ScriptedBackend::without_models());
     let app = make_app(&backend, ApiOptions { max_body_bytes: 100, ..ApiOptions::default() });

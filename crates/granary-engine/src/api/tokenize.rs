@@ -13,6 +13,7 @@ use super::request::Message;
 use super::AppState;
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct TokenizeRequest {
     pub model: String,
     /// Plain text (completions style).
@@ -33,6 +34,7 @@ pub(crate) struct TokenizeRequest {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct DetokenizeRequest {
     pub model: String,
     pub tokens: Vec<u32>,

@@ -274,6 +274,8 @@ def check_unsupported_fields_are_refused():
     for kw, param in [
         ({"functions": [tool["function"]]}, "functions"),
         ({"extra_body": {"grammar": 'root ::= "a"'}}, "grammar"),
+        ({"extra_body": {"ignore_eos": True}}, "ignore_eos"),
+        ({"store": True}, "store"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [tool], "response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
@@ -285,6 +287,9 @@ def check_unsupported_fields_are_refused():
             assert e.param == param, (e.param, param)
             continue
         raise AssertionError(f"{param} was accepted and ignored")
+    # Fields that ask nothing of generation pass.
+    r = chat(max_tokens=4, user="u-1", metadata={"team": "a"}, store=False)
+    assert r.choices[0].message.content is not None
 
 
 def check_n_choices_streamed():

@@ -58,7 +58,7 @@ fn chat_fields_are_read() {
         "max_tokens": 9, "temperature": 0, "top_p": 0.5, "n": 1, "seed": -1,
         "stop": "\n\n", "stream": true, "stream_options": {"include_usage": true},
         "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": false,
-        "user": "someone", "tools": [], "some_future_field": {"x": 1},
+        "user": "someone", "tools": [], "metadata": {"team": "a"},
     }))
     .unwrap();
     let Input::Chat(msgs) = &v.input else { panic!() };
@@ -303,4 +303,13 @@ fn priority_is_read_as_vllm_has_it() {
     assert_eq!(v.priority, 7);
     assert_field_error(chat_with(json!({"priority": 1u64 << 40})), "priority", "between");
     assert_field_error(chat_with(json!({"priority": "high"})), "priority", "invalid type");
+}
+
+#[test]
+fn a_field_this_server_does_not_know_is_refused_by_name() {
+    let e = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "some_future_field": {"x": 1}}))
+        .unwrap_err();
+    assert_eq!((e.param.as_deref(), e.code), (Some("some_future_field"), Some("unknown_parameter")));
+    let e = completion(json!({"model": "m", "prompt": "a", "ignore_eos": true})).unwrap_err();
+    assert_eq!((e.param.as_deref(), e.code), (Some("ignore_eos"), Some("unknown_parameter")));
 }
