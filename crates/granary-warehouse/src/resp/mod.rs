@@ -7,7 +7,9 @@
 //! in order, gathers the replies and writes them when the input is
 //! drained. Large values move without copies both ways: a SET's value is
 //! a slice of the read buffer, a GET's reply is the stored bytes handed to
-//! a vectored write. A malformed or oversized request closes only the
+//! a vectored write. After a frame larger than a read buffer, the next
+//! frame's header is read alone, so that a run of large SETs copies a few
+//! hundred bytes each into their own allocations, not a buffer's worth. A malformed or oversized request closes only the
 //! connection that sent it.
 //!
 //! Against hostile clients: until AUTH succeeds on a server with tokens, a
@@ -46,6 +48,9 @@ use crate::server::ServerCtx;
 const READ_CHUNK: usize = 64 * 1024;
 /// Most room reserved ahead of a frame's bytes arriving.
 const PREALLOC_MAX: usize = 32 << 20;
+/// The first read of a frame when the one before was larger than a read
+/// buffer: enough for the header of any command a client sends.
+const HEADER_READ: usize = 1024;
 /// Below this much free room, a new read buffer is started.
 const MIN_READ: usize = 8 * 1024;
 /// Replies queued beyond this are written before more commands run.
@@ -134,12 +139,17 @@ async fn connection(
     let mut out = Out::new();
     // Bytes the input must hold before parsing can make progress.
     let mut need = 1usize;
+    // The last command was larger than a read buffer: the next one's
+    // header is read alone first (see HEADER_READ).
+    let mut large = false;
     loop {
         while input.len() >= need {
             let lim = if session.authenticated() { &limits } else { &before_auth };
+            let before = input.len();
             match parse_command(&mut input, lim) {
                 Ok(Parse::Command(args)) => {
                     need = 1;
+                    large = before - input.len() > READ_CHUNK;
                     last_command = tokio::time::Instant::now();
                     if args.is_empty() {
                         continue;
@@ -166,20 +176,7 @@ async fn connection(
         if write_out(&mut out, &mut stream, &ctx).await.is_err() {
             return;
         }
-        if need > input.capacity() {
-            // A frame larger than the buffer: give it one allocation of
-            // exactly its size, filled by the reads that follow. The stored
-            // value then owns that allocation alone instead of sharing (and
-            // pinning) a read buffer with the requests after it. Beyond
-            // PREALLOC_MAX the room grows with the bytes that actually arrive,
-            // so a header alone cannot make the server reserve 512 MiB.
-            let cap = need.min(input.len().saturating_mul(2).max(input.len() + PREALLOC_MAX));
-            let mut frame = BytesMut::with_capacity(cap);
-            frame.extend_from_slice(&input);
-            input = frame;
-        } else if input.capacity() - input.len() < MIN_READ {
-            input.reserve(READ_CHUNK);
-        }
+        make_room(&mut input, need, large);
         let idle_until = idle.map(|d| last_command + d);
         tokio::select! {
             r = stream.read_buf(&mut input) => match r {
@@ -202,8 +199,79 @@ async fn connection(
     }
 }
 
+/// Makes room in `input` for the next read, toward a frame of at least
+/// `need` bytes; `large` says the last frame was larger than a read buffer.
+fn make_room(input: &mut BytesMut, need: usize, large: bool) {
+    let spare = input.capacity() - input.len();
+    if need > READ_CHUNK && need > input.capacity() {
+        // A frame larger than a read buffer: give it one allocation of
+        // exactly its size, filled by the reads that follow. The stored
+        // value then owns that allocation alone instead of sharing (and
+        // pinning) a read buffer with the requests after it. Beyond
+        // PREALLOC_MAX the room grows with the bytes that actually arrive,
+        // so a header alone cannot make the server reserve 512 MiB.
+        let cap = need.min(input.len().saturating_mul(2).max(input.len() + PREALLOC_MAX));
+        let mut frame = BytesMut::with_capacity(cap);
+        frame.extend_from_slice(input);
+        *input = frame;
+    } else if large && input.is_empty() {
+        // Probably another large frame: read its header alone, so that what
+        // is copied into the frame's own allocation is a few hundred bytes,
+        // not a read buffer's worth of its value.
+        if input.capacity() < HEADER_READ {
+            *input = BytesMut::with_capacity(HEADER_READ);
+        }
+    } else if spare < MIN_READ && !(need > READ_CHUNK && input.capacity() >= need) {
+        // Smaller frames share a read buffer (one of exactly the missing
+        // bytes would read a header one byte per call). A large frame's own
+        // allocation already has room for the rest: growing it would copy it.
+        input.reserve(READ_CHUNK);
+    }
+}
+
 async fn write_out(out: &mut Out, stream: &mut TcpStream, ctx: &ServerCtx) -> std::io::Result<()> {
     let n = out.flush_to(stream).await?;
     ctx.resp.bytes_written.fetch_add(n as u64, Relaxed);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_have_room_for_more_than_the_byte_a_header_needs() {
+        // A large frame just taken off the front leaves no room at all.
+        let mut input = BytesMut::new();
+        for need in [1, 5, 40] {
+            make_room(&mut input, need, false);
+            assert!(input.capacity() - input.len() >= MIN_READ, "need {need}: room {}", input.capacity());
+        }
+    }
+
+    #[test]
+    fn a_large_frame_gets_an_allocation_of_its_size_that_is_never_grown() {
+        let mut input = BytesMut::with_capacity(READ_CHUNK);
+        input.extend_from_slice(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1048576\r\n");
+        let head = input.to_vec();
+        let need = head.len() + (1 << 20) + 2;
+        make_room(&mut input, need, false);
+        assert_eq!((input.capacity(), &input[..]), (need, &head[..]));
+        // Most of the value arrived; the last few KiB fit in the room left.
+        input.resize(need - 4096, 7);
+        let at = input.as_ptr();
+        make_room(&mut input, need, false);
+        assert_eq!((input.as_ptr(), input.capacity()), (at, need), "the frame was copied into a larger buffer");
+    }
+
+    #[test]
+    fn after_a_large_frame_the_next_header_is_read_alone() {
+        let mut input = BytesMut::new();
+        make_room(&mut input, 1, true);
+        assert_eq!(input.capacity(), HEADER_READ);
+        // A small command after all: it gets a read buffer once the header is in.
+        input.extend_from_slice(&[b'x'; HEADER_READ]);
+        make_room(&mut input, HEADER_READ + 1, false);
+        assert!(input.capacity() - input.len() >= MIN_READ);
+    }
 }
