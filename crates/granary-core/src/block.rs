@@ -265,6 +265,29 @@ impl KvBlock {
         HEADER_LEN + self.payload.len()
     }
 
+    /// A buffer for [`KvBlock::encode_in`]: room for the header, then the
+    /// payload's `capacity` bytes, which the caller appends.
+    pub fn payload_buffer(capacity: usize) -> BytesMut {
+        let mut b = BytesMut::with_capacity(HEADER_LEN + capacity);
+        b.resize(HEADER_LEN, 0);
+        b
+    }
+
+    /// Encodes a block whose payload was written into `buf` after its
+    /// header's room ([`KvBlock::payload_buffer`]): the same bytes as
+    /// [`KvBlock::new`] then [`KvBlock::encode`], without copying the
+    /// payload. Version, payload length and checksum are set here; the
+    /// other fields (`raw_len` too) are taken as given.
+    pub fn encode_in(mut header: BlockHeader, mut buf: BytesMut) -> Bytes {
+        assert!(buf.len() >= HEADER_LEN, "the buffer lacks the header's room");
+        let payload = &buf[HEADER_LEN..];
+        header.version = VERSION;
+        header.payload_len = payload.len() as u64;
+        header.checksum = xxh3_64(payload);
+        buf[..HEADER_LEN].copy_from_slice(&header.encode());
+        buf.freeze()
+    }
+
     /// Header then payload, in one buffer.
     pub fn encode(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(self.encoded_len());
@@ -380,6 +403,19 @@ mod tests {
         let d = KvBlock::decode(b.encode()).unwrap();
         assert_eq!(d.header.dtype, DType::Bytes);
         assert_eq!(&d.payload[..], b"\xff\x00not utf8");
+    }
+
+    #[test]
+    fn encoding_in_place_gives_the_same_bytes() {
+        let payload = Bytes::from_static(b"some payload bytes");
+        let mut h = BlockHeader::opaque(payload.len());
+        h.flags = FLAG_COMPRESSED;
+        h.raw_len = 1000;
+        let mut buf = KvBlock::payload_buffer(payload.len());
+        buf.extend_from_slice(&payload);
+        let mut expected = KvBlock::new(h, payload);
+        expected.header.raw_len = 1000;
+        assert_eq!(KvBlock::encode_in(h, buf), expected.encode());
     }
 
     #[test]

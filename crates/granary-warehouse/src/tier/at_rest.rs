@@ -230,30 +230,31 @@ impl AtRest {
             flags |= FLAG_COMPRESSED;
         }
         let extra = if self.cipher.is_some() { 2 * (NONCE_LEN + TAG_LEN) } else { 0 };
-        let mut payload = BytesMut::with_capacity(4 + head.len() + body.len() + extra);
+        // The record is built in one buffer, header room first: the value is
+        // copied once (a large one is megabytes).
+        let mut payload = KvBlock::payload_buffer(4 + head.len() + body.len() + extra);
+        let at = payload.len();
         payload.put_u32_le(0);
         match &self.cipher {
             Some(cipher) => {
                 flags |= FLAG_ENCRYPTED;
                 self.encrypt(cipher, &head, HEAD_AAD, &mut payload)?;
-                let head_len = (payload.len() - 4) as u32;
-                payload[..4].copy_from_slice(&head_len.to_le_bytes());
+                let head_len = (payload.len() - at - 4) as u32;
+                payload[at..at + 4].copy_from_slice(&head_len.to_le_bytes());
                 self.encrypt(cipher, body, &identity(ns, key), &mut payload)?;
             }
             None => {
-                payload[..4].copy_from_slice(&(head.len() as u32).to_le_bytes());
+                payload[at..at + 4].copy_from_slice(&(head.len() as u32).to_le_bytes());
                 payload.put_slice(&head);
                 payload.put_slice(body);
             }
         }
         let mut header = BlockHeader::opaque(0);
         header.flags = flags;
+        // The raw length counts head and value only (not the length field or
+        // the nonces).
         header.raw_len = (head.len() + value.len()) as u64;
-        let mut block = KvBlock::new(header, payload.freeze());
-        // KvBlock::new takes a plain block's raw length from its payload; ours
-        // counts head and value only (not the length field or the nonces).
-        block.header.raw_len = (head.len() + value.len()) as u64;
-        Ok(block.encode())
+        Ok(KvBlock::encode_in(header, payload))
     }
 
     /// How many bytes from the start of a record hold its header and head,

@@ -9,7 +9,10 @@
 //! blocks in flight, [`IN_FLIGHT`]) with `--direct=1`, since libaio only
 //! queues I/O that bypasses the page cache (`--end_fsync=1` for writes); when
 //! `fio` is missing, a plain `std::fs` sequential write + fsync and read of
-//! one file stands in, and the report says so.
+//! one file stands in, and the report says so. Each block size runs three
+//! rounds (one with `--quick`), alternating whether the tier or the anchor
+//! goes first; the report gives each figure's median and the range of the
+//! ratios, since a virtual disk's bandwidth varies from run to run.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -50,6 +53,10 @@ pub struct DiskRow {
     pub read_ratio: f64,
     /// Share of the tier's file pages still cached when the read pass began.
     pub resident_before_read: f64,
+    /// Rounds behind the medians, and the lowest and highest round's ratios.
+    pub rounds: usize,
+    pub write_ratio_range: (f64, f64),
+    pub read_ratio_range: (f64, f64),
 }
 
 #[derive(Debug, Serialize)]
@@ -91,16 +98,35 @@ pub async fn run(ctx: &Ctx) -> Result<DiskReport> {
                 Bytes::from(v)
             })
             .collect();
-        let dir = base.path().join(format!("tier-{}", bs >> 20));
-        let (gw, gr, resident) = tier_pass(&dir, bs, n, &pool).await?;
-        std::fs::remove_dir_all(&dir).ok();
-
-        let file = base.path().join("raw.dat");
-        let (rw, rr) = match fio {
-            Some(_) => (fio_pass(&file, "write", bs, total)?, fio_pass(&file, "read", bs, total)?),
-            None => fs_pass(&file, bs, n, &pool)?,
+        let rounds = if ctx.quick { 1 } else { ROUNDS };
+        // Per round: (tier write, tier read, resident, raw write, raw read), bytes/s.
+        let mut runs: Vec<[f64; 5]> = Vec::new();
+        for round in 0..rounds {
+            let mut tier = None;
+            let mut raw = None;
+            // Alternating who goes first, so neither always meets the disk fresh.
+            for tier_now in [round % 2 == 0, round % 2 != 0] {
+                if tier_now {
+                    let dir = base.path().join(format!("tier-{}", bs >> 20));
+                    tier = Some(tier_pass(&dir, bs, n, &pool).await?);
+                    std::fs::remove_dir_all(&dir).ok();
+                } else {
+                    let file = base.path().join("raw.dat");
+                    raw = Some(match fio {
+                        Some(_) => (fio_pass(&file, "write", bs, total)?, fio_pass(&file, "read", bs, total)?),
+                        None => fs_pass(&file, bs, n, &pool)?,
+                    });
+                    std::fs::remove_file(&file).ok();
+                }
+            }
+            let ((gw, gr, resident), (rw, rr)) = (tier.expect("tier pass ran"), raw.expect("raw pass ran"));
+            runs.push([gw, gr, resident, rw, rr]);
+        }
+        let med = |i: usize| median(runs.iter().map(|r| r[i]).collect());
+        let range = |f: &dyn Fn(&[f64; 5]) -> f64| {
+            runs.iter().map(f).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(x), hi.max(x)))
         };
-        std::fs::remove_file(&file).ok();
+        let (gw, gr, resident, rw, rr) = (med(0), med(1), med(2), med(3), med(4));
         let gb = |bytes_per_s: f64| bytes_per_s / 1e9;
         rows.push(DiskRow {
             block_bytes: bs,
@@ -112,9 +138,24 @@ pub async fn run(ctx: &Ctx) -> Result<DiskReport> {
             raw_read_gbps: gb(rr),
             read_ratio: gr / rr,
             resident_before_read: resident,
+            rounds,
+            write_ratio_range: range(&|r| r[0] / r[3]),
+            read_ratio_range: range(&|r| r[1] / r[4]),
         });
     }
     Ok(DiskReport { dir: base.path().to_path_buf(), anchor, rows })
+}
+
+/// Rounds per block size (one with `--quick`).
+const ROUNDS: usize = 3;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// Blocks in flight at once, as an engine saving or loading a prompt's
@@ -288,7 +329,7 @@ pub(in crate::bench) fn resident_share(files: &[PathBuf]) -> f64 {
 pub fn tables(r: &DiskReport) -> Vec<Table> {
     let mut t = Table::new(
         format!("disk: disk-tier write (until flush() fsynced) and cold read vs raw sequential I/O ({})", r.anchor),
-        &["block", "total", "op", "granary GB/s", "raw GB/s", "ratio", "cached at read"],
+        &["block", "total", "op", "rounds", "granary GB/s", "raw GB/s", "ratio", "ratio range", "cached at read"],
     );
     for row in &r.rows {
         let total = format!("{} MiB", row.total_bytes >> 20);
@@ -296,18 +337,22 @@ pub fn tables(r: &DiskReport) -> Vec<Table> {
             size_label(row.block_bytes),
             total.clone(),
             "write".into(),
+            row.rounds.to_string(),
             format!("{:.3}", row.granary_write_gbps),
             format!("{:.3}", row.raw_write_gbps),
             format!("{:.0}%", row.write_ratio * 100.0),
+            format!("{:.0}-{:.0}%", row.write_ratio_range.0 * 100.0, row.write_ratio_range.1 * 100.0),
             String::new(),
         ]);
         t.row(vec![
             size_label(row.block_bytes),
             total,
             "read".into(),
+            row.rounds.to_string(),
             format!("{:.3}", row.granary_read_gbps),
             format!("{:.3}", row.raw_read_gbps),
             format!("{:.0}%", row.read_ratio * 100.0),
+            format!("{:.0}-{:.0}%", row.read_ratio_range.0 * 100.0, row.read_ratio_range.1 * 100.0),
             format!("{:.1}%", row.resident_before_read * 100.0),
         ]);
     }
@@ -340,5 +385,12 @@ mod tests {
         let out = "note: both iodepth >= 1 and synchronous I/O engine are selected\n{\"jobs\":[{\"write\":{\"bw_bytes\":1130254551}}]}";
         assert_eq!(parse_fio(out, "write").unwrap(), 1_130_254_551.0);
         assert!(parse_fio(out, "read").is_err());
+    }
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(Vec::new()).is_nan());
     }
 }

@@ -7,7 +7,10 @@
 //! for 64 KiB, 1 MiB and 4 MiB values, and reads requests per second and
 //! p50/p99 latency from its CSV output. Each size runs three rounds per
 //! server, alternating which server goes first, and reports the median
-//! round (req/s, p50 and p99 each) with the spread of req/s.
+//! round (req/s, p50 and p99 each) with the spread of req/s. SET and GET
+//! are separate `redis-benchmark` runs, so that each has its own CPU
+//! figures: the client's share of a core (near 100 % the client, not the
+//! server, sets the pace) and the server's CPU time per request.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -28,6 +31,8 @@ const ROUNDS: usize = 3;
 /// Bytes of values the random keys of one run cover.
 const KEYSPACE_BYTES: u64 = 1 << 30;
 const GOAL_SIZE: u64 = 1 << 20;
+/// A client using this share of a core or more is what limits the rate.
+const CLIENT_BOUND: f64 = 0.95;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RespRow {
@@ -45,6 +50,10 @@ pub struct RespRow {
     pub rps_max: f64,
     /// Distinct keys the requests were spread over (`redis-benchmark -r`).
     pub keyspace: u64,
+    /// The client's CPU time over the run's wall time (1.0 = one core busy).
+    pub client_cpu: f64,
+    /// The server's CPU time (all its threads) per request, microseconds.
+    pub server_us_per_req: f64,
     /// granary / redis, on the granary row.
     pub rps_ratio: Option<f64>,
     pub p99_ratio: Option<f64>,
@@ -157,14 +166,14 @@ pub fn run(ctx: &Ctx) -> Result<RespReport> {
             for which in [redis_first, !redis_first] {
                 if which {
                     pb.set_message(format!("{} x{n} against redis, round {}", size_label(size), round + 1));
-                    let m = redis_benchmark(redis_port, size, n)
+                    let m = redis_benchmark(redis_port, redis.child.id(), size, n)
                         .with_context(|| format!("redis: {}", redis.stderr_tail()))?;
                     anchor_runs.push(m);
                     pb.inc(1);
                 } else if let Ok((proc, port)) = &granary {
                     pb.set_message(format!("{} x{n} against granary, round {}", size_label(size), round + 1));
-                    let m =
-                        redis_benchmark(*port, size, n).with_context(|| format!("granary: {}", proc.stderr_tail()))?;
+                    let m = redis_benchmark(*port, proc.child.id(), size, n)
+                        .with_context(|| format!("granary: {}", proc.stderr_tail()))?;
                     granary_runs.push(m);
                     pb.inc(1);
                 }
@@ -185,6 +194,8 @@ pub fn run(ctx: &Ctx) -> Result<RespReport> {
             rps_min: m.rps_min,
             rps_max: m.rps_max,
             keyspace: keyspace(size),
+            client_cpu: m.client_cpu,
+            server_us_per_req: m.server_us,
             rps_ratio: anchor.map(|a| m.rps / a.rps),
             p99_ratio: anchor.map(|a| m.p99 / a.p99),
         };
@@ -270,8 +281,18 @@ fn ping(addr: &str, within: Duration) -> Result<()> {
     bail!("no PONG within {} s (last: {last})", within.as_secs())
 }
 
-/// One test's result: (op, req/s, p50 ms, p99 ms).
-type Measured = (String, f64, f64, f64);
+/// One test's result.
+#[derive(Debug, Clone, PartialEq)]
+struct Measured {
+    op: String,
+    rps: f64,
+    p50: f64,
+    p99: f64,
+    /// Client CPU time / wall time.
+    client_cpu: f64,
+    /// Server CPU microseconds per request.
+    server_us: f64,
+}
 
 /// Distinct keys for values of `size`: about [`KEYSPACE_BYTES`] of them.
 fn keyspace(size: u64) -> u64 {
@@ -288,6 +309,8 @@ struct Summary {
     rounds: usize,
     rps_min: f64,
     rps_max: f64,
+    client_cpu: f64,
+    server_us: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -308,28 +331,60 @@ fn medians(runs: &[Vec<Measured>]) -> Vec<Summary> {
     let Some(first) = runs.first() else { return Vec::new() };
     first
         .iter()
-        .map(|(op, ..)| {
+        .map(|Measured { op, .. }| {
             let of = |f: fn(&Measured) -> f64| -> Vec<f64> {
-                runs.iter().filter_map(|r| r.iter().find(|m| &m.0 == op)).map(f).collect()
+                runs.iter().filter_map(|r| r.iter().find(|m| &m.op == op)).map(f).collect()
             };
-            let rps = of(|m| m.1);
+            let rps = of(|m| m.rps);
             Summary {
                 op: op.clone(),
                 rounds: rps.len(),
                 rps_min: rps.iter().copied().fold(f64::INFINITY, f64::min),
                 rps_max: rps.iter().copied().fold(f64::NEG_INFINITY, f64::max),
                 rps: median(rps),
-                p50: median(of(|m| m.2)),
-                p99: median(of(|m| m.3)),
+                p50: median(of(|m| m.p50)),
+                p99: median(of(|m| m.p99)),
+                client_cpu: median(of(|m| m.client_cpu)),
+                server_us: median(of(|m| m.server_us)),
             }
         })
         .collect()
 }
 
-/// One `redis-benchmark` run, a result per test.
-fn redis_benchmark(port: u16, size: u64, n: u64) -> Result<Vec<Measured>> {
+/// SET then GET, one `redis-benchmark` run each, against the server on
+/// `port` whose process is `server_pid`.
+fn redis_benchmark(port: u16, server_pid: u32, size: u64, n: u64) -> Result<Vec<Measured>> {
+    ["set", "get"].into_iter().map(|test| redis_benchmark_one(port, server_pid, test, size, n)).collect()
+}
+
+/// CPU time this process's waited-for children have used, in seconds.
+fn children_cpu_s() -> f64 {
+    // SAFETY: getrusage fills the zeroed struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) } != 0 {
+        return f64::NAN;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// CPU time (user + system, all threads) process `pid` has used, in seconds.
+fn process_cpu_s(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return f64::NAN };
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { return f64::NAN };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(f64::NAN);
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (ticks(11) + ticks(12)) / hz
+}
+
+/// One `redis-benchmark` run of one test, with its CPU figures.
+fn redis_benchmark_one(port: u16, server_pid: u32, test: &str, size: u64, n: u64) -> Result<Measured> {
+    let (client0, server0, t0) = (children_cpu_s(), process_cpu_s(server_pid), Instant::now());
     let mut child = Command::new("redis-benchmark")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-t", "set,get", "-d", &size.to_string()])
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-t", test, "-d", &size.to_string()])
         .args(["-c", &CLIENTS.to_string(), "-n", &n.to_string(), "-r", &keyspace(size).to_string(), "--csv"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -359,10 +414,15 @@ fn redis_benchmark(port: u16, size: u64, n: u64) -> Result<Vec<Measured>> {
     if let Some(mut e) = child.stderr.take() {
         let _ = e.read_to_string(&mut err);
     }
+    let (wall, server_cpu, client_cpu) =
+        (t0.elapsed().as_secs_f64(), process_cpu_s(server_pid) - server0, children_cpu_s() - client0);
     ensure!(status.success(), "redis-benchmark failed ({status}): {}{}", out.trim(), err.trim());
-    let rows = parse_csv(&out)?;
-    ensure!(rows.len() == 2, "redis-benchmark printed {} result rows, expected SET and GET:\n{out}", rows.len());
-    Ok(rows)
+    let mut rows = parse_csv(&out)?;
+    ensure!(rows.len() == 1, "redis-benchmark printed {} result rows, expected one for {test}:\n{out}", rows.len());
+    let mut m = rows.remove(0);
+    m.client_cpu = client_cpu / wall;
+    m.server_us = server_cpu * 1e6 / n as f64;
+    Ok(m)
 }
 
 fn parse_csv(out: &str) -> Result<Vec<Measured>> {
@@ -377,7 +437,14 @@ fn parse_csv(out: &str) -> Result<Vec<Measured>> {
             let num = |i: usize| -> Result<f64> {
                 f.get(i).context("short CSV row")?.parse::<f64>().with_context(|| format!("bad number in {l}"))
             };
-            Ok((f.get(test).context("short CSV row")?.clone(), num(rps)?, num(p50)?, num(p99)?))
+            Ok(Measured {
+                op: f.get(test).context("short CSV row")?.clone(),
+                rps: num(rps)?,
+                p50: num(p50)?,
+                p99: num(p99)?,
+                client_cpu: f64::NAN,
+                server_us: f64::NAN,
+            })
         })
         .collect()
 }
@@ -385,13 +452,26 @@ fn parse_csv(out: &str) -> Result<Vec<Measured>> {
 pub fn tables(r: &RespReport) -> Vec<Table> {
     let mut t = Table::new(
         format!(
-            "resp: redis-benchmark -t set,get -c {} -r <keys> against granary and {} (persistence off); medians of alternating rounds",
+            "resp: redis-benchmark -t set, then -t get, -c {} -r <keys> against granary and {} (persistence off); medians of alternating rounds",
             r.clients,
             r.redis_version.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
         ),
         &[
-            "size", "op", "server", "keys", "requests", "rounds", "req/s", "req/s range", "GB/s", "p50 ms", "p99 ms",
-            "req/s ratio", "p99 ratio",
+            "size",
+            "op",
+            "server",
+            "keys",
+            "requests",
+            "rounds",
+            "req/s",
+            "req/s range",
+            "GB/s",
+            "p50 ms",
+            "p99 ms",
+            "req/s ratio",
+            "p99 ratio",
+            "client CPU",
+            "server µs/req",
         ],
     );
     for row in &r.rows {
@@ -409,6 +489,8 @@ pub fn tables(r: &RespReport) -> Vec<Table> {
             format!("{:.3}", row.p99_ms),
             row.rps_ratio.map_or_else(|| "anchor".into(), |x| format!("{x:.2}x")),
             row.p99_ratio.map_or_else(|| "anchor".into(), |x| format!("{x:.2}x")),
+            format!("{:.0}%", row.client_cpu * 100.0),
+            format!("{:.0}", row.server_us_per_req),
         ]);
     }
     vec![t]
@@ -435,8 +517,17 @@ pub fn goals(r: &RespReport) -> Vec<Goal> {
                         goal,
                         ratio >= want && (!p99 || g.p99_ms <= a.p99_ms),
                         format!(
-                            "{:.0} vs {:.0} req/s ({ratio:.2}x), p99 {:.2} vs {:.2} ms",
-                            g.rps, a.rps, g.p99_ms, a.p99_ms
+                            "{:.0} vs {:.0} req/s ({ratio:.2}x), p99 {:.2} vs {:.2} ms; server CPU {:.0} vs {:.0} µs/req, \
+                             client CPU {:.0}% / {:.0}% of a core{}",
+                            g.rps,
+                            a.rps,
+                            g.p99_ms,
+                            a.p99_ms,
+                            g.server_us_per_req,
+                            a.server_us_per_req,
+                            g.client_cpu * 100.0,
+                            a.client_cpu * 100.0,
+                            if g.client_cpu.min(a.client_cpu) >= CLIENT_BOUND { " (client-bound)" } else { "" }
                         ),
                     )
                 }
@@ -457,20 +548,45 @@ mod tests {
                    \"GET\",\"1063.26\",\"6.977\",\"0.352\",\"6.239\",\"15.863\",\"18.863\",\"21.471\"\n";
         let rows = parse_csv(out).unwrap();
         assert_eq!(rows.len(), 2);
-        assert_eq!(rows[1], ("GET".to_string(), 1063.26, 6.239, 18.863));
+        assert_eq!((rows[1].op.as_str(), rows[1].rps, rows[1].p50, rows[1].p99), ("GET", 1063.26, 6.239, 18.863));
     }
 
     #[test]
     fn rounds_are_summarised_by_their_medians_and_spread() {
-        let run =
-            |rps: f64, p99: f64| vec![("SET".to_string(), rps / 2.0, 1.0, p99), ("GET".to_string(), rps, 0.5, p99)];
+        let m = |op: &str, rps: f64, p50: f64, p99: f64| Measured {
+            op: op.to_string(),
+            rps,
+            p50,
+            p99,
+            client_cpu: rps / 400.0,
+            server_us: 1e6 / rps,
+        };
+        let run = |rps: f64, p99: f64| vec![m("SET", rps / 2.0, 1.0, p99), m("GET", rps, 0.5, p99)];
         let s = medians(&[run(100.0, 9.0), run(300.0, 3.0), run(200.0, 5.0)]);
         assert_eq!(s.len(), 2);
         let get = &s[1];
         assert_eq!((get.op.as_str(), get.rps, get.p99, get.rounds), ("GET", 200.0, 5.0, 3));
         assert_eq!((get.rps_min, get.rps_max), (100.0, 300.0));
+        assert_eq!((get.client_cpu, get.server_us), (0.5, 5000.0));
         assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
         assert_eq!(keyspace(1 << 20), 1024);
         assert_eq!(keyspace(1), 100_000);
+    }
+
+    #[test]
+    fn cpu_time_of_this_process_and_of_waited_children_is_read() {
+        let me = std::process::id();
+        let before = process_cpu_s(me);
+        let t = Instant::now();
+        let mut x = 0u64;
+        while t.elapsed() < Duration::from_millis(200) {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(1));
+        }
+        let used = process_cpu_s(me) - before;
+        assert!(used >= 0.1, "200 ms of spinning counted as {used} s");
+        let c0 = children_cpu_s();
+        let st = Command::new("sh").args(["-c", "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done"]).status().unwrap();
+        assert!(st.success());
+        assert!(children_cpu_s() > c0, "a waited-for child's CPU time was not counted");
     }
 }
