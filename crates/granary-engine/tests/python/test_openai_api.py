@@ -485,6 +485,22 @@ def check_tool_call_round_trip():
     print(f"    answer: {c2.message.content!r}")
 
 
+def check_an_earlier_answer_goes_back_as_it_came():
+    """The whole `message` of an answer (nulls included) is accepted as a turn."""
+    r = chat(max_tokens=12)
+    turn = r.choices[0].message.model_dump()
+    assert "refusal" in turn and "function_call" in turn, turn
+    messages = QUESTION + [turn, {"role": "user", "content": "Now one more."}]
+    r2 = chat(messages=messages, max_tokens=12)
+    assert r2.choices[0].message.content, r2
+    try:
+        chat(messages=QUESTION + [dict(turn, reasoning_content="hidden")], max_tokens=4)
+    except openai.BadRequestError as e:
+        assert e.param == "messages[2].reasoning_content", e.param
+    else:
+        raise AssertionError("an unknown message field was accepted and ignored")
+
+
 def check_tool_call_streamed():
     import json
 
@@ -544,6 +560,7 @@ CHECKS = [
     check_guided_choice,
     check_tool_call_round_trip,
     check_tool_call_streamed,
+    check_an_earlier_answer_goes_back_as_it_came,
 ]
 
 

@@ -10,7 +10,11 @@ use serde::Deserialize;
 
 use super::super::error::ApiError;
 
+/// One message. A field not named here is refused (`unknown_parameter`);
+/// the fields OpenAI's answers carry are named, so that a client can send
+/// an earlier answer's message back as it came.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct Message {
     pub role: Role,
     /// Optional only for `assistant` messages.
@@ -24,6 +28,20 @@ pub(crate) struct Message {
     pub tool_call_id: Option<String>,
     #[serde(default)]
     pub name: Option<String>,
+    /// An earlier assistant turn's refusal (null unless the model refused):
+    /// the turn's text when it has no content.
+    #[serde(default)]
+    pub refusal: Option<String>,
+    /// An earlier answer's citations: nothing the model reads.
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub annotations: Option<serde_json::Value>,
+    /// An earlier answer's audio: refused unless null.
+    #[serde(default)]
+    pub audio: Option<serde_json::Value>,
+    /// The deprecated single function call: refused unless null.
+    #[serde(default)]
+    pub function_call: Option<serde_json::Value>,
 }
 
 /// One tool call of an earlier assistant turn.
@@ -112,6 +130,26 @@ impl<'de> Deserialize<'de> for Content {
 /// Message `i` as the chat template sees it.
 pub(crate) fn chat_message(i: usize, mut m: Message) -> Result<ChatMessage, ApiError> {
     let role = m.role.template_role().to_string();
+    for (set, field, why) in [
+        (m.audio.as_ref().is_some_and(|a| !a.is_null()), "audio", "audio is neither read nor produced"),
+        (
+            m.function_call.as_ref().is_some_and(|f| !f.is_null()),
+            "function_call",
+            "the deprecated `function_call` is not supported; send `tool_calls`",
+        ),
+    ] {
+        if set {
+            let param = format!("messages[{i}].{field}");
+            return Err(ApiError::invalid(
+                &param,
+                "unsupported_parameter",
+                format!("`{param}` is not supported by this server: {why}."),
+            ));
+        }
+    }
+    if m.content.is_none() && m.role == Role::Assistant {
+        m.content = m.refusal.take().map(Content::Text);
+    }
     let calls = m.tool_calls.take();
     let (tool_call_id, name) = (m.tool_call_id.take(), m.name.take());
     if m.role == Role::Tool && tool_call_id.is_none() {

@@ -313,3 +313,31 @@ fn a_field_this_server_does_not_know_is_refused_by_name() {
     let e = completion(json!({"model": "m", "prompt": "a", "ignore_eos": true})).unwrap_err();
     assert_eq!((e.param.as_deref(), e.code), (Some("ignore_eos"), Some("unknown_parameter")));
 }
+
+#[test]
+fn an_earlier_answers_message_goes_back_as_it_came_and_unknown_message_fields_are_refused() {
+    // The shape of `choices[0].message` in an OpenAI answer, sent back.
+    let echoed = json!({"role": "assistant", "content": "Paris.", "refusal": null, "annotations": [],
+                        "audio": null, "function_call": null, "tool_calls": null});
+    let v = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}, echoed]})).unwrap();
+    let Input::Chat(msgs) = &v.input else { panic!() };
+    assert_eq!((msgs[1].role.as_str(), msgs[1].content.as_str()), ("assistant", "Paris."));
+
+    // A refusal with no content is the turn's text.
+    let refused = json!({"role": "assistant", "content": null, "refusal": "I can't help with that."});
+    let v = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}, refused]})).unwrap();
+    let Input::Chat(msgs) = &v.input else { panic!() };
+    assert_eq!(msgs[1].content, "I can't help with that.");
+
+    for (field, value, code) in [
+        ("reasoning_content", json!("thinking"), "unknown_parameter"),
+        ("audio", json!({"id": "audio_1"}), "unsupported_parameter"),
+        ("function_call", json!({"name": "f", "arguments": "{}"}), "unsupported_parameter"),
+    ] {
+        let mut m = json!({"role": "assistant", "content": "x"});
+        m[field] = value;
+        let e = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}, m]})).unwrap_err();
+        let param = format!("messages[1].{field}");
+        assert_eq!((e.param.as_deref(), e.code), (Some(param.as_str()), Some(code)), "{}", e.message);
+    }
+}
