@@ -130,23 +130,16 @@ impl<'de> Deserialize<'de> for Content {
 /// Message `i` as the chat template sees it.
 pub(crate) fn chat_message(i: usize, mut m: Message) -> Result<ChatMessage, ApiError> {
     let role = m.role.template_role().to_string();
-    for (set, field, why) in [
-        (m.audio.as_ref().is_some_and(|a| !a.is_null()), "audio", "audio is neither read nor produced"),
-        (
-            m.function_call.as_ref().is_some_and(|f| !f.is_null()),
-            "function_call",
-            "the deprecated `function_call` is not supported; send `tool_calls`",
-        ),
-    ] {
-        if set {
-            let param = format!("messages[{i}].{field}");
-            return Err(ApiError::invalid(
-                &param,
-                "unsupported_parameter",
-                format!("`{param}` is not supported by this server: {why}."),
-            ));
-        }
-    }
+    super::refuse_if(
+        m.audio.as_ref().is_some_and(|a| !a.is_null()),
+        &format!("messages[{i}].audio"),
+        "audio is neither read nor produced.",
+    )?;
+    super::refuse_if(
+        m.function_call.as_ref().is_some_and(|f| !f.is_null()),
+        &format!("messages[{i}].function_call"),
+        "the deprecated `function_call` is not supported; send `tool_calls`.",
+    )?;
     if m.content.is_none() && m.role == Role::Assistant {
         m.content = m.refusal.take().map(Content::Text);
     }
