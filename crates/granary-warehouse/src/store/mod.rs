@@ -41,7 +41,8 @@ use tokio::sync::broadcast;
 use crate::config::{OffloadMode, StoreConfig};
 use crate::error::{Result, WarehouseError};
 use crate::offload::{Action, Latest, Lower, Outcome};
-use crate::tier::memory::{cut_page, MemoryTier};
+use crate::tier::keys::merge_pages;
+use crate::tier::memory::MemoryTier;
 use crate::tier::{Tier, TierKind};
 pub use crate::types::MAX_NAMESPACE;
 use crate::types::{now_ms, Condition, EntryMeta, Event, EventKind, Evicted, PutOptions, ScanPage, TierStats, Ttl};
@@ -646,20 +647,7 @@ impl Store {
         if let Some(d) = &self.inner.disk {
             pages.push(d.tier.scan(ns, cursor, count).await?);
         }
-        // Keys below `bound` are complete in every page.
-        let bound = pages.iter().map(|p| p.next).filter(|&n| n != 0).min();
-        let mut cand: Vec<(u64, Bytes)> = pages
-            .into_iter()
-            .flat_map(|p| p.keys)
-            .map(|k| (crate::types::scan_hash(&k), k))
-            .filter(|(h, _)| bound.is_none_or(|b| *h < b))
-            .collect();
-        cand.sort();
-        let mut page = cut_page(cand, count);
-        if page.next == 0 {
-            page.next = bound.unwrap_or(0);
-        }
-        Ok(page)
+        Ok(merge_pages(pages, count))
     }
 
     /// Number of distinct keys held locally in `ns`.

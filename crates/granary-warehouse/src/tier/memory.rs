@@ -16,18 +16,18 @@
 //! are taken only when it has nothing left to give, which cannot happen
 //! while the quotas add up to no more than the budget).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
+use super::keys::{merge_pages, Entry, KeyIndex};
 use super::{EventSink, Tier, TierEvents, TierKind};
 use crate::error::Result;
-use crate::policy::{EntryId, Policy, PolicyKind};
-use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
+use crate::policy::{EntryId, PolicyKind};
+use crate::types::{now_ms, EntryMeta, Evicted, ScanPage, Stored, TierStats};
 
 /// Maps keyed by client-chosen bytes: a fast hasher with a random seed per
 /// map, so crafted keys cannot force collisions.
@@ -37,34 +37,16 @@ type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState
 const MIN_SHARD_BUDGET: u64 = 64 << 20;
 const MAX_SHARDS: usize = 16;
 
-struct Slot {
-    id: EntryId,
+/// What a shard keeps beside its index entry.
+struct Held {
     /// The store's version of the write (see [`Evicted::seq`]).
     seq: u64,
     value: Bytes,
-    meta: EntryMeta,
-    hits: u32,
-    pins: u32,
-}
-
-#[derive(Default)]
-struct Namespace {
-    /// Bytes of this namespace's entries in this shard (as the budget counts them).
-    bytes: u64,
-    map: HashMap<Bytes, Slot>,
-    /// Scan order: (scan hash, key).
-    order: BTreeSet<(u64, Bytes)>,
 }
 
 struct Shard {
     budget: u64,
-    bytes: u64,
-    next_id: EntryId,
-    spaces: HashMap<Arc<str>, Namespace>,
-    by_id: HashMap<EntryId, (Arc<str>, Bytes)>,
-    /// (expires_at_ms, id) of entries with a TTL.
-    expiry: BTreeMap<(u64, EntryId), ()>,
-    policy: Box<dyn Policy>,
+    index: KeyIndex<Held>,
     // Counted under the shard's lock: no shared cache line on the read path.
     hits: u64,
     misses: u64,
@@ -112,12 +94,7 @@ impl MemoryTier {
             .map(|_| {
                 Mutex::new(Shard {
                     budget: per,
-                    bytes: 0,
-                    next_id: 1,
-                    spaces: HashMap::default(),
-                    by_id: HashMap::default(),
-                    expiry: BTreeMap::new(),
-                    policy: policy.build(per),
+                    index: KeyIndex::new(policy.build(per)),
                     hits: 0,
                     misses: 0,
                     evictions: 0,
@@ -157,10 +134,9 @@ impl MemoryTier {
     pub fn namespace_usage(&self, ns: &str) -> (u64, u64) {
         let (mut bytes, mut entries) = (0, 0);
         for s in self.shards.iter() {
-            if let Some(n) = s.lock().spaces.get(ns) {
-                bytes += n.bytes;
-                entries += n.map.len() as u64;
-            }
+            let (b, e) = s.lock().index.usage(ns);
+            bytes += b;
+            entries += e;
         }
         (bytes, entries)
     }
@@ -193,8 +169,7 @@ impl MemoryTier {
         keys.iter()
             .take_while(|k| {
                 let k = k.as_ref();
-                let s = self.shard_in(seed, k).lock();
-                s.spaces.get(ns).and_then(|n| n.map.get(k)).is_some_and(|slot| !slot.meta.is_expired(now))
+                self.shard_in(seed, k).lock().index.is_live(ns, k, now)
             })
             .count()
     }
@@ -213,20 +188,20 @@ impl MemoryTier {
     pub fn get_versioned(&self, ns: &str, key: &[u8]) -> Option<(Stored, u64)> {
         let now = now_ms();
         let mut s = self.shard(ns, key).lock();
-        let expired = match s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) {
+        let expired = match s.index.get_mut(ns, key) {
             None => {
                 s.misses += 1;
                 return None;
             }
-            Some(slot) if !slot.meta.is_expired(now) => {
-                slot.hits = slot.hits.saturating_add(1);
-                let out = (Stored { value: slot.value.clone(), meta: slot.meta, hits: slot.hits }, slot.seq);
-                let id = slot.id;
-                s.policy.access(id);
+            Some(e) if !e.meta.is_expired(now) => {
+                e.hits = e.hits.saturating_add(1);
+                let out = (Stored { value: e.payload.value.clone(), meta: e.meta, hits: e.hits }, e.payload.seq);
+                let id = e.id;
+                s.index.access(id);
                 s.hits += 1;
                 return Some(out);
             }
-            Some(slot) => slot.pins == 0,
+            Some(e) => e.pins == 0,
         };
         if expired {
             self.remove_locked(&mut s, ns, key);
@@ -240,8 +215,7 @@ impl MemoryTier {
     /// Whether a live entry exists (no counting, no I/O).
     pub fn contains_sync(&self, ns: &str, key: &[u8]) -> bool {
         let now = now_ms();
-        let s = self.shard(ns, key).lock();
-        s.spaces.get(ns).and_then(|n| n.map.get(key)).is_some_and(|slot| !slot.meta.is_expired(now))
+        self.shard(ns, key).lock().index.is_live(ns, key, now)
     }
 
     /// Stores a value without an await.
@@ -260,7 +234,7 @@ impl MemoryTier {
         let quota = self.quota(ns);
         if (self.capacity != 0 && size > self.capacity) || quota.is_some_and(|q| size > q.limit) {
             // Too big for this tier: replace nothing, hand it straight back.
-            if self.remove_locked(&mut s, ns, &key) {
+            if self.remove_locked(&mut s, ns, &key).is_some() {
                 self.events.removed(ns, &key);
             }
             return vec![Evicted { namespace: ns.to_string(), key, value: Some(value), meta, seq }];
@@ -270,7 +244,7 @@ impl MemoryTier {
         // A namespace with a quota makes room from its own entries; when the
         // shard has none left, the passes below take it from other shards.
         let own = quota.map(|_| ns);
-        while s.budget != 0 && s.bytes + size > s.budget {
+        while s.budget != 0 && s.index.bytes() + size > s.budget {
             let Some(v) = self.evict_one(&mut s, None, own) else { break };
             evicted.push(v);
         }
@@ -316,12 +290,10 @@ impl MemoryTier {
         }
         // Everything else is pinned: refuse the new value.
         let mut s = self.shards[home].lock();
-        let same = s.spaces.get(ns).and_then(|n| n.map.get(&key[..])).is_some_and(|slot| slot.id == id);
-        if same {
-            if let Some(slot) = self.take_locked(&mut s, ns, &key) {
-                s.policy.remove(slot.id);
+        if s.index.get(ns, &key).is_some_and(|e| e.id == id) {
+            if let Some(e) = self.remove_locked(&mut s, ns, &key) {
                 self.events.removed(ns, &key);
-                evicted.push(Evicted { namespace: ns.to_string(), key, value: Some(slot.value), meta, seq });
+                evicted.push(Evicted { namespace: ns.to_string(), key, value: Some(e.payload.value), meta, seq });
             }
         }
         evicted
@@ -338,27 +310,11 @@ impl MemoryTier {
         seq: u64,
         size: u64,
     ) -> EntryId {
-        let id = s.next_id;
-        s.next_id += 1;
-        let ns_arc: Arc<str> = match s.spaces.get_key_value(ns) {
-            Some((k, _)) => k.clone(),
-            None => Arc::from(ns),
-        };
-        let fp = scan_hash(&key) ^ xxhash_rust::xxh3::xxh3_64(ns.as_bytes());
-        s.policy.insert(id, fp, size, meta.depth);
-        if let Some(t) = meta.expires_at_ms {
-            s.expiry.insert((t, id), ());
-        }
-        s.by_id.insert(id, (ns_arc.clone(), key.clone()));
-        let space = s.spaces.entry(ns_arc).or_default();
-        space.order.insert((scan_hash(&key), key.clone()));
-        space.bytes += size;
         self.events.stored(ns, &key);
-        space.map.insert(key, Slot { id, seq, value, meta, hits: 0, pins: 0 });
+        let id = s.index.insert(ns, key, size, meta, Held { seq, value });
         if let Some(q) = self.quota(ns) {
             q.used.fetch_add(size, Relaxed);
         }
-        s.bytes += size;
         self.c.bytes.fetch_add(size, Relaxed);
         self.c.entries.fetch_add(1, Relaxed);
         id
@@ -367,7 +323,7 @@ impl MemoryTier {
     /// Removes a key; whether it was there.
     pub fn remove_sync(&self, ns: &str, key: &[u8]) -> bool {
         let mut s = self.shard(ns, key).lock();
-        let found = self.remove_locked(&mut s, ns, key);
+        let found = self.remove_locked(&mut s, ns, key).is_some();
         if found {
             self.events.removed(ns, key);
         }
@@ -379,80 +335,41 @@ impl MemoryTier {
     pub fn set_expiry_versioned(&self, ns: &str, key: &[u8], expires_at_ms: Option<u64>, seq: Option<u64>) -> bool {
         let now = now_ms();
         let mut s = self.shard(ns, key).lock();
-        let Some(slot) = s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) else { return false };
-        if slot.meta.is_expired(now) {
+        let Some(e) = s.index.get_mut(ns, key) else { return false };
+        if e.meta.is_expired(now) {
             return false;
         }
-        let (id, old) = (slot.id, slot.meta.expires_at_ms);
-        slot.meta.expires_at_ms = expires_at_ms;
         if let Some(seq) = seq {
-            slot.seq = seq;
+            e.payload.seq = seq;
         }
-        if let Some(t) = old {
-            s.expiry.remove(&(t, id));
-        }
-        if let Some(t) = expires_at_ms {
-            s.expiry.insert((t, id), ());
-        }
-        true
+        let (size, meta) = (e.size, EntryMeta { expires_at_ms, ..e.meta });
+        s.index.update(ns, key, size, meta)
     }
 
     /// Evicts one unpinned entry of the shard other than `skip`, of
     /// namespace `only` if given.
     fn evict_one(&self, s: &mut Shard, skip: Option<EntryId>, only: Option<&str>) -> Option<Evicted> {
-        let Shard { policy, by_id, spaces, .. } = s;
-        if only.is_some_and(|ns| !spaces.contains_key(ns)) {
-            return None;
-        }
-        let victim = policy.evict(&mut |id| {
-            if Some(id) == skip {
-                return false;
-            }
-            let Some((ns, key)) = by_id.get(&id) else { return only.is_none() };
-            if only.is_some_and(|o| **ns != *o) {
-                return false;
-            }
-            spaces.get(&**ns).and_then(|n| n.map.get(key)).is_none_or(|slot| slot.pins == 0)
-        })?;
-        let (ns, key) = s.by_id.get(&victim).cloned()?;
-        let slot = self.take_locked(s, &ns, &key)?;
+        let (ns, key, e) = s.index.evict_one(only, skip)?;
+        self.unaccount(&ns, e.size);
         s.evictions += 1;
         self.events.removed(&ns, &key);
-        Some(Evicted { namespace: ns.to_string(), key, value: Some(slot.value), meta: slot.meta, seq: slot.seq })
+        Some(Evicted { namespace: ns.to_string(), key, value: Some(e.payload.value), meta: e.meta, seq: e.payload.seq })
     }
 
-    /// Removes an entry with the shard locked, policy included.
-    fn remove_locked(&self, s: &mut Shard, ns: &str, key: &[u8]) -> bool {
-        match self.take_locked(s, ns, key) {
-            Some(slot) => {
-                s.policy.remove(slot.id);
-                true
-            }
-            None => false,
-        }
+    /// Removes an entry with the shard locked.
+    fn remove_locked(&self, s: &mut Shard, ns: &str, key: &[u8]) -> Option<Entry<Held>> {
+        let e = s.index.remove(ns, key)?;
+        self.unaccount(ns, e.size);
+        Some(e)
     }
 
-    /// Unlinks an entry from the maps and counters (not from the policy).
-    fn take_locked(&self, s: &mut Shard, ns: &str, key: &[u8]) -> Option<Slot> {
-        let space = s.spaces.get_mut(ns)?;
-        let (k, slot) = space.map.remove_entry(key)?;
-        space.order.remove(&(scan_hash(&k), k.clone()));
-        let size = entry_size(&k, &slot.value);
-        space.bytes -= size;
-        if space.map.is_empty() {
-            s.spaces.remove(ns);
-        }
+    /// Takes a removed entry's bytes off the tier's and its namespace's counts.
+    fn unaccount(&self, ns: &str, size: u64) {
         if let Some(q) = self.quota(ns) {
             q.used.fetch_sub(size, Relaxed);
         }
-        s.by_id.remove(&slot.id);
-        if let Some(t) = slot.meta.expires_at_ms {
-            s.expiry.remove(&(t, slot.id));
-        }
-        s.bytes -= size;
         self.c.bytes.fetch_sub(size, Relaxed);
         self.c.entries.fetch_sub(1, Relaxed);
-        Some(slot)
     }
 }
 
@@ -491,9 +408,8 @@ impl Tier for MemoryTier {
         let mut n = 0;
         for shard in self.shards.iter() {
             let mut s = shard.lock();
-            let keys: Vec<Bytes> = s.spaces.get(ns).map(|sp| sp.map.keys().cloned().collect()).unwrap_or_default();
-            for k in keys {
-                if self.remove_locked(&mut s, ns, &k) {
+            for k in s.index.keys(ns) {
+                if self.remove_locked(&mut s, ns, &k).is_some() {
                     n += 1;
                     self.events.removed(ns, &k);
                 }
@@ -509,41 +425,28 @@ impl Tier for MemoryTier {
     async fn meta(&self, ns: &str, key: &[u8]) -> Result<Option<EntryMeta>> {
         let now = now_ms();
         let s = self.shard(ns, key).lock();
-        Ok(s.spaces.get(ns).and_then(|n| n.map.get(key)).map(|slot| slot.meta).filter(|m| !m.is_expired(now)))
+        Ok(s.index.get(ns, key).map(|e| e.meta).filter(|m| !m.is_expired(now)))
     }
 
     async fn scan(&self, ns: &str, cursor: u64, count: usize) -> Result<ScanPage> {
-        let count = count.max(1);
         let now = now_ms();
-        // Take up to count+1 candidates from every shard, merge, cut.
-        let mut cand: Vec<(u64, Bytes)> = Vec::new();
-        for shard in self.shards.iter() {
-            let s = shard.lock();
-            if let Some(space) = s.spaces.get(ns) {
-                for (h, k) in space.order.range((cursor, Bytes::new())..).take(count + 1) {
-                    if space.map.get(k).is_some_and(|slot| !slot.meta.is_expired(now)) {
-                        cand.push((*h, k.clone()));
-                    }
-                }
-            }
-        }
-        cand.sort();
-        Ok(cut_page(cand, count))
+        // A page from every shard, each complete up to its own cursor.
+        Ok(merge_pages(self.shards.iter().map(|s| s.lock().index.scan(ns, cursor, count, now)), count))
     }
 
     async fn namespaces(&self) -> Result<Vec<String>> {
         let mut out = BTreeSet::new();
         for shard in self.shards.iter() {
-            out.extend(shard.lock().spaces.keys().map(|k| k.to_string()));
+            out.extend(shard.lock().index.namespaces().map(str::to_string));
         }
         Ok(out.into_iter().collect())
     }
 
     fn pin(&self, ns: &str, key: &[u8]) -> bool {
         let mut s = self.shard(ns, key).lock();
-        match s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) {
-            Some(slot) => {
-                slot.pins += 1;
+        match s.index.get_mut(ns, key) {
+            Some(e) => {
+                e.pins += 1;
                 true
             }
             None => false,
@@ -552,8 +455,8 @@ impl Tier for MemoryTier {
 
     fn unpin(&self, ns: &str, key: &[u8]) {
         let mut s = self.shard(ns, key).lock();
-        if let Some(slot) = s.spaces.get_mut(ns).and_then(|n| n.map.get_mut(key)) {
-            slot.pins = slot.pins.saturating_sub(1);
+        if let Some(e) = s.index.get_mut(ns, key) {
+            e.pins = e.pins.saturating_sub(1);
         }
     }
 
@@ -562,17 +465,11 @@ impl Tier for MemoryTier {
         let mut n = 0u64;
         for shard in self.shards.iter() {
             let mut s = shard.lock();
-            let due: Vec<EntryId> =
-                s.expiry.range(..(now + 1, 0)).map(|((_, id), _)| *id).take(limit.saturating_sub(n as usize)).collect();
-            for id in due {
-                if let Some((ns, key)) = s.by_id.get(&id).cloned() {
-                    let pinned = s.spaces.get(&*ns).and_then(|sp| sp.map.get(&key)).is_some_and(|sl| sl.pins > 0);
-                    if !pinned && self.remove_locked(&mut s, &ns, &key) {
-                        n += 1;
-                        s.expirations += 1;
-                        self.events.removed(&ns, &key);
-                    }
-                }
+            for (ns, key, e) in s.index.remove_expired(now, limit.saturating_sub(n as usize)) {
+                self.unaccount(&ns, e.size);
+                n += 1;
+                s.expirations += 1;
+                self.events.removed(&ns, &key);
             }
         }
         Ok(n)
@@ -607,22 +504,6 @@ fn ns_seed(ns: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(ns.as_bytes())
 }
 
-/// Cuts a sorted candidate list to a page of about `count` keys without
-/// splitting keys that share a scan hash (a cursor could not resume between them).
-pub(crate) fn cut_page(mut cand: Vec<(u64, Bytes)>, count: usize) -> ScanPage {
-    cand.dedup();
-    if cand.len() <= count {
-        return ScanPage { keys: cand.into_iter().map(|(_, k)| k).collect(), next: 0 };
-    }
-    let mut end = count;
-    while end < cand.len() && cand[end].0 == cand[end - 1].0 {
-        end += 1;
-    }
-    let next = cand.get(end).map(|(h, _)| *h).unwrap_or(0);
-    cand.truncate(end);
-    ScanPage { keys: cand.into_iter().map(|(_, k)| k).collect(), next }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -633,6 +514,37 @@ mod tests {
         assert_eq!(MemoryTier::new(128 << 20, PolicyKind::Lru).shards.len(), 2);
         assert_eq!(MemoryTier::new(1 << 30, PolicyKind::Lru).shards.len(), 16);
         assert_eq!(MemoryTier::new(0, PolicyKind::Lru).shards.len(), 16);
+    }
+
+    #[tokio::test]
+    async fn scan_finds_every_live_key_behind_runs_of_expired_ones() {
+        // 16 shards; nine keys in ten have expired, so most shards begin
+        // their part of a page with a run of expired keys.
+        let t = MemoryTier::new(0, PolicyKind::Lru);
+        let past = EntryMeta { expires_at_ms: Some(1), ..EntryMeta::default() };
+        let mut live = Vec::new();
+        for i in 0..2000 {
+            let key = Bytes::from(format!("key-{i}"));
+            let meta = if i % 10 == 0 { EntryMeta::default() } else { past };
+            t.put_sync("n", key.clone(), Bytes::from_static(b"v"), meta);
+            if i % 10 == 0 {
+                live.push(key);
+            }
+        }
+        let (mut seen, mut cursor) = (Vec::new(), 0);
+        loop {
+            let page = t.scan("n", cursor, 5).await.unwrap();
+            assert!(page.keys.len() <= 6, "a page of 5 came back with {}", page.keys.len());
+            seen.extend(page.keys);
+            if page.next == 0 {
+                break;
+            }
+            cursor = page.next;
+        }
+        seen.sort();
+        live.sort();
+        assert_eq!(seen.len(), live.len(), "SCAN lost or repeated keys");
+        assert_eq!(seen, live);
     }
 
     #[test]

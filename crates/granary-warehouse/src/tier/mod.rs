@@ -20,6 +20,7 @@ use crate::types::{EntryMeta, EventKind, Evicted, ScanPage, Stored, TierStats};
 
 pub mod at_rest;
 pub mod disk;
+pub(crate) mod keys;
 pub mod memory;
 pub mod remote;
 

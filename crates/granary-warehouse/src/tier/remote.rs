@@ -52,7 +52,7 @@ use super::{EventSink, Tier, TierEvents, TierKind};
 use crate::config::RemoteConfig;
 use crate::error::{Result, WarehouseError};
 use crate::tier::at_rest::{value_offset, AlignedBuf, AtRest, Corrupt, Record, RecordHead, MAX_HEAD, PREAMBLE};
-use crate::tier::memory::cut_page;
+use crate::tier::keys::cut_page;
 use crate::types::{now_ms, scan_hash, EntryMeta, Evicted, ScanPage, Stored, TierStats};
 
 /// Heads read in parallel by `scan`.

@@ -59,16 +59,15 @@
 //! everything unsynced at a simulated power cut, and fails when any of
 //! these syncs is removed.
 //!
-//! Beside this file, by idea: the in-memory index (`index.rs`), file
-//! helpers (`files.rs`), recovery on open (`recover.rs`) and flushing
-//! (`sync.rs`).
+//! The files are indexed in memory by the key index the memory tier uses
+//! too (`tier/keys.rs`). Beside this file, by idea: file helpers
+//! (`files.rs`), recovery on open (`recover.rs`) and flushing (`sync.rs`).
 
 mod files;
-mod index;
 mod recover;
 mod sync;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -84,10 +83,9 @@ use crate::config::DiskConfig;
 use crate::error::{Result, WarehouseError};
 use crate::policy::{EntryId, PolicyKind};
 use crate::tier::at_rest::{value_offset, AtRest};
-use crate::tier::memory::cut_page;
+use crate::tier::keys::{KeyIndex, Removed};
 use crate::types::{now_ms, EntryMeta, Evicted, ScanPage, Stored, TierStats};
 use files::{entry_name, read_whole, remove_quiet, write_new};
-use index::{Index, Slot};
 use sync::Dirty;
 #[cfg(test)]
 use sync::SyncHook;
@@ -115,7 +113,8 @@ struct Shared {
     /// Byte quotas of namespaces (see [`open_disk_with_quotas`]).
     quotas: HashMap<String, u64>,
     policy: PolicyKind,
-    index: Mutex<Index>,
+    /// The files held, by key (the entries' payload is the file itself).
+    index: Mutex<KeyIndex<()>>,
     dirty: Mutex<Dirty>,
     /// Held while a flush syncs (see the module docs).
     syncing: Mutex<()>,
@@ -172,14 +171,7 @@ pub async fn open_disk_with_quotas(
         capacity,
         quotas: quotas.into_iter().filter(|(_, l)| *l != 0).collect(),
         policy: cfg.policy,
-        index: Mutex::new(Index {
-            bytes: 0,
-            next_id: 1,
-            spaces: HashMap::new(),
-            by_id: HashMap::new(),
-            expiry: BTreeSet::new(),
-            policy: cfg.policy.build(capacity),
-        }),
+        index: Mutex::new(KeyIndex::new(cfg.policy.build(capacity))),
         dirty: Mutex::new(Dirty::default()),
         syncing: Mutex::new(()),
         renames: RwLock::new(()),
@@ -248,10 +240,10 @@ impl Shared {
 
     /// Turns files set aside by eviction into [`Evicted`] (reading small
     /// values back) and unlinks them.
-    fn reap(&self, victims: Vec<(Arc<str>, Bytes, Slot, Option<PathBuf>)>) -> Vec<Evicted> {
+    fn reap(&self, victims: Vec<(Removed<()>, Option<PathBuf>)>) -> Vec<Evicted> {
         victims
             .into_iter()
-            .map(|(ns, key, slot, aside)| {
+            .map(|((ns, key, slot), aside)| {
                 let mut value = None;
                 if let Some(p) = aside {
                     if slot.size <= READBACK_MAX {
@@ -311,22 +303,22 @@ impl Shared {
         let mut fits = true;
         let own = quota.map(|_| ns);
         loop {
-            let over_quota = quota.is_some_and(|q| ix.space_bytes(ns) + size > q);
-            let over_total = self.capacity != 0 && ix.bytes + size > self.capacity;
+            let over_quota = quota.is_some_and(|q| ix.usage(ns).0 + size > q);
+            let over_total = self.capacity != 0 && ix.bytes() + size > self.capacity;
             if !over_quota && !over_total {
                 break;
             }
             // Over its quota a namespace gives up its own files only; over
             // the capacity too, before anyone else's.
-            let victim = match ix.evict_one(own) {
-                None if !over_quota => ix.evict_one(None),
+            let victim = match ix.evict_one(own, None) {
+                None if !over_quota => ix.evict_one(None, None),
                 v => v,
             };
             match victim {
                 Some((vns, vkey, slot)) => {
                     let aside = self.set_aside(&vns, &vkey);
                     self.events.removed(&vns, &vkey);
-                    victims.push((vns, vkey, slot, aside));
+                    victims.push(((vns, vkey, slot), aside));
                 }
                 None => {
                     fits = false;
@@ -358,7 +350,7 @@ impl Shared {
             return Err(io_err(e));
         }
         self.events.stored(ns, &key);
-        ix.insert(ns, key, size, meta);
+        ix.insert(ns, key, size, meta, ());
         drop(ix);
         {
             let mut d = self.dirty.lock();
@@ -374,7 +366,7 @@ impl Shared {
     /// names the same write (`id`).
     fn drop_corrupt(&self, ns: &str, key: &[u8], id: EntryId, reason: &dyn std::fmt::Display) {
         let mut ix = self.index.lock();
-        if ix.slot(ns, key).is_some_and(|s| s.id == id) {
+        if ix.get(ns, key).is_some_and(|s| s.id == id) {
             ix.remove(ns, key);
             self.unlink_locked(ns, key);
             drop(ix);
@@ -389,7 +381,7 @@ impl Shared {
         let now = now_ms();
         let mut ix = self.index.lock();
         let (id, expired, pins) = {
-            let slot = ix.slot(ns, key)?;
+            let slot = ix.get(ns, key)?;
             (slot.id, slot.meta.is_expired(now), slot.pins)
         };
         if !expired {
@@ -441,11 +433,11 @@ impl Shared {
             }
         };
         let mut ix = self.index.lock();
-        let (hits, meta) = match ix.slot_mut(ns, key) {
+        let (hits, meta) = match ix.get_mut(ns, key) {
             Some(slot) if slot.id == id => {
                 slot.hits = slot.hits.saturating_add(1);
                 let out = (slot.hits, slot.meta);
-                ix.policy.access(id);
+                ix.access(id);
                 out
             }
             _ => (1, rec.meta),
@@ -471,7 +463,7 @@ impl Shared {
             }
             let renaming = self.renames.read();
             let mut ix = self.index.lock();
-            let same = ix.slot(ns, key).is_some_and(|s| s.id == id);
+            let same = ix.get(ns, key).is_some_and(|s| s.id == id);
             if !same {
                 drop(ix);
                 let _ = remove_quiet(&tmp);
@@ -483,17 +475,7 @@ impl Shared {
                 self.c.errors.fetch_add(1, Relaxed);
                 return Err(io_err(e));
             }
-            let Index { spaces, expiry, bytes, .. } = &mut *ix;
-            let slot = spaces.get_mut(ns).and_then(|s| s.map.get_mut(key)).expect("checked above");
-            if let Some(t) = slot.meta.expires_at_ms {
-                expiry.remove(&(t, id));
-            }
-            if let Some(t) = at {
-                expiry.insert((t, id));
-            }
-            slot.meta = meta;
-            *bytes = *bytes - slot.size + sealed.len() as u64;
-            slot.size = sealed.len() as u64;
+            ix.update(ns, key, sealed.len() as u64, meta);
             drop(ix);
             self.mark_dir(&path);
             self.dirty.lock().files.insert(path);
@@ -517,7 +499,7 @@ impl Tier for DiskTier {
 
     async fn get(&self, ns: &str, key: &[u8]) -> Result<Option<Stored>> {
         // An expired entry still goes on: the read drops it (and says so).
-        if self.s.index.lock().slot(ns, key).is_none() {
+        if self.s.index.lock().get(ns, key).is_none() {
             self.s.c.misses.fetch_add(1, Relaxed);
             return Ok(None);
         }
@@ -531,7 +513,7 @@ impl Tier for DiskTier {
 
     fn contains_local(&self, ns: &str, key: &[u8]) -> Option<bool> {
         let now = now_ms();
-        Some(self.s.index.lock().slot(ns, key).is_some_and(|s| !s.meta.is_expired(now)))
+        Some(self.s.index.lock().get(ns, key).is_some_and(|s| !s.meta.is_expired(now)))
     }
 
     async fn put(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta) -> Result<Vec<Evicted>> {
@@ -557,9 +539,8 @@ impl Tier for DiskTier {
         let (s, ns) = (self.s.clone(), ns.to_string());
         blocking(move || {
             let mut ix = s.index.lock();
-            let keys: Vec<Bytes> = ix.spaces.get(&*ns).map(|sp| sp.map.keys().cloned().collect()).unwrap_or_default();
             let mut n = 0;
-            for k in keys {
+            for k in ix.keys(&ns) {
                 if ix.remove(&ns, &k).is_some() {
                     s.unlink_locked(&ns, &k);
                     s.events.removed(&ns, &k);
@@ -581,36 +562,21 @@ impl Tier for DiskTier {
 
     async fn meta(&self, ns: &str, key: &[u8]) -> Result<Option<EntryMeta>> {
         let now = now_ms();
-        Ok(self.s.index.lock().slot(ns, key).map(|s| s.meta).filter(|m| !m.is_expired(now)))
+        Ok(self.s.index.lock().get(ns, key).map(|s| s.meta).filter(|m| !m.is_expired(now)))
     }
 
     async fn scan(&self, ns: &str, cursor: u64, count: usize) -> Result<ScanPage> {
-        let count = count.max(1);
-        let now = now_ms();
-        let ix = self.s.index.lock();
-        let Some(space) = ix.spaces.get(ns) else { return Ok(ScanPage::default()) };
-        // Expired keys are skipped without counting toward the page.
-        let mut cand = Vec::with_capacity(count + 1);
-        for (h, k) in space.order.range((cursor, Bytes::new())..) {
-            if space.map.get(k).is_some_and(|slot| !slot.meta.is_expired(now)) {
-                cand.push((*h, k.clone()));
-                if cand.len() > count && cand[cand.len() - 1].0 != cand[cand.len() - 2].0 {
-                    break;
-                }
-            }
-        }
-        drop(ix);
-        Ok(cut_page(cand, count))
+        Ok(self.s.index.lock().scan(ns, cursor, count, now_ms()))
     }
 
     async fn namespaces(&self) -> Result<Vec<String>> {
-        let mut v: Vec<String> = self.s.index.lock().spaces.keys().map(|k| k.to_string()).collect();
+        let mut v: Vec<String> = self.s.index.lock().namespaces().map(str::to_string).collect();
         v.sort();
         Ok(v)
     }
 
     fn pin(&self, ns: &str, key: &[u8]) -> bool {
-        match self.s.index.lock().slot_mut(ns, key) {
+        match self.s.index.lock().get_mut(ns, key) {
             Some(slot) => {
                 slot.pins += 1;
                 true
@@ -620,7 +586,7 @@ impl Tier for DiskTier {
     }
 
     fn unpin(&self, ns: &str, key: &[u8]) {
-        if let Some(slot) = self.s.index.lock().slot_mut(ns, key) {
+        if let Some(slot) = self.s.index.lock().get_mut(ns, key) {
             slot.pins = slot.pins.saturating_sub(1);
         }
     }
@@ -630,18 +596,11 @@ impl Tier for DiskTier {
         blocking(move || {
             let now = now_ms();
             let mut ix = s.index.lock();
-            let due: Vec<EntryId> = ix.expiry.range(..(now + 1, 0)).map(|(_, id)| *id).collect();
             let mut n = 0u64;
-            for id in due {
-                if n as usize >= limit {
-                    break;
-                }
-                let Some((ns, key)) = ix.by_id.get(&id).cloned() else { continue };
-                if ix.slot(&ns, &key).is_some_and(|sl| sl.pins == 0) && ix.remove(&ns, &key).is_some() {
-                    s.unlink_locked(&ns, &key);
-                    s.events.removed(&ns, &key);
-                    n += 1;
-                }
+            for (ns, key, _) in ix.remove_expired(now, limit) {
+                s.unlink_locked(&ns, &key);
+                s.events.removed(&ns, &key);
+                n += 1;
             }
             drop(ix);
             s.c.expirations.fetch_add(n, Relaxed);
@@ -656,14 +615,13 @@ impl Tier for DiskTier {
     }
 
     fn namespace_usage(&self, ns: &str) -> Option<(u64, u64)> {
-        let ix = self.s.index.lock();
-        Some(ix.spaces.get(ns).map_or((0, 0), |s| (s.bytes, s.map.len() as u64)))
+        Some(self.s.index.lock().usage(ns))
     }
 
     fn stats(&self) -> TierStats {
         let (bytes, entries) = {
             let ix = self.s.index.lock();
-            (ix.bytes, ix.by_id.len() as u64)
+            (ix.bytes(), ix.len())
         };
         let c = &self.s.c;
         TierStats {

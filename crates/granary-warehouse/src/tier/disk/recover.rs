@@ -68,10 +68,10 @@ impl Shared {
         let mut ix = self.index.lock();
         self.c.recovered.store(found.len() as u64, Relaxed);
         for f in found {
-            ix.insert(&f.ns, f.key, f.size, f.meta);
+            ix.insert(&f.ns, f.key, f.size, f.meta, ());
         }
-        while self.capacity != 0 && ix.bytes > self.capacity {
-            let Some((ns, key, _)) = ix.evict_one(None) else { break };
+        while self.capacity != 0 && ix.bytes() > self.capacity {
+            let Some((ns, key, _)) = ix.evict_one(None, None) else { break };
             let path = self.path_of(&ns, &key);
             remove_quiet(&path).map_err(io_err)?;
             self.mark_dir(&path);
