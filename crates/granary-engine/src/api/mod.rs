@@ -218,8 +218,7 @@ impl FromRequestParts<AppState> for RequestNamespace {
 }
 
 fn valid_namespace(ns: &str) -> bool {
-    (1..=MAX_NAMESPACE).contains(&ns.len())
-        && ns.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    granary_warehouse::types::check_namespace(ns.as_bytes()).is_ok()
 }
 
 async fn chat_completions(

@@ -264,13 +264,8 @@ impl fmt::Debug for ConnectorConfig {
 impl ConnectorConfig {
     fn validate(&self) -> Result<()> {
         let ns = &self.namespace;
-        if ns.is_empty()
-            || ns.len() > granary_warehouse::store::MAX_NAMESPACE
-            || !ns.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-        {
-            return Err(ConnectorError::Config(format!(
-                "namespace {ns:?} must be 1 to 128 of ASCII letters, digits, '-', '_' and '.'"
-            )));
+        if let Err(why) = granary_warehouse::types::check_namespace(ns.as_bytes()) {
+            return Err(ConnectorError::Config(format!("namespace {ns:?} {why}")));
         }
         if self.max_connections == 0 {
             return Err(ConnectorError::Config("max_connections must be at least 1".into()));
