@@ -30,6 +30,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::bench::plot::{legend, line_key};
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use plotters::prelude::*;
@@ -738,21 +739,15 @@ where
             .draw_series(LineSeries::new(g, blue.stroke_width(2)).point_size(4))
             .map_err(e)?
             .label("granary")
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], blue.stroke_width(2)));
+            .legend(line_key(blue));
         if !a.is_empty() {
             chart
                 .draw_series(LineSeries::new(a, orange.stroke_width(2)).point_size(4))
                 .map_err(e)?
                 .label("llama.cpp")
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], orange.stroke_width(2)));
+                .legend(line_key(orange));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(e)?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     }
     area.present().map_err(e)?;
     Ok(())

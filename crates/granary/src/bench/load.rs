@@ -38,6 +38,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Instant, SystemTime};
 
+use crate::bench::plot::{bar_key, legend};
 use anyhow::{bail, ensure, Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 use granary_core::ByteSize;
@@ -834,19 +835,9 @@ where
             })
             .collect();
         let color = *color;
-        chart
-            .draw_series(bars)
-            .map_err(e)?
-            .label(*name)
-            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+        chart.draw_series(bars).map_err(e)?.label(*name).legend(bar_key(color));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(e)?;
+    legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     area.present().map_err(e)?;
     Ok(())
 }

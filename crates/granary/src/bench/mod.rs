@@ -10,6 +10,7 @@ mod engine;
 mod gateway;
 mod llm;
 mod load;
+mod plot;
 mod replay;
 mod routing;
 mod sim;

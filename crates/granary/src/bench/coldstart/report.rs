@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use crate::bench::plot::{bar_key, legend};
 use anyhow::Result;
 use plotters::prelude::*;
 use serde::Serialize;
@@ -209,19 +210,9 @@ where
                 Rectangle::new([(i as f64 + 0.2, below), (i as f64 + 0.8, below + v)], color.filled())
             })
             .collect();
-        chart
-            .draw_series(bars)
-            .map_err(e)?
-            .label(*name)
-            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+        chart.draw_series(bars).map_err(e)?.label(*name).legend(bar_key(color));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(e)?;
+    legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     area.present().map_err(e)?;
     Ok(())
 }

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use crate::bench::plot::{legend, line_key};
 use anyhow::{anyhow, Context, Result};
 use plotters::prelude::*;
 
@@ -70,16 +71,10 @@ where
             .draw_series(LineSeries::new(pts, style).point_size(3))
             .map_err(e)?
             .label(s.name.clone())
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(line_key(color));
     }
     if !series.is_empty() {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(e)?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     }
     area.present().map_err(e)?;
     Ok(())

@@ -1,6 +1,7 @@
 //! What `bench ttft` prints and draws: its goals, tables and chart.
 
 use super::*;
+use crate::bench::plot::legend;
 
 /// The size the goals are judged at: 4096 tokens if run, else the largest.
 fn goal_size(sizes: &[SizeResult]) -> Option<&SizeResult> {
@@ -212,13 +213,7 @@ where
             }
         });
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(e)?;
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     area.present().map_err(e)?;
     Ok(())
 }

@@ -10,6 +10,7 @@
 
 use std::path::PathBuf;
 
+use crate::bench::plot::{legend, line_key};
 use anyhow::{Context, Result};
 use granary_warehouse::PolicyKind;
 use plotters::prelude::*;
@@ -194,15 +195,9 @@ where
             .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)).point_size(3))
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .label(policy.as_str())
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(line_key(color));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     area.present().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(())
 }
