@@ -32,6 +32,9 @@ have python3 || pkgs+=(python3)
 python3 -c 'import ensurepip' 2>/dev/null || pkgs+=(python3-venv)
 # PostgreSQL for the gateway's identity store tests (started by the tests
 # themselves as a throwaway server); nginx for `granary bench gateway`.
+# fontconfig and a font for the benchmarks' charts (drawn by the bench
+# tests and the soak); a stock Debian has neither.
+have fc-list || pkgs+=(fontconfig fonts-dejavu-core)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || pkgs+=(postgresql)
 have nginx || [ -x /usr/sbin/nginx ] || pkgs+=(nginx)
 if [ ${#pkgs[@]} -gt 0 ]; then

@@ -41,6 +41,8 @@ pub enum BenchCmd {
 }
 
 pub async fn run(which: BenchCmd) -> Result<()> {
+    // Every bench draws charts: say what is missing before measuring.
+    plot::check_fonts()?;
     match which {
         BenchCmd::Warehouse(args) => warehouse::run(args).await,
         BenchCmd::Ttft(args) => ttft::run(args).await,

@@ -1,8 +1,25 @@
-//! What the benchmarks' charts share: the legend box and the legend keys.
+//! What the benchmarks' charts share: the fonts check, the legend box and
+//! the legend keys.
 
 use anyhow::Result;
 use plotters::coord::CoordTranslate;
 use plotters::prelude::*;
+
+/// The chart's text goes through fontconfig, loaded when first needed
+/// (a missing library would then abort the process): checks it is there.
+pub fn check_fonts() -> Result<()> {
+    // SAFETY: dlopen with a constant name; the handle is closed at once.
+    let handle = unsafe { libc::dlopen(c"libfontconfig.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        anyhow::bail!(
+            "the benchmarks' charts need fontconfig and a font, not found here \
+             (Debian: apt-get install fontconfig fonts-dejavu-core)"
+        );
+    }
+    // SAFETY: a handle dlopen returned.
+    unsafe { libc::dlclose(handle) };
+    Ok(())
+}
 
 /// Draws a chart's legend (the series given a `.label`) at `at`, on a
 /// white, slightly see-through box with a black border.
