@@ -140,8 +140,7 @@ fn serve_answers_the_openai_client_and_publishes_kv_events() {
     // SIGTERM with the event stream still open: the stream ends and the
     // process exits cleanly instead of waiting on the subscriber.
     let mut serve = serve;
-    let pid = serve.child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    common::sigterm(&serve.child);
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(st) = serve.child.try_wait().unwrap() {

@@ -72,7 +72,7 @@ impl Warehouse {
 
     /// SIGTERM and wait for a clean exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        sigterm(&self.child);
         self.child.wait().unwrap()
     }
 }
@@ -168,7 +168,7 @@ impl Proc {
 
     /// SIGTERM and wait; asserts a clean exit (spans and logs flushed on the way out).
     pub fn terminate(&mut self) {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        sigterm(&self.child);
         let status = self.child.wait().unwrap();
         assert!(status.success(), "granary exited with {status}");
     }
@@ -178,4 +178,13 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
     }
+}
+
+/// Sends SIGTERM to a child (a system call, not the `kill` program, which a
+/// minimal system may lack); panics if it could not be sent.
+pub fn sigterm(child: &std::process::Child) {
+    let pid = libc::pid_t::try_from(child.id()).expect("pid fits pid_t");
+    // SAFETY: kill(2) on a child this test started and has not reaped.
+    let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(rc, 0, "SIGTERM to {pid}: {}", std::io::Error::last_os_error());
 }
