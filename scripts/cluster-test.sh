@@ -53,7 +53,7 @@ log() { printf '[%4ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
 [[ -x "$S3S_FS" ]] || die "no s3s-fs at $S3S_FS (cargo install s3s-fs, or set S3S_FS)"
 PG_BIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)
 [[ -x "$PG_BIN/initdb" ]] || die "PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb)"
-for tool in ip curl jq redis-server runuser prometheus; do
+for tool in ip curl jq redis-server runuser prometheus python3; do
     command -v "$tool" >/dev/null || die "$tool is not installed"
 done
 

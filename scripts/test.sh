@@ -101,6 +101,15 @@ fi
 # gigabytes of disk on a fresh CI machine.
 if [ -n "${CI:-}" ]; then export CARGO_INCREMENTAL=0; fi
 
+# The build and the tests write about 6 GiB (target/, the virtual
+# environment, test data); a full disk shows up much later as a linker
+# crash, so say so now.
+avail_kb=$(df -Pk . | awk 'NR == 2 { print $4 }')
+echo "== disk: $((avail_kb / 1048576)) GiB free"
+if [ "$avail_kb" -lt $((8 * 1048576)) ]; then
+  echo "warning: under 8 GiB free here; the build and the tests need about 6 GiB" >&2
+fi
+
 # Tests that drive external programs fail (instead of skipping) when one is missing.
 export GRANARY_REQUIRE_EXTERNAL=1
 

@@ -31,6 +31,49 @@ net_up() {
     ip -n "$(ns ctl)" link set stor0 up
 }
 
+# storage_delay_on MS: adds MS milliseconds each way on ctl's storage link.
+# The link (p-stor) moves from the fleet's bridge to a bridge of its own,
+# joined back to the fleet's through two TAP devices by delay-wire.py,
+# which holds every frame MS before passing it on: what `tc qdisc ... netem
+# delay` on both ends of the link would do, on kernels built with or
+# without netem (the one this was written on has none).
+storage_delay_on() {
+    # The TUN/TAP device node, where /dev was populated without it.
+    [[ -c /dev/net/tun ]] || { mkdir -p /dev/net && mknod /dev/net/tun c 10 200; } || return 1
+    ip -n "$(ns sw)" link add br-stor type bridge &&
+        ip -n "$(ns sw)" link set br-stor up &&
+        ip -n "$(ns sw)" tuntap add dev dw-stor mode tap &&
+        ip -n "$(ns sw)" tuntap add dev dw-fleet mode tap &&
+        ip -n "$(ns sw)" link set dw-stor master br-stor up &&
+        ip -n "$(ns sw)" link set dw-fleet master br0 up || return 1
+    start sw delay-wire python3 "$ROOT/scripts/cluster/delay-wire.py" --delay-ms "$1" dw-stor dw-fleet
+    wait_for "the delay wire" 10 log_has delay-wire "delay-wire: ready" || return 1
+    ip -n "$(ns sw)" link set p-stor master br-stor
+}
+# storage_delay_off: the storage link back on the fleet's bridge, the wire
+# stopped; prints what it carried.
+storage_delay_off() {
+    # Off the fleet's bridge first, so that no address is still learned
+    # behind the wire once the link is back.
+    ip -n "$(ns sw)" link set dw-fleet nomaster
+    ip -n "$(ns sw)" link set p-stor master br0
+    kill -TERM "${PIDS[delay-wire]}"
+    wait_for "the delay wire to stop" 10 bash -c "! kill -0 ${PIDS[delay-wire]}"
+    ip -n "$(ns sw)" link del dw-fleet
+    ip -n "$(ns sw)" link del dw-stor
+    ip -n "$(ns sw)" link del br-stor
+    sed -n 's/^delay-wire: a->b \([0-9]*\) frames, b->a \([0-9]*\) frames, dropped \([0-9]*\)$/delay wire: \2 frames to S3, \1 back, \3 dropped/p' \
+        "$LOGS/delay-wire.log"
+}
+# s3_rtt_ms HOST: the round trip from HOST to the S3 tier in ms (the median
+# of five TCP connects).
+s3_rtt_ms() {
+    local i
+    for i in 1 2 3 4 5; do
+        on "$1" curl -s -o /dev/null --max-time 5 -w '%{time_connect}\n' "http://$S3_ADDR/"
+    done | sort -n | awk '{ v[NR] = $1 } END { printf "%.2f\n", v[int((NR + 1) / 2)] * 1000 }'
+}
+
 # ---------------------------------------------------------------- waiting
 
 # wait_for WHAT SECONDS CMD...: runs CMD every 0.1 s until it succeeds.
