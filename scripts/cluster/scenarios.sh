@@ -450,6 +450,64 @@ scenario_replay() {
     fi
 }
 
+# 8. Every dashboard panel shows data from the fleet: each query of every
+# panel of deploy/grafana/*.json, evaluated by the cluster's Prometheus
+# after the other scenarios' traffic and a little more, has at least one
+# series. The more: a cold start through a gateway (the model unloaded on
+# both nodes, then asked for), gw2 routing KV-aware, a shared prefix twice
+# through each gateway, a rejected key and a key over its limit. Runs after
+# 7, before 4, 2 and 3 take hosts away; leaves both nodes serving and both
+# gateways routing round robin, as they were.
+scenario_dashboards() {
+    local tight q gw h n total=0 panels empty=() doc out="$DIR/dashboards.results" cold
+    tight=$(gw_admin gw1 POST /admin/v1/keys '{"tenant": "acme", "limits": {"requests_per_minute": 1}}' | jq -r .key)
+    doc=$(prompt "dashboards-$RUN" 200)
+    : >"$out"
+    for h in node1 node2; do
+        on ctl curl -sS --max-time 60 -X POST -H "authorization: Bearer $AGENT_ADMIN" \
+            "http://${ADDR[$h]}:8500/models/smollm2/unload" >/dev/null
+    done
+    for gw in gw1 gw2; do
+        wait_for "$gw to see no engine" 30 bash -c "[ \$(ip netns exec $(ns ctl) curl -sS --max-time 2 \
+            -H 'authorization: Bearer $GW_ADMIN' http://${ADDR[$gw]}:8080/admin/v1/agents |
+            jq '[.data[].engines[] | select(.routable)] | length') -eq 0 ]"
+    done
+    chat gw1 "$KEY" "A cold start, run $RUN." "$out"
+    cold=$(tail -n 1 "$out" | awk '{ printf "status %s in %.1f s", $2, $3 }')
+    ENGINE1=$(load_model node1)
+    ENGINE2=$(load_model node2)
+    engines_sd
+    restart_gateway gw2 kv_aware
+    local round
+    for round in 1 2; do
+        for gw in gw1 gw2; do
+            chat "$gw" "$KEY" "$doc What is kept?" "$out"
+            chat "$gw" "$KEY" "$doc Where is it kept?" "$out"
+            chat "$gw" "not-a-key" "hi" "$out"
+        done
+        chat gw1 "$tight" "hi" "$out"
+        chat gw1 "$tight" "hi" "$out"
+        # Rates need two scrapes (one a second) with traffic between.
+        sleep 3
+    done
+    restart_gateway gw2 round_robin
+    panels=$(jq -r '.title as $d | .panels[] | .title as $p | .targets[] | [$d + " / " + $p, .expr] | @tsv' \
+        "$ROOT"/deploy/grafana/*.json)
+    while IFS=$'\t' read -r title q; do
+        total=$((total + 1))
+        n=$(on ctl curl -sS --max-time 10 "http://${ADDR[ctl]}:9090/api/v1/query" --data-urlencode "query=$q" |
+            jq -r '.data.result | length' 2>/dev/null)
+        [[ ${n:-0} -gt 0 ]] || empty+=("$title: $q")
+    done <<<"$panels"
+    local figs="$total queries of $(cut -f1 <<<"$panels" | sort -u | wc -l) panels in $(ls "$ROOT"/deploy/grafana/*.json | wc -l) dashboards,"
+    figs+=" $((total - ${#empty[@]})) with data; traffic: cold start through gw1 ($cold), $(status_count "$out" 200) ok, $(status_count "$out" 401) 401, $(status_count "$out" 429) 429"
+    if [[ ${#empty[@]} -eq 0 && $total -gt 0 && $cold == "status 200 "* && $(status_count "$out" 429) -gt 0 ]]; then
+        row "8 every dashboard panel has data" PASS "$figs"
+    else
+        row "8 every dashboard panel has data" FAIL "$figs; empty: $(printf '%s; ' "${empty[@]}")"
+    fi
+}
+
 # 6. Prometheus on ctl scrapes every component of the fleet, and what
 # scenario 1 did shows in it.
 remote_hits_scraped() { [[ $(promql 'sum(granary_warehouse_hits_total{tier="remote"})') -gt 0 ]]; }
