@@ -86,3 +86,24 @@ pub fn headers_for(span: &tracing::Span) -> http::HeaderMap {
 pub fn current_headers() -> http::HeaderMap {
     headers_for(&tracing::Span::current())
 }
+
+/// Ends spans when it is dropped instead of when their work was last
+/// entered: held by a streamed answer, it makes the spans of the request
+/// last as long as the stream (an exported span ends when it was last
+/// exited; this enters and leaves each span, in the order given, on drop).
+pub struct EndOnDrop(Vec<tracing::Span>);
+
+impl EndOnDrop {
+    /// Children before their parents.
+    pub fn new(spans: impl IntoIterator<Item = tracing::Span>) -> EndOnDrop {
+        EndOnDrop(spans.into_iter().collect())
+    }
+}
+
+impl Drop for EndOnDrop {
+    fn drop(&mut self) {
+        for span in &self.0 {
+            span.in_scope(|| {});
+        }
+    }
+}

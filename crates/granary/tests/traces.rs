@@ -80,6 +80,9 @@ struct Span {
     id: String,
     parent: String,
     attrs: HashMap<String, String>,
+    /// Start and end, ns since the epoch.
+    start: u64,
+    end: u64,
 }
 
 fn text_of(v: &Option<opentelemetry_proto::tonic::common::v1::AnyValue>) -> String {
@@ -111,6 +114,8 @@ fn spans(got: &Got) -> Vec<Span> {
                         id: hex::encode(&s.span_id),
                         parent: hex::encode(&s.parent_span_id),
                         attrs: attrs_of(&s.attributes),
+                        start: s.start_time_unix_nano,
+                        end: s.end_time_unix_nano,
                     });
                 }
             }
@@ -211,6 +216,20 @@ fn a_request_is_traced_from_the_gateway_through_the_engine_to_the_warehouse() {
         }
     }
     let t2 = hit.expect("the repeated prompt's KV came from the warehouse");
+    // A streamed answer: its spans last as long as the stream.
+    let t3 = "6c0000000000000000000000000000a1";
+    traces.push(t3.to_string());
+    let streamed = http
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(&key)
+        .header("traceparent", traceparent(t3, "00f067aa0ba902b9"))
+        .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}],
+                      "max_tokens": 8, "temperature": 0, "stream": true}))
+        .send()
+        .unwrap();
+    assert_eq!(streamed.status(), 200);
+    let events = streamed.text().unwrap();
+    assert!(events.trim_end().ends_with("data: [DONE]"), "{events}");
     // Spans go out at exit (the batch is flushed on SIGTERM).
     gateway.terminate();
     engine.terminate();
@@ -305,6 +324,33 @@ fn a_request_is_traced_from_the_gateway_through_the_engine_to_the_warehouse() {
         assert_eq!(g.parent, load.id);
         assert_eq!(g.attrs["granary.warehouse.tier"], "memory");
     }
+
+    // The streamed request: every span of it lasts as long as the stream.
+    // The engine's request span ends after its first token (with its last
+    // event), the gateway's upstream span after that (with the relay), and
+    // the gateway's request span last; not when the headers went out.
+    let third: Vec<Span> = all.iter().filter(|s| s.trace == t3).cloned().collect();
+    let (g_req, upstream, e_req) =
+        (one(&third, gw, "request"), one(&third, gw, "upstream"), one(&third, en, "request"));
+    let first_token = one(&third, en, "first_token");
+    assert_eq!(upstream.parent, g_req.id);
+    assert_eq!(e_req.parent, upstream.id);
+    let ms = |a: u64, b: u64| (a as f64 - b as f64) / 1e6;
+    println!(
+        "streamed: gateway request {:.1} ms, upstream {:.1} ms, engine request {:.1} ms, engine first token at {:.1} ms",
+        ms(g_req.end, g_req.start),
+        ms(upstream.end, upstream.start),
+        ms(e_req.end, e_req.start),
+        ms(first_token.end, e_req.start)
+    );
+    assert!(
+        e_req.end >= first_token.end && upstream.end >= e_req.end && g_req.end >= upstream.end,
+        "spans end before the stream they belong to: the engine's request {:.1} ms after its first token, \
+         the gateway's upstream {:.1} ms after the engine's request, its request {:.1} ms after its upstream",
+        ms(e_req.end, first_token.end),
+        ms(upstream.end, e_req.end),
+        ms(g_req.end, upstream.end)
+    );
 }
 
 /// With no `OTEL_EXPORTER_OTLP_*ENDPOINT`, nothing is exported: a receiver

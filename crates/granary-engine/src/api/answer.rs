@@ -156,7 +156,12 @@ pub(crate) async fn generate(
         };
         let choices = receivers.into_iter().map(|rx| (rx, tools.as_ref().and_then(ToolUse::parser))).collect();
         let data = sse_data(choices, tokenizer, v.stop, chunker, prompt_tokens);
-        let events = futures::stream::iter(echo).chain(data).map(|d| Ok::<_, Infallible>(SseEvent::default().data(d)));
+        // The request span ends with the stream, not with these headers.
+        let ends = granary_core::trace::EndOnDrop::new([tracing::Span::current()]);
+        let events = futures::stream::iter(echo).chain(data).map(move |d| {
+            let _ = &ends;
+            Ok::<_, Infallible>(SseEvent::default().data(d))
+        });
         return Ok(Sse::new(events).into_response());
     }
     let rx = st.backend.submit(&model.id, req).map_err(|e| submit_error(e, prompt_param))?;

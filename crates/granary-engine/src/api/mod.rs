@@ -242,7 +242,7 @@ async fn completions(
 }
 
 /// The `request` span of a generation, continuing the caller's trace. It
-/// ends with the answer (a stream's headers); the engine's own spans
+/// ends with the answer (a stream's last event); the engine's own spans
 /// (`prefix_lookup`, `kv_load`, `prefill`, `first_token`) are its children.
 fn request_span(headers: &HeaderMap, operation: &'static str, model: &str) -> tracing::Span {
     let span = tracing::info_span!(

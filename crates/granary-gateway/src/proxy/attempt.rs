@@ -299,7 +299,9 @@ pub(super) async fn attempt_one(
         up.attempt("ok");
         up.breaker.success();
         let owned = out.take();
-        let stream = relay_sse(first, body, owned, slot, parsed.include_usage, gw.cfg.idle_timeout());
+        // The upstream and request spans end with the stream, not here.
+        let ends = granary_core::trace::EndOnDrop::new([tracing::Span::current(), owned.span.clone()]);
+        let stream = relay_sse(first, body, owned, (slot, ends), parsed.include_usage, gw.cfg.idle_timeout());
         return Ok(Response::builder()
             .status(code)
             .header(header::CONTENT_TYPE, "text/event-stream")

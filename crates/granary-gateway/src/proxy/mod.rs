@@ -402,7 +402,7 @@ pub async fn handle(
         "http.response.status_code" = tracing::field::Empty,
     );
     granary_core::trace::continue_from(&span, &headers);
-    let mut out = Outcome::new(gw.clone(), endpoint, request_id);
+    let mut out = Outcome::new(gw.clone(), endpoint, request_id, span.clone());
     let served = serve(&gw, &mut out, endpoint, &headers, body).instrument(span.clone()).await;
     let mut resp = match served {
         Ok(resp) => resp,

@@ -8,6 +8,8 @@ use super::*;
 /// mid-stream.
 pub(super) struct Outcome {
     pub(super) gw: Arc<Gateway>,
+    /// The request's span (a streamed answer holds it open to its end).
+    pub(super) span: tracing::Span,
     pub(super) start: Instant,
     pub(super) rec: AuditRecord,
     pub(super) principal: Option<Principal>,
@@ -42,7 +44,7 @@ pub(super) struct Outcome {
 }
 
 impl Outcome {
-    pub(super) fn new(gw: Arc<Gateway>, endpoint: Endpoint, request_id: String) -> Outcome {
+    pub(super) fn new(gw: Arc<Gateway>, endpoint: Endpoint, request_id: String, span: tracing::Span) -> Outcome {
         gw.metrics.active.inc();
         let rec = AuditRecord {
             time_ms: now_ms(),
@@ -53,6 +55,7 @@ impl Outcome {
         };
         Outcome {
             gw,
+            span,
             start: Instant::now(),
             rec,
             principal: None,
@@ -78,6 +81,7 @@ impl Outcome {
         self.armed = false;
         Outcome {
             gw: self.gw.clone(),
+            span: self.span.clone(),
             start: self.start,
             rec: self.rec.clone(),
             principal: self.principal.clone(),

@@ -14,12 +14,13 @@ pub(super) fn relay_sse(
     first: Bytes,
     mut body: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
     mut out: Outcome,
-    slot: Slot,
+    held: (Slot, granary_core::trace::EndOnDrop),
     include_usage: bool,
     idle: Duration,
 ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
     async_stream::stream! {
-        let _slot = slot;
+        // The upstream's slot, and the spans that end with the stream.
+        let _held = held;
         let mut filter = EventFilter::default();
         // The last chunk, whose id, model and object a usage chunk copies.
         let mut last: Option<Value> = None;
