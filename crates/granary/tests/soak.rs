@@ -1,6 +1,6 @@
 //! `granary bench soak` for 20 seconds against the `granary serve` it starts
 //! with the default model: no errors, at least six samples, the warehouse's
-//! tiers read from serve's `/metrics`, and three PNG charts.
+//! tiers read from serve's `/metrics`, and five PNG charts.
 
 use std::process::Command;
 
@@ -40,7 +40,7 @@ fn a_short_soak_against_serve_has_no_errors_and_draws_its_charts() {
     assert_eq!(report["goals"].as_array().unwrap().len(), 3);
 
     let charts = report["charts"].as_array().unwrap();
-    assert_eq!(charts.len(), 3);
+    assert_eq!(charts.len(), 5);
     for c in charts {
         let bytes = std::fs::read(c.as_str().unwrap()).unwrap();
         assert!(bytes.len() > 1000 && bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "{c} is not a PNG");

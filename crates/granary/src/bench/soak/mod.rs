@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use granary_core::ByteSize;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::replay::{self, Outcome, ReplayConfig, Target};
@@ -114,10 +114,14 @@ pub struct Args {
     /// Exit non-zero when a timing goal is missed too (errors always do).
     #[arg(long)]
     strict: bool,
+    /// Run nothing: draw the charts of an earlier run's soak.json into
+    /// --out (or beside that file).
+    #[arg(long, value_name = "SOAK_JSON")]
+    replot: Option<PathBuf>,
 }
 
 /// RSS and open files of one process at one moment.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ProcSample {
     pub pid: u32,
     pub name: String,
@@ -126,7 +130,7 @@ pub struct ProcSample {
 }
 
 /// One window, stamped with its end.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Sample {
     /// Seconds from the start of the replay to the end of the window.
     pub t_s: f64,
@@ -319,6 +323,13 @@ async fn observe(http: &reqwest::Client, roots: &[u32], metrics: &[String], s: &
 }
 
 pub async fn run(args: Args) -> Result<()> {
+    if let Some(json) = &args.replot {
+        let out = args.out.clone().or_else(|| json.parent().map(PathBuf::from)).unwrap_or_default();
+        for chart in replot(json, &out)? {
+            println!("wrote {}", chart.display());
+        }
+        return Ok(());
+    }
     anyhow::ensure!(args.duration >= Duration::from_secs(1), "--duration must be at least 1s");
     anyhow::ensure!(args.block_words > 0, "--block-words must be at least 1");
     anyhow::ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
@@ -604,9 +615,34 @@ fn print_report(r: &Report) {
     println!();
 }
 
+/// The charts of the run recorded in `json` (a soak.json), drawn into `out`.
+fn replot(json: &std::path::Path, out: &std::path::Path) -> Result<Vec<PathBuf>> {
+    #[derive(Deserialize)]
+    struct Recorded {
+        samples: Vec<Sample>,
+    }
+    let text = std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+    let recorded: Recorded =
+        serde_json::from_str(&text).with_context(|| format!("{}: not a soak.json", json.display()))?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    draw_charts(out, &recorded.samples)
+}
+
+/// TTFT, requests and errors, RSS and open files per process, and the
+/// warehouse's bytes per tier, each over time.
 fn draw_charts(out: &std::path::Path, samples: &[Sample]) -> Result<Vec<PathBuf>> {
     use chart::{time_chart, Series};
     let pick = |f: fn(&Sample) -> Option<f64>| samples.iter().filter_map(|s| f(s).map(|v| (s.t_s, v))).collect();
+    let requests = out.join("soak-requests.png");
+    time_chart(
+        &requests,
+        "Requests ended per window",
+        "requests",
+        &[
+            Series { name: "all".into(), points: pick(|s| Some(s.requests as f64)) },
+            Series { name: "errors".into(), points: pick(|s| Some(s.errors as f64)) },
+        ],
+    )?;
     let ttft = out.join("soak-ttft.png");
     time_chart(
         &ttft,
@@ -617,19 +653,19 @@ fn draw_charts(out: &std::path::Path, samples: &[Sample]) -> Result<Vec<PathBuf>
             Series { name: "p99".into(), points: pick(|s| s.ttft_p99_ms) },
         ],
     )?;
-    let mut by_proc: BTreeMap<(u32, String), Vec<(f64, f64)>> = BTreeMap::new();
-    for s in samples {
-        for p in &s.procs {
-            by_proc
-                .entry((p.pid, p.name.clone()))
-                .or_default()
-                .push((s.t_s, p.rss_bytes as f64 / f64::from(1u32 << 20)));
+    let per_proc = |f: fn(&ProcSample) -> f64| -> Vec<Series> {
+        let mut by_proc: BTreeMap<(u32, String), Vec<(f64, f64)>> = BTreeMap::new();
+        for s in samples {
+            for p in &s.procs {
+                by_proc.entry((p.pid, p.name.clone())).or_default().push((s.t_s, f(p)));
+            }
         }
-    }
+        by_proc.into_iter().map(|((pid, name), points)| Series { name: format!("{name}[{pid}]"), points }).collect()
+    };
     let rss = out.join("soak-rss.png");
-    let series: Vec<Series> =
-        by_proc.into_iter().map(|((pid, name), points)| Series { name: format!("{name}[{pid}]"), points }).collect();
-    time_chart(&rss, "RSS per process", "MiB", &series)?;
+    time_chart(&rss, "RSS per process", "MiB", &per_proc(|p| p.rss_bytes as f64 / f64::from(1u32 << 20)))?;
+    let fds = out.join("soak-fds.png");
+    time_chart(&fds, "Open files per process", "open files", &per_proc(|p| p.fds as f64))?;
     let mut by_tier: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     for s in samples {
         for (t, b) in &s.tier_bytes {
@@ -639,7 +675,7 @@ fn draw_charts(out: &std::path::Path, samples: &[Sample]) -> Result<Vec<PathBuf>
     let tiers = out.join("soak-warehouse.png");
     let series: Vec<Series> = by_tier.into_iter().map(|(name, points)| Series { name, points }).collect();
     time_chart(&tiers, "Warehouse bytes per tier", "MiB", &series)?;
-    Ok(vec![ttft, rss, tiers])
+    Ok(vec![ttft, requests, rss, fds, tiers])
 }
 
 #[cfg(test)]
@@ -689,9 +725,23 @@ mod tests {
                 ..Default::default()
             })
             .collect();
-        for p in draw_charts(dir.path(), &samples).unwrap() {
-            let b = std::fs::read(&p).unwrap();
+        let charts = draw_charts(dir.path(), &samples).unwrap();
+        let names: Vec<_> = charts.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, ["soak-ttft.png", "soak-requests.png", "soak-rss.png", "soak-fds.png", "soak-warehouse.png"]);
+        for p in &charts {
+            let b = std::fs::read(p).unwrap();
             assert!(b.len() > 1000 && b.starts_with(b"\x89PNG"), "{}", p.display());
         }
+        // An earlier run's soak.json draws the same charts again.
+        let json = dir.path().join("soak.json");
+        std::fs::write(&json, serde_json::to_vec(&serde_json::json!({"date": "x", "samples": samples})).unwrap())
+            .unwrap();
+        let again = dir.path().join("again");
+        let redrawn = replot(&json, &again).unwrap();
+        assert_eq!(redrawn.len(), 5);
+        assert!(redrawn.iter().all(|p| p.starts_with(&again) && p.exists()));
+        std::fs::write(&json, b"{\"samples\": 3}").unwrap();
+        let err = format!("{:#}", replot(&json, &again).unwrap_err());
+        assert!(err.contains("not a soak.json"), "{err}");
     }
 }
