@@ -97,12 +97,22 @@ impl Serialize for CheckpointUse {
     }
 }
 
-/// Size and modification time of one source file.
+/// Size, modification time, inode and status-change time of one source
+/// file. Size and modification time alone miss a file replaced by another
+/// of the same size whose time was set back (a copy that keeps times, a
+/// download that sets the server's): the replacement has a new inode, or
+/// in place a new status-change time, which no program can set back.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Stamp {
     name: String,
     len: u64,
     mtime_ns: i128,
+    /// 0 in checkpoints written before these were stamped (never equal to
+    /// a file's, so those checkpoints are rebuilt once).
+    #[serde(default)]
+    ino: u64,
+    #[serde(default)]
+    ctime_ns: i128,
 }
 
 /// A file's stamp. A link into a content-addressed store (a file named by
@@ -120,8 +130,20 @@ fn stamp(path: &Path) -> Result<Stamp> {
         .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
         .filter(|n| n.len() == 64 && n.bytes().all(|b| b.is_ascii_hexdigit()));
     Ok(match target {
-        Some(sha) => Stamp { name: format!("{name}@sha256:{}", sha.to_ascii_lowercase()), len: m.len(), mtime_ns: 0 },
-        None => Stamp { name, len: m.len(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128 },
+        Some(sha) => Stamp {
+            name: format!("{name}@sha256:{}", sha.to_ascii_lowercase()),
+            len: m.len(),
+            mtime_ns: 0,
+            ino: 0,
+            ctime_ns: 0,
+        },
+        None => Stamp {
+            name,
+            len: m.len(),
+            mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+            ino: m.ino(),
+            ctime_ns: m.ctime() as i128 * 1_000_000_000 + m.ctime_nsec() as i128,
+        },
     })
 }
 
@@ -571,7 +593,9 @@ pub(crate) fn load(
         return Err(Miss::Stale(format!("made for {}, this load needs {key}", header.key)));
     }
     if header.sources != stamps_now {
-        let was = |s: &Stamp| format!("{} ({} bytes, mtime {} ns)", s.name, s.len, s.mtime_ns);
+        let was = |s: &Stamp| {
+            format!("{} ({} bytes, mtime {} ns, inode {}, ctime {} ns)", s.name, s.len, s.mtime_ns, s.ino, s.ctime_ns)
+        };
         let what = match header.sources.iter().zip(stamps_now).find(|(a, b)| a != b) {
             Some((a, b)) => format!("{} is now {}", was(a), was(b)),
             None => format!("{} files then, {} now", header.sources.len(), stamps_now.len()),

@@ -172,3 +172,34 @@ fn a_link_into_a_content_addressed_store_is_stamped_by_its_hash_not_its_time() {
     let s = stamps(&plain).unwrap();
     assert!(s[0].mtime_ns > 0 && s[0].name == "plain.gguf", "{s:?}");
 }
+
+#[test]
+fn a_file_replaced_with_its_size_and_time_kept_gets_a_new_stamp() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, b"weights-1").unwrap();
+    let before = stamps(&path).unwrap();
+    assert_eq!(stamps(&path).unwrap(), before, "an unchanged file keeps its stamp");
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let set_back = |p: &Path| {
+        let f = std::fs::File::options().write(true).open(p).unwrap();
+        f.set_modified(mtime).unwrap();
+    };
+    // Another file of the same size, its modification time set back to the
+    // original's, renamed over it (as a copy that keeps times would be).
+    let tmp = dir.path().join("model.gguf.part");
+    std::fs::write(&tmp, b"weights-2").unwrap();
+    set_back(&tmp);
+    std::fs::rename(&tmp, &path).unwrap();
+    let replaced = stamps(&path).unwrap();
+    assert_eq!((replaced[0].len, replaced[0].mtime_ns), (before[0].len, before[0].mtime_ns));
+    assert_ne!(replaced, before, "a file replaced with its size and time kept looked unchanged");
+    // Rewritten in place, then its time set back (file times tick
+    // coarsely: a pause, so the status change is seen as one).
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    std::fs::write(&path, b"weights-3").unwrap();
+    set_back(&path);
+    let rewritten = stamps(&path).unwrap();
+    assert_eq!((rewritten[0].len, rewritten[0].mtime_ns), (before[0].len, before[0].mtime_ns));
+    assert_ne!(rewritten, replaced, "a file rewritten in place with its time set back looked unchanged");
+}
