@@ -145,8 +145,10 @@ pub struct AgentArgs {
     /// Bytes per range request [default: 16MiB].
     #[arg(long)]
     pub download_chunk: Option<ByteSize>,
-    /// Admin token of the control API.
-    #[arg(long, env = "GRANARY_AGENT_TOKEN", hide_env_values = true)]
+    /// Admin token of the control API. (`GRANARY_AGENT_TOKEN` is the
+    /// gateway's token for agents' heartbeats, a credential every node
+    /// holds: never read as this one.)
+    #[arg(long, env = "GRANARY_AGENT_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// A file holding the control API's admin token.
     #[arg(long, conflicts_with = "admin_token")]
@@ -263,6 +265,12 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
 
 pub async fn run(a: AgentArgs) -> Result<()> {
     let cfg = config(&a)?;
+    if cfg.admin_token.is_none() && std::env::var_os("GRANARY_AGENT_TOKEN").is_some() {
+        tracing::warn!(
+            "GRANARY_AGENT_TOKEN is set but is the gateway's heartbeat token, not read by the agent; \
+             the control API's admin token is GRANARY_AGENT_ADMIN_TOKEN (or --admin-token-file)"
+        );
+    }
     let listener =
         tokio::net::TcpListener::bind(cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
     let addr = listener.local_addr()?;
@@ -323,6 +331,26 @@ mod tests {
             .contains("more than one line"));
         let e = parse(&["--admin-token-file", "/nonexistent/t"]).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/t"), "{e}");
+    }
+
+    #[test]
+    fn no_agent_flag_reads_the_gateways_heartbeat_token() {
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        let env_of = |id: &str| {
+            cmd.get_arguments()
+                .find(|a| a.get_id() == id)
+                .and_then(|a| a.get_env())
+                .map(|e| e.to_string_lossy().into_owned())
+        };
+        assert_eq!(env_of("admin_token").as_deref(), Some("GRANARY_AGENT_ADMIN_TOKEN"));
+        assert_eq!(env_of("gateway_token").as_deref(), Some("GRANARY_GATEWAY_TOKEN"));
+        let readers: Vec<String> = cmd
+            .get_arguments()
+            .filter(|a| a.get_env().is_some_and(|e| e == "GRANARY_AGENT_TOKEN"))
+            .map(|a| a.get_id().to_string())
+            .collect();
+        assert!(readers.is_empty(), "agent flags read the gateway's GRANARY_AGENT_TOKEN: {readers:?}");
     }
 
     #[test]
