@@ -13,11 +13,24 @@ echo "== promtool"
 promtool check rules deploy/prometheus/granary-rules.yaml
 promtool test rules deploy/prometheus/granary-rules.test.yaml
 
-# Rendering needs kustomize v4 or later (kubectl 1.21+); Debian's own
-# kubernetes-client (1.20) is too old, so kubectl comes from
-# https://kubernetes.io/docs/tasks/tools/ or a cloud SDK.
-if ! kubectl kustomize --help >/dev/null 2>&1 || ! kubectl version --client 2>/dev/null | grep -q 'Kustomize Version: v[4-9]'; then
-  echo "SKIPPED: the Kubernetes overlays were not rendered or validated: kubectl with kustomize v4+ is not installed" >&2
+# kustomize's version: Debian's build says "(devel)", its package knows.
+kustomize_version() {
+  local v
+  v=$(kustomize version 2>/dev/null | head -n 1)
+  case "$v" in "" | *devel*) v=$(dpkg-query -W -f='${Version}' kustomize 2>/dev/null) ;; esac
+  echo "$v"
+}
+# Rendering needs kustomize v4 or later: a kubectl that embeds one (1.21+),
+# or kustomize itself (Debian 13's `kustomize`; scripts/test.sh installs it
+# on Debian 12, whose kubectl 1.20 embeds v2).
+if kubectl version --client 2>/dev/null | grep -q 'Kustomize Version: v[4-9]'; then
+  render=(kubectl kustomize)
+  renderer="kubectl kustomize, kustomize $(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: //p')"
+elif kustomize_version | grep -q '^v\?[4-9]\.'; then
+  render=(kustomize build)
+  renderer="kustomize build, kustomize $(kustomize_version)"
+else
+  echo "SKIPPED: the Kubernetes overlays were not rendered or validated: neither kubectl with kustomize v4+ nor kustomize v4+ is installed" >&2
   exit 0
 fi
 if ! .venv-deploy/bin/python -c 'import kubernetes_validate, checkov' 2>/dev/null; then
@@ -28,10 +41,10 @@ fi
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-echo "== kubectl kustomize (kustomize $(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: //p'))"
+echo "== $renderer"
 for dir in deploy/kubernetes/overlays/*/; do
   name=$(basename "$dir")
-  kubectl kustomize "$dir" > "$out/$name.yaml"
+  "${render[@]}" "$dir" > "$out/$name.yaml"
   echo "$name: $(grep -c '^kind:' "$out/$name.yaml") objects ($(grep '^kind:' "$out/$name.yaml" | sort | uniq -c | awk '{printf "%s %s, ", $1, $3}' | sed 's/, $//'))"
 done
 

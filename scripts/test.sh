@@ -41,6 +41,47 @@ if [ ${#pkgs[@]} -gt 0 ]; then
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
 fi
+# kustomize v4 or later renders the Kubernetes overlays (deploy/check.sh):
+# a kubectl that embeds one, or the distribution's `kustomize` (Debian 13).
+# Debian 12 has neither (its kubectl 1.20 embeds kustomize v2), so there
+# Debian 13's package, a static binary needing only libc6 >= 2.34, is taken
+# from Debian's archive, checked against the SHA256 its index lists, and
+# installed with apt-get. Without network access this is skipped, and
+# deploy/check.sh says it did not render.
+# kustomize's version: Debian's build says "(devel)", its package knows.
+kustomize_version() {
+  local v
+  v=$(kustomize version 2>/dev/null | head -n 1)
+  case "$v" in "" | *devel*) v=$(dpkg-query -W -f='${Version}' kustomize 2>/dev/null) ;; esac
+  echo "$v"
+}
+kustomize_v4() {
+  kubectl version --client 2>/dev/null | grep -q 'Kustomize Version: v[4-9]' ||
+    kustomize_version | grep -q '^v\?[4-9]\.'
+}
+install_kustomize() {
+  as_root apt-get update -qq
+  if apt-cache policy kustomize 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends kustomize
+    return
+  fi
+  local arch dir index file sum
+  arch=$(dpkg --print-architecture)
+  dir=$(mktemp -d)
+  index="http://deb.debian.org/debian/dists/trixie/main/binary-$arch/Packages.gz"
+  curl -fsSL --max-time 120 "$index" | gzip -dc >"$dir/Packages" || return 1
+  read -r file sum < <(awk '/^Package: /{p = ($2 == "kustomize")} p && /^Filename: /{f = $2} p && /^SHA256: /{s = $2}
+      /^$/ && p && f {print f, s; exit}' "$dir/Packages")
+  [ -n "${file:-}" ] && [ -n "${sum:-}" ] || return 1
+  curl -fsSL --max-time 300 -o "$dir/kustomize.deb" "http://deb.debian.org/debian/$file" || return 1
+  echo "$sum  $dir/kustomize.deb" | sha256sum -c --quiet - || return 1
+  chmod 755 "$dir" && chmod 644 "$dir/kustomize.deb"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$dir/kustomize.deb"
+  rm -rf "$dir"
+}
+if ! kustomize_v4; then
+  install_kustomize || echo "warning: kustomize v4+ could not be installed; the Kubernetes overlays will not be rendered" >&2
+fi
 # llama.cpp (through llama-cpp-python, built from source here) and its gguf
 # writer, for the engine's reference tests (tests/architectures.rs), in a
 # virtual environment of the repository's own (.venv, git-ignored).

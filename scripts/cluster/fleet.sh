@@ -26,7 +26,10 @@ net_up() {
     # holds the address, or eth0 would answer for it during the partition.
     ip -n "$(ns sw)" link add p-stor type veth peer name stor0 netns "$(ns ctl)"
     ip -n "$(ns sw)" link set p-stor master br0 up
-    on ctl sysctl -qw net.ipv4.conf.all.arp_ignore=1 net.ipv4.conf.eth0.arp_ignore=1
+    # (Written to /proc/sys, which shows the writer's namespace: a minimal
+    # Debian has no sysctl program.)
+    on ctl sh -c 'echo 1 >/proc/sys/net/ipv4/conf/all/arp_ignore && echo 1 >/proc/sys/net/ipv4/conf/eth0/arp_ignore' ||
+        return 1
     ip -n "$(ns ctl)" addr add "${STOR[ctl]}/24" dev stor0
     ip -n "$(ns ctl)" link set stor0 up
 }
