@@ -13,23 +13,9 @@ echo "== promtool"
 promtool check rules deploy/prometheus/granary-rules.yaml
 promtool test rules deploy/prometheus/granary-rules.test.yaml
 
-# kustomize's version: Debian's build says "(devel)", its package knows.
-kustomize_version() {
-  local v
-  v=$(kustomize version 2>/dev/null | head -n 1)
-  case "$v" in "" | *devel*) v=$(dpkg-query -W -f='${Version}' kustomize 2>/dev/null) ;; esac
-  echo "$v"
-}
-# Rendering needs kustomize v4 or later: a kubectl that embeds one (1.21+),
-# or kustomize itself (Debian 13's `kustomize`; scripts/test.sh installs it
-# on Debian 12, whose kubectl 1.20 embeds v2).
-if kubectl version --client 2>/dev/null | grep -q 'Kustomize Version: v[4-9]'; then
-  render=(kubectl kustomize)
-  renderer="kubectl kustomize, kustomize $(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: //p')"
-elif kustomize_version | grep -q '^v\?[4-9]\.'; then
-  render=(kustomize build)
-  renderer="kustomize build, kustomize $(kustomize_version)"
-else
+# shellcheck source=deploy/kustomize.sh
+source deploy/kustomize.sh
+if ! kustomize_renderer; then
   echo "SKIPPED: the Kubernetes overlays were not rendered or validated: neither kubectl with kustomize v4+ nor kustomize v4+ is installed" >&2
   exit 0
 fi

@@ -48,17 +48,8 @@ fi
 # from Debian's archive, checked against the SHA256 its index lists, and
 # installed with apt-get. Without network access this is skipped, and
 # deploy/check.sh says it did not render.
-# kustomize's version: Debian's build says "(devel)", its package knows.
-kustomize_version() {
-  local v
-  v=$(kustomize version 2>/dev/null | head -n 1)
-  case "$v" in "" | *devel*) v=$(dpkg-query -W -f='${Version}' kustomize 2>/dev/null) ;; esac
-  echo "$v"
-}
-kustomize_v4() {
-  kubectl version --client 2>/dev/null | grep -q 'Kustomize Version: v[4-9]' ||
-    kustomize_version | grep -q '^v\?[4-9]\.'
-}
+# shellcheck source=deploy/kustomize.sh
+source deploy/kustomize.sh
 install_kustomize() {
   as_root apt-get update -qq
   if apt-cache policy kustomize 2>/dev/null | grep -q 'Candidate: [0-9]'; then
@@ -79,7 +70,7 @@ install_kustomize() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$dir/kustomize.deb"
   rm -rf "$dir"
 }
-if ! kustomize_v4; then
+if ! kustomize_renderer; then
   install_kustomize || echo "warning: kustomize v4+ could not be installed; the Kubernetes overlays will not be rendered" >&2
 fi
 # llama.cpp (through llama-cpp-python, built from source here) and its gguf
