@@ -300,12 +300,12 @@ metric() {
 wh_metric() { metric "$1" "http://${ADDR[$1]}:8300" "$2" "$WH_ADMIN"; }
 gw_metric() { metric ctl "http://${ADDR[$1]}:8080" "$2" "$GW_ADMIN"; }
 
-# Both gateways route to both engines.
+# wait_routable [N]: both gateways route to N engines (default 2: both).
 wait_routable() {
-    local g
+    local g n=${1:-2}
     for g in gw1 gw2; do
-        wait_for "$g routing to both engines" 30 bash -c "[ \$(ip netns exec $(ns ctl) curl -sS --max-time 2 \
+        wait_for "$g routing to $n engine(s)" 30 bash -c "[ \$(ip netns exec $(ns ctl) curl -sS --max-time 2 \
             -H 'authorization: Bearer $GW_ADMIN' http://${ADDR[$g]}:8080/admin/v1/agents |
-            jq '[.data[].engines[] | select(.routable)] | length') -eq 2 ]" || return 1
+            jq '[.data[].engines[] | select(.routable)] | length') -eq $n ]" || return 1
     done
 }

@@ -467,11 +467,7 @@ scenario_dashboards() {
         on ctl curl -sS --max-time 60 -X POST -H "authorization: Bearer $AGENT_ADMIN" \
             "http://${ADDR[$h]}:8500/models/smollm2/unload" >/dev/null
     done
-    for gw in gw1 gw2; do
-        wait_for "$gw to see no engine" 30 bash -c "[ \$(ip netns exec $(ns ctl) curl -sS --max-time 2 \
-            -H 'authorization: Bearer $GW_ADMIN' http://${ADDR[$gw]}:8080/admin/v1/agents |
-            jq '[.data[].engines[] | select(.routable)] | length') -eq 0 ]"
-    done
+    wait_routable 0
     chat gw1 "$KEY" "A cold start, run $RUN." "$out"
     cold=$(tail -n 1 "$out" | awk '{ printf "status %s in %.1f s", $2, $3 }')
     ENGINE1=$(load_model node1)
