@@ -184,8 +184,9 @@ pub fn key(opts: &LoadOptions) -> Option<String> {
     }
     let int4 = super::linear::int4_enabled();
     Some(format!(
-        "v{VERSION};kernels={};int4={int4};quantized_decode={};native_quant={};tensor_ops={}",
+        "v{VERSION};kernels={};holds={};int4={int4};quantized_decode={};native_quant={};tensor_ops={}",
         kernels(),
+        super::linear::HOLD_RULES,
         opts.quantized_decode,
         opts.native_quant,
         opts.tensor_ops

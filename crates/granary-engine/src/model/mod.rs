@@ -7,10 +7,12 @@
 //! of the bytes of f32 to stream per decode step, four times the
 //! multiply-adds per instruction for prefill. Elsewhere weights are kept
 //! twice: dequantized f32 for multi-row matmuls (gemm speed) and Q8_0 for
-//! few-row ones (bound by memory bandwidth). Q4_1 and other formats without
-//! fast CPU kernels are therefore never multiplied directly, unless asked
-//! for ([`LoadOptions::native_quant`]). Q, K and V are one matmul, as are
-//! the gate and up projections.
+//! few-row ones (bound by memory bandwidth). A GGUF's Q4_0, Q4_1 and Q4_K
+//! weights go into 4-bit tiles exactly as stored, and its other K-quants
+//! are multiplied as stored by GGML's kernels (`linear::hold`), so none is
+//! held twice; every tensor as stored in every matmul is
+//! [`LoadOptions::native_quant`]. Q, K and V are one matmul, as are the
+//! gate and up projections, when they are held alike.
 //!
 //! On the CPU, rotary embeddings, the KV write and attention run in the
 //! engine's own kernels (`attention`) over the f16 cache in place; on an
@@ -21,6 +23,7 @@
 //! the two attention paths, `config` the architecture table.
 
 mod attention;
+mod blocks4;
 pub mod checkpoint;
 mod config;
 mod device;
@@ -50,7 +53,9 @@ pub use load::{Loader, ReadOptions, ReadStats};
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub device: Device,
-    /// Keep a Q8_0 copy for few-row matmuls (CPU decode).
+    /// Multiply by quantized weights on the host: int8 or 4-bit tiles,
+    /// GGUF K-quants as stored, or (without AVX-512 VNNI) a Q8_0 copy for
+    /// few-row matmuls. `false`: dense f32 only.
     pub quantized_decode: bool,
     /// Multiply by the GGUF's tensors as stored, in every matmul (as
     /// llama.cpp does), instead of dequantized copies. Slow on CPU for
@@ -224,6 +229,18 @@ impl Model {
     /// blake3 of the weight files: part of every KV block's name.
     pub fn fingerprint(&self) -> &str {
         &self.fingerprint
+    }
+
+    /// Bytes the matmul weights (every layer's projections and the output
+    /// head) are held in: as stored for GGUF types multiplied as they are,
+    /// else the engine's converted form.
+    pub fn matmul_weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.qkv.held_bytes() + l.wo.held_bytes() + l.gate_up.held_bytes() + l.down.held_bytes())
+            .sum();
+        layers + self.lm_head.held_bytes()
     }
 
     pub fn source(&self) -> &Path {

@@ -17,10 +17,12 @@
 
 use anyhow::{ensure, Result};
 
+use super::blocks4::Block4;
+
 /// Output rows per tile.
 const TILE: usize = 16;
 /// Input positions per quantization block.
-const BLOCK: usize = 32;
+const BLOCK: usize = super::blocks4::BLOCK;
 /// Bytes of one (tile, block): 32 positions × 16 rows.
 const TILE_BLOCK_BYTES: usize = BLOCK * TILE;
 
@@ -64,10 +66,34 @@ pub(crate) struct Q4Matrix {
 }
 
 impl Q4Matrix {
-    /// Quantizes a row-major f32 matrix (see [`Q8Matrix::fits`]).
+    #[cfg(test)]
+    /// Quantizes a row-major f32 matrix (see [`Q8Matrix::fits`]): each block
+    /// of 32 as `d · q + m` from its lowest and highest value (GGML's Q4_1).
     pub(crate) fn quantize(w: &[f32], n: usize, k: usize) -> Result<Self> {
-        ensure!(Q8Matrix::fits(n, k), "a {n}x{k} matrix does not fit 16-row 4-bit tiles");
         ensure!(w.len() == n * k, "matrix data of {} values, expected {n}x{k}", w.len());
+        let blocks: Vec<Block4> = w
+            .chunks_exact(BLOCK)
+            .map(|vals| {
+                let lo = vals.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = vals.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = (hi - lo) / 15.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                let mut q = [0u8; BLOCK];
+                for (q, v) in q.iter_mut().zip(vals) {
+                    *q = ((v - lo) * inv).round().clamp(0.0, 15.0) as u8;
+                }
+                Block4 { d, m: lo, q }
+            })
+            .collect();
+        Self::from_blocks(&blocks, n, k)
+    }
+
+    /// The matrix from 4-bit blocks in row-major order (`k / 32` per row),
+    /// as [`super::blocks4::blocks`] reads them from a GGUF: the weights
+    /// are held exactly as stored.
+    pub(crate) fn from_blocks(blocks: &[Block4], n: usize, k: usize) -> Result<Self> {
+        ensure!(Q8Matrix::fits(n, k), "a {n}x{k} matrix does not fit 16-row 4-bit tiles");
+        ensure!(blocks.len() * BLOCK == n * k, "{} blocks of 32 for a {n}x{k} matrix", blocks.len());
         let kb = k / BLOCK;
         let tiles = n / TILE;
         let mut qs = vec![0u8; tiles * kb * TILE_BLOCK_BYTES / 2];
@@ -76,16 +102,12 @@ impl Q4Matrix {
         for row in 0..n {
             let (t, r) = (row / TILE, row % TILE);
             for b in 0..kb {
-                let vals = &w[row * k + b * BLOCK..][..BLOCK];
-                let lo = vals.iter().copied().fold(f32::INFINITY, f32::min);
-                let hi = vals.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let d = (hi - lo) / 15.0;
-                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-                ds[(t * kb + b) * TILE + r] = d;
-                ms[(t * kb + b) * TILE + r] = lo;
+                let block = &blocks[row * kb + b];
+                ds[(t * kb + b) * TILE + r] = block.d;
+                ms[(t * kb + b) * TILE + r] = block.m;
                 let base = (t * kb + b) * TILE_BLOCK_BYTES / 2;
-                for (i, v) in vals.iter().enumerate() {
-                    let q = ((v - lo) * inv).round().clamp(0.0, 15.0) as u8;
+                for (i, &q) in block.q.iter().enumerate() {
+                    debug_assert!(q < 16);
                     let (g, j) = (i / 4, i % 4);
                     let at = base + (g / 2) * TILE * 4 + r * 4 + j;
                     qs[at] |= if g % 2 == 0 { q } else { q << 4 };

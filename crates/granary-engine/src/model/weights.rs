@@ -12,7 +12,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use super::checkpoint::{self, CheckpointUse};
-use super::linear::{Linear, Proj, Weights};
+use super::linear::{self, Hold, Linear, Proj, Weights};
 use super::{config, load, Embedding, Layer, LoadOptions, LoadStats, Loader, Model, ModelConfig, ReadOptions, Rope};
 
 /// Where weight tensors come from while building a [`Model`].
@@ -23,9 +23,10 @@ trait TensorSource {
     fn get_quantized(&mut self, _name: &str) -> Result<Option<QTensor>> {
         Ok(None)
     }
-    /// Whether the tensor is stored as Q4_1 (without reading it).
-    fn stored_q4_1(&self, _name: &str) -> bool {
-        false
+    /// The type and `[rows, columns]` a quantized source stores the tensor
+    /// as (without reading it).
+    fn stored(&self, _name: &str) -> Option<(GgmlDType, usize, usize)> {
+        None
     }
 }
 
@@ -64,8 +65,10 @@ impl TensorSource for GgufSource<'_> {
     fn get_quantized(&mut self, name: &str) -> Result<Option<QTensor>> {
         self.take(name)
     }
-    fn stored_q4_1(&self, name: &str) -> bool {
-        self.ct.tensor_infos.get(name).is_some_and(|i| i.ggml_dtype == GgmlDType::Q4_1)
+    fn stored(&self, name: &str) -> Option<(GgmlDType, usize, usize)> {
+        let info = self.ct.tensor_infos.get(name)?;
+        let (rows, cols) = info.shape.dims2().ok()?;
+        Some((info.ggml_dtype, rows, cols))
     }
 }
 
@@ -242,36 +245,45 @@ impl Model {
         let quantize = opts.quantized_decode && host;
         // Linear weights: `name` gives the stem, ".weight"/".bias" follow.
         let native = opts.native_quant;
-        let linear = |src: &mut dyn TensorSource, base: String, bias: bool, quantize: bool| -> Result<Linear> {
-            let b = if bias { src.get_opt(&format!("{base}.bias"))? } else { None };
+        // How each stored weight is held (`linear::hold`).
+        let hold_of = |src: &dyn TensorSource, name: &str| {
+            src.stored(name).map(|(dtype, n, k)| linear::hold(dtype, n, k, quantize))
+        };
+        // One weight matrix by its full name, with its bias.
+        let weight = |src: &mut dyn TensorSource, name: &str, b: Option<Tensor>| -> Result<Linear> {
             if native {
-                if let Some(q) = src.get_quantized(&format!("{base}.weight"))? {
+                if let Some(q) = src.get_quantized(name)? {
                     return Linear::native(q, b);
                 }
             }
-            let name = format!("{base}.weight");
-            let four_bit = src.stored_q4_1(&name);
-            let w = src.get(&name)?;
-            Linear::new(w, b, quantize, four_bit)
-        };
-        // Weights of several projections stacked into one matrix (dense), or
-        // kept apart when multiplying the stored quantized tensors.
-        let proj = |src: &mut dyn TensorSource, bases: Vec<String>, bias: bool| -> Result<Proj> {
-            if native {
-                return Ok(Proj::Split(
-                    bases.into_iter().map(|b| linear(src, b, bias, quantize)).collect::<Result<Vec<_>>>()?,
-                ));
+            match hold_of(src, name) {
+                Some(Hold::Int4Exact) => Linear::int4_exact(&[src.get_quantized(name)?.context("stored weight")?], b),
+                Some(Hold::Stored) => Linear::native(src.get_quantized(name)?.context("stored weight")?, b),
+                Some(Hold::Convert) | None => Linear::new(src.get(name)?, b, quantize),
             }
-            let four_bit = bases.iter().all(|b| src.stored_q4_1(&format!("{b}.weight")));
-            let mut ws = Vec::new();
+        };
+        // Linear weights: `base` is the stem, ".weight"/".bias" follow.
+        let linear = |src: &mut dyn TensorSource, base: String, bias: bool| -> Result<Linear> {
+            let b = if bias { src.get_opt(&format!("{base}.bias"))? } else { None };
+            weight(src, &format!("{base}.weight"), b)
+        };
+        // Weights of several projections stacked into one matrix (dense or
+        // 4-bit tiles), or kept apart when any is multiplied as stored.
+        let proj = |src: &mut dyn TensorSource, bases: Vec<String>, bias: bool| -> Result<Proj> {
+            let holds: Vec<_> = bases.iter().map(|b| hold_of(src, &format!("{b}.weight"))).collect();
+            if native || holds.contains(&Some(Hold::Stored)) {
+                return Ok(Proj::Split(bases.into_iter().map(|b| linear(src, b, bias)).collect::<Result<Vec<_>>>()?));
+            }
             let mut bs = Vec::new();
             for b in &bases {
-                let w = src.get(&format!("{b}.weight"))?;
+                let rows = src.stored(&format!("{b}.weight")).map(|(_, n, _)| n);
                 let bv = if bias { src.get_opt(&format!("{b}.bias"))? } else { None };
-                bs.push((w.dim(0)?, bv));
-                ws.push(w);
+                bs.push((rows, bv));
             }
-            let bias = if bs.iter().any(|(_, b)| b.is_some()) {
+            let stack_bias = |bs: Vec<(usize, Option<Tensor>)>| -> Result<Option<Tensor>> {
+                if bs.iter().all(|(_, b)| b.is_none()) {
+                    return Ok(None);
+                }
                 let parts = bs
                     .into_iter()
                     .map(|(n, b)| match b {
@@ -279,11 +291,25 @@ impl Model {
                         None => Tensor::zeros(n, DType::F32, &opts.device),
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
-                Some(Tensor::cat(&parts, 0)?)
-            } else {
-                None
+                Ok(Some(Tensor::cat(&parts, 0)?))
             };
-            Ok(Proj::Fused(Linear::new(Tensor::cat(&ws, 0)?, bias, quantize, four_bit)?))
+            if holds.iter().all(|h| *h == Some(Hold::Int4Exact)) {
+                let mut qs = Vec::new();
+                for b in &bases {
+                    qs.push(src.get_quantized(&format!("{b}.weight"))?.context("stored weight")?);
+                }
+                let bias = stack_bias(bs.into_iter().map(|(n, b)| (n.unwrap_or(0), b)).collect())?;
+                return Ok(Proj::Fused(Linear::int4_exact(&qs, bias)?));
+            }
+            let mut ws = Vec::new();
+            let mut sized = Vec::new();
+            for (b, (_, bv)) in bases.iter().zip(bs) {
+                let w = src.get(&format!("{b}.weight"))?;
+                sized.push((w.dim(0)?, bv));
+                ws.push(w);
+            }
+            let bias = stack_bias(sized)?;
+            Ok(Proj::Fused(Linear::new(Tensor::cat(&ws, 0)?, bias, quantize)?))
         };
         let mut cfg = cfg;
         if let config::RopeScaling::Factors(f) = &cfg.rope_scaling {
@@ -306,17 +332,17 @@ impl Model {
         };
         for (i, &rope) in rope_of.iter().enumerate() {
             let qkv = if cfg.arch.fused {
-                Proj::Fused(linear(src, name(i, Part::Qkv), cfg.qkv_bias, quantize)?)
+                Proj::Fused(linear(src, name(i, Part::Qkv), cfg.qkv_bias)?)
             } else {
                 proj(src, vec![name(i, Part::Q), name(i, Part::K), name(i, Part::V)], cfg.qkv_bias)?
             };
-            let wo = linear(src, name(i, Part::O), false, quantize)?;
+            let wo = linear(src, name(i, Part::O), false)?;
             let gate_up = if cfg.arch.fused {
-                Proj::Fused(linear(src, name(i, Part::GateUp), false, quantize)?)
+                Proj::Fused(linear(src, name(i, Part::GateUp), false)?)
             } else {
                 proj(src, vec![name(i, Part::Gate), name(i, Part::Up)], false)?
             };
-            let down = linear(src, name(i, Part::Down), false, quantize)?;
+            let down = linear(src, name(i, Part::Down), false)?;
             let post = |src: &mut dyn TensorSource, part: Part| -> Result<Option<Tensor>> {
                 if cfg.arch.post_norms {
                     Ok(Some(src.get(&name(i, part))?))
@@ -354,17 +380,16 @@ impl Model {
         };
         check_embedding(&cfg, embed.dims())?;
         let head = name(0, Part::LmHead);
-        let head_q4 = src.stored_q4_1(&head);
-        let embed_q4 = src.stored_q4_1(&name(0, Part::Embed));
-        let head_native = if native { src.get_quantized(&head)? } else { None };
-        let lm_head = match (head_native, src.get_opt(&head)?) {
-            (Some(q), _) => Linear::native(q, None)?,
-            (None, Some(w)) => Linear::new(w, None, quantize, head_q4)?,
-            (None, None) if native => match src.get_quantized(&name(0, Part::Embed))? {
-                Some(q) => Linear::native(q, None)?,
-                None => Linear::new(embed.clone(), None, quantize, embed_q4)?,
-            },
-            (None, None) => Linear::new(embed.clone(), None, quantize, embed_q4)?,
+        let embed_name = name(0, Part::Embed);
+        let lm_head = if src.stored(&head).is_some() {
+            weight(src, &head, None)?
+        } else if let Some(w) = src.get_opt(&head)? {
+            Linear::new(w, None, quantize)?
+        } else if src.stored(&embed_name).is_some() && (native || hold_of(src, &embed_name) != Some(Hold::Convert)) {
+            // Tied to the embedding, read again as stored.
+            weight(src, &embed_name, None)?
+        } else {
+            Linear::new(embed.clone(), None, quantize)?
         };
         let norm = src.get(&name(0, Part::Norm))?;
         let head_is_embed = matches!(&lm_head.w, Weights::Dense { dense, .. } if dense.id() == embed.id());
