@@ -36,6 +36,17 @@ const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|
 const GPT4O: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// DeepSeek LLM's split regexes (its tokenizer.json's `Split` sequence):
+/// letters of the Latin, Greek, Cyrillic, Armenian, Georgian, Cherokee and
+/// other cased scripts with an optional leading space; ASCII and full-width
+/// punctuation; CJK ideographs and Hangul.
+const DEEPSEEK_LETTERS: &str = r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+";
+const DEEPSEEK_PUNCT: &str = r"\s?[!-/:-~！-／：-～‘-‟　-。]+";
+const DEEPSEEK_CJK: &str = r"[一-龥ࠀ-一가-퟿]+";
+/// DeepSeek V3's: digits in threes, CJK and kana runs, then the rest.
+const DEEPSEEK3_CJK: &str = r"[一-龥぀-ゟ゠-ヿ]+";
+const DEEPSEEK3_REST: &str = r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##;
+
 /// Tokens llama.cpp treats as end of generation when present, besides the
 /// EOS/EOT/EOM ids the file names.
 pub(crate) const END_OF_TURN_TOKENS: &[&str] = &[
@@ -102,6 +113,16 @@ pub(crate) fn pre_tokenizer_spec(pre: Option<&str>) -> (PreTokenizerSpec, bool) 
         "falcon" => spec("falcon", &[r"[\p{P}\$\+<=>\^~\|`]+", GPT2, r"[0-9][0-9][0-9]"], false, false),
         "gpt-4o" | "llama4" | "minimax-m2" => spec("gpt-4o", &[GPT4O], false, false),
         "tekken" => spec("tekken", &[TEKKEN], true, true),
+        "deepseek-llm" => spec(
+            "deepseek-llm",
+            &[r"[\r\n]", DEEPSEEK_LETTERS, DEEPSEEK_PUNCT, r"\s+$", DEEPSEEK_CJK, r"\p{N}+"],
+            false,
+            false,
+        ),
+        "deepseek-coder" => {
+            spec("deepseek-coder", &[r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", DEEPSEEK_CJK, r"\p{N}"], false, false)
+        }
+        "deepseek-v3" => spec("deepseek-v3", &[r"\p{N}{1,3}", DEEPSEEK3_CJK, DEEPSEEK3_REST], false, false),
         _ => return (DEFAULT, false),
     };
     (s, true)
@@ -490,6 +511,9 @@ mod tests {
             Some("falcon"),
             Some("gpt-4o"),
             Some("tekken"),
+            Some("deepseek-llm"),
+            Some("deepseek-coder"),
+            Some("deepseek-v3"),
             Some("something-new"),
         ];
         for name in names {
