@@ -215,7 +215,7 @@ fn every_architecture_and_weight_type_matches_llama_cpp() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// Q4_0, Q4_1 and the K-quants keep their own bits: the engine holds
+/// Q4_0 and the K-quants keep their own bits: the engine holds
 /// their matmul weights in about the bytes the file stores (4-bit tiles
 /// with f32 scales: 24 bytes per 32 weights against Q4_0's 18; the other
 /// K-quants exactly as stored), not in a second int8 copy (36 bytes per
@@ -226,7 +226,9 @@ fn four_bit_and_k_quant_weights_are_held_as_stored() {
     let mut checked = 0;
     for (file, r) in &reference.models {
         let Some(quant) = r.quant.as_deref() else { continue };
-        if !(quant.starts_with("Q4_") || quant.ends_with("_K") || quant.contains("_K_")) {
+        // Q4_1 too on CPUs with AVX-512 VNNI (4-bit tiles); elsewhere it
+        // has no fast kernel as stored and is converted (see linear.rs).
+        if !(quant == "Q4_0" || quant.ends_with("_K") || quant.contains("_K_")) {
             continue;
         }
         let path = dir.path().join(file);
@@ -239,7 +241,7 @@ fn four_bit_and_k_quant_weights_are_held_as_stored() {
         assert!(ratio <= 1.34, "{file}: weights held in {ratio:.2}x the bytes the file stores them in");
         checked += 1;
     }
-    assert!(checked >= 7, "only {checked} quantized models checked");
+    assert!(checked >= 6, "only {checked} quantized models checked");
 }
 
 #[test]
