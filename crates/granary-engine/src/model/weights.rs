@@ -243,7 +243,6 @@ impl Model {
     ) -> Result<Self> {
         let host = opts.device.is_cpu() && !opts.tensor_ops;
         let quantize = opts.quantized_decode && host;
-        // Linear weights: `name` gives the stem, ".weight"/".bias" follow.
         let native = opts.native_quant;
         // How each stored weight is held (`linear::hold`).
         let hold_of = |src: &dyn TensorSource, name: &str| {
