@@ -186,17 +186,17 @@ impl Quota {
     /// Adds `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` as
     /// OpenAI sends them (reset as a duration: `1s`, `6m0s`, `250ms`).
     pub fn apply(&self, headers: &mut axum::http::HeaderMap) {
-        for (what, h) in [("requests", self.requests), ("tokens", self.tokens)] {
+        use axum::http::{HeaderName, HeaderValue};
+        const NAMES: [[&str; 3]; 2] = [
+            ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"],
+            ["x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"],
+        ];
+        for (names, h) in NAMES.iter().zip([self.requests, self.tokens]) {
             let Some(h) = h else { continue };
-            for (name, value) in [
-                ("limit", h.limit.to_string()),
-                ("remaining", h.remaining.to_string()),
-                ("reset", duration_text(h.reset)),
-            ] {
-                let name = axum::http::HeaderName::try_from(format!("x-ratelimit-{name}-{what}"));
-                if let (Ok(n), Ok(v)) = (name, axum::http::HeaderValue::from_str(&value)) {
-                    headers.insert(n, v);
-                }
+            headers.insert(HeaderName::from_static(names[0]), HeaderValue::from(h.limit));
+            headers.insert(HeaderName::from_static(names[1]), HeaderValue::from(h.remaining));
+            if let Ok(v) = HeaderValue::from_str(&duration_text(h.reset)) {
+                headers.insert(HeaderName::from_static(names[2]), v);
             }
         }
     }

@@ -2,6 +2,7 @@
 //! byte, and prefill before decode in disaggregated pools.
 
 use super::*;
+use crate::upstream::SendError;
 
 /// Takes a slot on the first upstream of `order` with room; waits (by
 /// priority) when all are full. None: every one of them left routing (an
@@ -52,34 +53,27 @@ pub(super) enum AttemptError {
     Final(Response),
 }
 
-pub(super) fn request_to(
-    up: &Upstream,
-    path: &str,
-    p: &Principal,
-    request_id: &str,
-    payload: Bytes,
-    timeout: Duration,
-) -> reqwest::RequestBuilder {
-    let req = match up.generation_url(path) {
-        Some(url) => up.client.post(url),
-        None => up.client.post(up.url(path)),
-    };
-    let mut req = req.header(header::CONTENT_TYPE, "application/json").timeout(timeout).body(payload);
+/// The headers of a generation request to `up` (its API key is added by
+/// [`Upstream::post`]).
+pub(super) fn headers_to(up: &Upstream, p: &Principal, request_id: &str) -> HeaderMap {
+    // The trace goes on at the upstream (`traceparent`; nothing with tracing off).
+    let mut h = granary_core::trace::current_headers();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     // Granary headers go to Granary engines only: a tenant's namespace is
     // its name by default, and must not reach a third party; and servers
     // may read `x-request-id` their own way (llama-cpp-python's answers a
     // bare 400 to any id that is not a UUID).
     if up.is_granary() {
-        req = req.header(REQUEST_ID_HEADER, request_id);
+        if let Ok(v) = HeaderValue::from_str(request_id) {
+            h.insert(REQUEST_ID_HEADER, v);
+        }
         if up.cfg.send_namespace {
-            req = req.header(NAMESPACE_HEADER, &p.namespace);
+            if let Ok(v) = HeaderValue::from_str(&p.namespace) {
+                h.insert(NAMESPACE_HEADER, v);
+            }
         }
     }
-    if let Some(a) = &up.auth {
-        req = req.header(header::AUTHORIZATION, a);
-    }
-    // The trace goes on at the upstream (`traceparent`; nothing with tracing off).
-    req.headers(granary_core::trace::current_headers())
+    h
 }
 
 /// The prefill half of a disaggregated pair, run once the decode engine's
@@ -124,8 +118,18 @@ async fn prefill_on(
     body.insert("model".into(), Value::String(up.wire_model(model).to_string()));
     body.remove("stream_options");
     let Ok(payload) = serde_json::to_vec(&body) else { return "failed" };
+    // The whole prefill (its answer read to the end) within the first-byte timeout.
     let timeout = gw.cfg.first_byte_timeout();
-    let send = request_to(&up, endpoint.path(), p, &out.rec.request_id, payload.into(), timeout).send();
+    let headers = headers_to(&up, p, &out.rec.request_id);
+    let send = async {
+        let mut a = up.post(endpoint.path(), headers, payload.into()).await?;
+        if a.status.is_success() {
+            while let Some(chunk) = a.body.next().await {
+                chunk.map_err(|e| SendError::Other(e.to_string()))?;
+            }
+        }
+        Ok::<_, SendError>(a.status)
+    };
     let failed = |what: &'static str, why: &dyn std::fmt::Display| {
         up.attempt(what);
         up.breaker.failure();
@@ -133,24 +137,22 @@ async fn prefill_on(
             "prefill failed; the decode engine serves the whole request");
         "failed"
     };
-    match send.await {
-        Ok(r) if r.status().is_success() => match r.bytes().await {
-            Ok(_) => {
-                up.attempt("ok");
-                up.breaker.success();
-                "ok"
-            }
-            Err(e) => failed("bad_response", &e),
-        },
-        Ok(r) if r.status().is_server_error() => failed("status_5xx", &r.status()),
-        Ok(r) => {
+    match tokio::time::timeout(timeout, send).await {
+        Ok(Ok(status)) if status.is_success() => {
+            up.attempt("ok");
+            up.breaker.success();
+            "ok"
+        }
+        Ok(Ok(status)) if status.is_server_error() => failed("status_5xx", &status),
+        Ok(Ok(status)) => {
             // The engine is up; the request is what it refused.
             up.attempt("status_4xx");
-            tracing::warn!(upstream = %up.name(), status = %r.status(), "prefill refused; the decode engine serves the whole request");
+            tracing::warn!(upstream = %up.name(), status = %status, "prefill refused; the decode engine serves the whole request");
             "failed"
         }
-        Err(e) if e.is_timeout() => failed("timeout", &e),
-        Err(e) => failed("connect_error", &e),
+        Err(_) => failed("timeout", &"no whole answer in time"),
+        Ok(Err(e @ SendError::Connect(_))) => failed("connect_error", &e),
+        Ok(Err(e)) => failed("bad_response", &e),
     }
 }
 
@@ -269,22 +271,21 @@ pub(super) async fn attempt_one(
     let first_byte = gw.cfg.first_byte_timeout();
     // No total timeout on the request: streams may run long; silence is
     // bounded per chunk instead.
-    let send = request_to(&up, endpoint.path(), p, &out.rec.request_id, payload, Duration::from_secs(24 * 3600)).send();
+    let send = up.post(endpoint.path(), headers_to(&up, p, &out.rec.request_id), payload);
     let resp = match tokio::time::timeout(first_byte, send).await {
         Err(_) => return Err(AttemptError::Retryable("timeout", "no response headers in time".into())),
-        Ok(Err(e)) if e.is_connect() => return Err(AttemptError::Retryable("connect_error", e.to_string())),
         Ok(Err(e)) => return Err(AttemptError::Retryable("connect_error", e.to_string())),
         Ok(Ok(r)) => r,
     };
-    let status = resp.status();
+    let status = resp.status;
     tracing::Span::current().record("http.response.status_code", status.as_u16());
     if status.is_server_error() {
         return Err(AttemptError::Retryable("status_5xx", format!("status {status}")));
     }
-    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let content_type = resp.headers.get(header::CONTENT_TYPE).cloned();
     let is_sse =
         content_type.as_ref().and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
-    let mut body = resp.bytes_stream();
+    let mut body = resp.body;
     // The first body byte: until it arrives, a failure is retried elsewhere.
     let first = match tokio::time::timeout(first_byte, body.next()).await {
         Err(_) => return Err(AttemptError::Retryable("timeout", "no first byte in time".into())),

@@ -12,7 +12,7 @@ use super::*;
 /// says 499 with the tokens counted so far.
 pub(super) fn relay_sse(
     first: Bytes,
-    mut body: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
+    mut body: impl Stream<Item = Result<Bytes, crate::upstream::BodyError>> + Send + Unpin + 'static,
     mut out: Outcome,
     held: (Slot, granary_core::trace::EndOnDrop),
     include_usage: bool,

@@ -2,7 +2,7 @@
 //! from an engine serving the embedding model, then the lookup; the answer
 //! is kept by the attempt that gets it.
 
-use super::attempt::request_to;
+use super::attempt::headers_to;
 use super::*;
 use crate::semantic::{normalized, prompt_text, rest_hash, Probe, SemanticCache};
 
@@ -60,12 +60,23 @@ async fn embed(
         .ok_or_else(|| format!("no upstream serves the embedding model `{model}`"))?;
     let body = serde_json::json!({"model": up.wire_model(model), "input": text});
     let payload = Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
-    let resp = request_to(&up, "/v1/embeddings", p, request_id, payload, gw.cfg.first_byte_timeout())
-        .send()
+    // The whole answer within the first-byte timeout.
+    let answer = async {
+        let mut a =
+            up.post("/v1/embeddings", headers_to(&up, p, request_id), payload).await.map_err(|e| e.to_string())?;
+        let mut bytes = Vec::new();
+        while let Some(chunk) = a.body.next().await {
+            bytes.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
+            if bytes.len() > 64 << 20 {
+                return Err("answer over 64 MiB".to_string());
+            }
+        }
+        Ok((a.status, bytes))
+    };
+    let (status, bytes) = tokio::time::timeout(gw.cfg.first_byte_timeout(), answer)
         .await
+        .map_err(|_| format!("{}: no whole answer in time", up.name()))?
         .map_err(|e| format!("{}: {e}", up.name()))?;
-    let status = resp.status();
-    let bytes = resp.bytes().await.map_err(|e| format!("{}: {e}", up.name()))?;
     if !status.is_success() {
         return Err(format!("{}: status {status}", up.name()));
     }

@@ -20,6 +20,13 @@ use crate::metrics::GatewayMetrics;
 use crate::routing::{KvEventMsg, KvIndex};
 use crate::sse::SseParser;
 
+mod wire;
+
+pub use wire::{Answer, BodyError, BodyStream, SendError};
+
+/// The paths of the generation endpoints, the requests' hot path.
+const GENERATION_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
 /// A circuit breaker: closed (traffic flows), open (none, until a pause
 /// passes), half-open (one probe decides).
 #[derive(Debug)]
@@ -177,6 +184,8 @@ pub struct Upstream {
     metrics: Arc<GatewayMetrics>,
     /// The generation endpoints' URLs, parsed once (not per request).
     generation_urls: Vec<(&'static str, reqwest::Url)>,
+    /// The plain HTTP pool for generation requests (`http://` upstreams).
+    plain: Option<wire::PlainWire>,
 }
 
 /// Attempt outcomes, as counted in `granary_gateway_upstream_attempts_total`.
@@ -204,12 +213,14 @@ impl Upstream {
             metrics.know_model(m);
         }
         let base = cfg.url.trim_end_matches('/');
-        let generation_urls = ["/v1/chat/completions", "/v1/completions"]
+        let generation_urls = GENERATION_PATHS
             .into_iter()
             .filter_map(|p| Some((p, reqwest::Url::parse(&format!("{base}{p}")).ok()?)))
             .collect();
+        let plain = wire::PlainWire::new(base, &GENERATION_PATHS, section.connect_timeout());
         let u = Upstream {
             generation_urls,
+            plain,
             id,
             client,
             auth,
@@ -239,6 +250,28 @@ impl Upstream {
     /// base URL that does not parse).
     pub fn generation_url(&self, path: &str) -> Option<reqwest::Url> {
         self.generation_urls.iter().find(|(p, _)| *p == path).map(|(_, u)| u.clone())
+    }
+
+    /// POSTs `payload` to `path` with `headers` (the API key is added);
+    /// the answer's body is left to read.
+    pub async fn post(
+        &self,
+        path: &str,
+        mut headers: axum::http::HeaderMap,
+        payload: bytes::Bytes,
+    ) -> Result<Answer, SendError> {
+        if let Some(a) = &self.auth {
+            let v = axum::http::HeaderValue::from_str(a).map_err(|_| SendError::Other("bad API key header".into()))?;
+            headers.insert(axum::http::header::AUTHORIZATION, v);
+        }
+        if let Some((w, uri)) = self.plain.as_ref().and_then(|w| Some((w, w.uri(path)?))) {
+            return w.post(uri, headers, payload).await;
+        }
+        let url = match self.generation_url(path) {
+            Some(u) => u,
+            None => reqwest::Url::parse(&self.url(path)).map_err(|e| SendError::Other(format!("bad URL: {e}")))?,
+        };
+        wire::post_reqwest(&self.client, url, headers, payload).await
     }
 
     /// `base/path` (path starting with `/`).
