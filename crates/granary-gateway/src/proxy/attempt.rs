@@ -124,9 +124,7 @@ async fn prefill_on(
     let send = async {
         let mut a = up.post(endpoint.path(), headers, payload.into()).await?;
         if a.status.is_success() {
-            while let Some(chunk) = a.body.next().await {
-                chunk.map_err(|e| SendError::Other(e.to_string()))?;
-            }
+            a.read_all(64 << 20).await?;
         }
         Ok::<_, SendError>(a.status)
     };

@@ -64,14 +64,8 @@ async fn embed(
     let answer = async {
         let mut a =
             up.post("/v1/embeddings", headers_to(&up, p, request_id), payload).await.map_err(|e| e.to_string())?;
-        let mut bytes = Vec::new();
-        while let Some(chunk) = a.body.next().await {
-            bytes.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
-            if bytes.len() > 64 << 20 {
-                return Err("answer over 64 MiB".to_string());
-            }
-        }
-        Ok((a.status, bytes))
+        let bytes = a.read_all(64 << 20).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>((a.status, bytes))
     };
     let (status, bytes) = tokio::time::timeout(gw.cfg.first_byte_timeout(), answer)
         .await

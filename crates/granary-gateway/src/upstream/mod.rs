@@ -184,6 +184,8 @@ pub struct Upstream {
     metrics: Arc<GatewayMetrics>,
     /// The generation endpoints' URLs, parsed once (not per request).
     generation_urls: Vec<(&'static str, reqwest::Url)>,
+    /// `auth` as a header value, built once (marked sensitive).
+    auth_header: Option<axum::http::HeaderValue>,
     /// The plain HTTP pool for generation requests (`http://` upstreams).
     plain: Option<wire::PlainWire>,
 }
@@ -218,8 +220,18 @@ impl Upstream {
             .filter_map(|p| Some((p, reqwest::Url::parse(&format!("{base}{p}")).ok()?)))
             .collect();
         let plain = wire::PlainWire::new(base, &GENERATION_PATHS, section.connect_timeout());
+        let auth_header = match &auth {
+            Some(a) => {
+                let mut v = axum::http::HeaderValue::from_str(a)
+                    .with_context(|| format!("upstream {}: the API key is not a valid header value", cfg.name))?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
         let u = Upstream {
             generation_urls,
+            auth_header,
             plain,
             id,
             client,
@@ -260,9 +272,8 @@ impl Upstream {
         mut headers: axum::http::HeaderMap,
         payload: bytes::Bytes,
     ) -> Result<Answer, SendError> {
-        if let Some(a) = &self.auth {
-            let v = axum::http::HeaderValue::from_str(a).map_err(|_| SendError::Other("bad API key header".into()))?;
-            headers.insert(axum::http::header::AUTHORIZATION, v);
+        if let Some(v) = &self.auth_header {
+            headers.insert(axum::http::header::AUTHORIZATION, v.clone());
         }
         if let Some((w, uri)) = self.plain.as_ref().and_then(|w| Some((w, w.uri(path)?))) {
             return w.post(uri, headers, payload).await;

@@ -92,14 +92,7 @@ impl PlainWire {
         *req.method_mut() = Method::POST;
         *req.uri_mut() = uri.clone();
         *req.headers_mut() = headers;
-        let resp = self.client.request(req).await.map_err(|e| {
-            let why = error_chain(&e);
-            if e.is_connect() {
-                SendError::Connect(why)
-            } else {
-                SendError::Other(why)
-            }
-        })?;
+        let resp = self.client.request(req).await.map_err(|e| send_error(&e, e.is_connect()))?;
         let (head, body) = resp.into_parts();
         let body = BodyDataStream::new(body).map_err(|e| Box::new(e) as BodyError);
         Ok(Answer { status: head.status, headers: head.headers, body: Box::pin(body) })
@@ -113,17 +106,36 @@ pub(super) async fn post_reqwest(
     headers: HeaderMap,
     payload: Bytes,
 ) -> Result<Answer, SendError> {
-    let resp = client.post(url).headers(headers).body(payload).send().await.map_err(|e| {
-        let why = error_chain(&e);
-        if e.is_connect() {
-            SendError::Connect(why)
-        } else {
-            SendError::Other(why)
-        }
-    })?;
+    let resp =
+        client.post(url).headers(headers).body(payload).send().await.map_err(|e| send_error(&e, e.is_connect()))?;
     let (status, headers) = (resp.status(), resp.headers().clone());
     let body = resp.bytes_stream().map_err(|e| Box::new(e) as BodyError);
     Ok(Answer { status, headers, body: Box::pin(body) })
+}
+
+impl Answer {
+    /// The whole body, refused past `max` bytes.
+    pub async fn read_all(&mut self, max: usize) -> Result<Vec<u8>, SendError> {
+        use futures::StreamExt;
+        let mut bytes = Vec::new();
+        while let Some(chunk) = self.body.next().await {
+            bytes.extend_from_slice(&chunk.map_err(|e| SendError::Other(e.to_string()))?);
+            if bytes.len() > max {
+                return Err(SendError::Other(format!("answer over {max} bytes")));
+            }
+        }
+        Ok(bytes)
+    }
+}
+
+/// A client's error as a [`SendError`], with its causes.
+fn send_error(e: &(dyn std::error::Error + 'static), connect: bool) -> SendError {
+    let why = error_chain(e);
+    if connect {
+        SendError::Connect(why)
+    } else {
+        SendError::Other(why)
+    }
 }
 
 /// An error with its causes, `outer: inner: root`.
