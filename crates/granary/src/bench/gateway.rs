@@ -105,11 +105,24 @@ async fn serve_upstream() -> Result<()> {
     Ok(())
 }
 
-/// nginx, killed when dropped.
+/// nginx, stopped when dropped: SIGTERM to the master, which stops its
+/// workers (a SIGKILL would leave them running, orphaned), and SIGKILL only
+/// if it has not exited within five seconds.
 struct Nginx(Child);
 
 impl Drop for Nginx {
     fn drop(&mut self) {
+        if let Ok(pid) = i32::try_from(self.0.id()) {
+            // SAFETY: `kill` on our own child's pid, which we have not reaped.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.0.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
