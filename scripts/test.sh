@@ -9,6 +9,8 @@
 #
 #   scripts/test.sh            everything
 #   FUZZ_SECONDS=0 scripts/test.sh   skip fuzzing
+#   GRANARY_CUDA_BUILD=0 scripts/test.sh   skip the CUDA build
+#   GRANARY_CUDA_CAPS=90 scripts/test.sh    the CUDA build for one GPU generation
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -182,6 +184,37 @@ if [ "${FUZZ_SECONDS:-15}" != 0 ] && [ -d fuzz ]; then
   for target in $(cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz list); do
     (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" -- -max_total_time="${FUZZ_SECONDS:-15}" -rss_limit_mb=2048) 2>&1 | tail -n 3
   done
+fi
+# The CUDA build (docs/engine.md, "Building it"): the CUDA 13 toolkit from
+# PyPI, the binary built with `--features cuda` for each compute capability
+# in GRANARY_CUDA_CAPS (candle compiles its kernels for one per build, about
+# 8 minutes each here), and the engine's device tests for the last. No GPU
+# is here, so nothing runs on one (scripts/gpu-check.sh does, on a GPU
+# machine); against the stub driver the binary must load and refuse
+# `--device cuda` in one line, and the device tests must say they skipped
+# CUDA. The plain binary is put back afterwards (cargo keeps both builds).
+if [ "${GRANARY_CUDA_BUILD:-1}" = 1 ] && [ "$(uname -m)" = x86_64 ]; then
+  caps=${GRANARY_CUDA_CAPS:-80 90}
+  echo "== CUDA build (granary --features cuda, compute capability: $caps)"
+  (
+    # shellcheck source=scripts/cuda-toolkit.sh
+    source scripts/cuda-toolkit.sh
+    for cap in $caps; do
+      echo "-- compute capability $cap"
+      CUDA_COMPUTE_CAP=$cap cargo build -q -p granary --features cuda
+    done
+    export CUDA_COMPUTE_CAP=$cap
+    stub="$CUDA_ROOT/lib/stubs:$CUDA_ROOT/lib"
+    out=$(LD_LIBRARY_PATH=$stub target/debug/granary engine --device cuda --model /nonexistent/model.gguf 2>&1 || true)
+    echo "$out"
+    grep -q 'CUDA_ERROR_STUB_LIBRARY' <<<"$out" || { echo "the CUDA build did not reach the driver" >&2; exit 1; }
+    cargo test -q --no-run -p granary -p granary-engine --features granary/cuda --test model_reference --test reuse
+    out=$(LD_LIBRARY_PATH=$stub cargo test -q -p granary -p granary-engine --features granary/cuda \
+      --test model_reference -- kv_blocks_cross --nocapture 2>&1)
+    grep -E '^SKIPPED|^test result' <<<"$out"
+    grep -q '^SKIPPED on cuda: no CUDA device is visible' <<<"$out" || { echo "the device tests did not try CUDA" >&2; exit 1; }
+  )
+  cargo build -q -p granary
 fi
 echo "== disk used by build output: $(du -sh target 2>/dev/null | cut -f1) (target), $(du -sh fuzz/target 2>/dev/null | cut -f1) (fuzz/target)"
 echo "== all checks passed"

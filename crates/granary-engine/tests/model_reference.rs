@@ -4,6 +4,7 @@
 
 mod common;
 
+use candle_core::Device;
 use granary_engine::model::{Chunk, LoadOptions, Model};
 
 /// Largest allowed |engine − llama.cpp| over the reference's 128 highest
@@ -130,14 +131,25 @@ fn serving_weights_match_llama_cpp_logits() {
 /// (Dequantized weights multiply f32 activations where llama.cpp quantizes
 /// them to 8 bits, so near ties may fall the other way than in llama.cpp;
 /// the host kernels' int8 path is held to llama.cpp's ties above.)
+/// Run on every device [`common::tensor_devices`] lists (CUDA where a GPU
+/// is visible).
 #[test]
 fn tensor_path_matches_host_kernels_and_llama_cpp() {
     let Some(path) = common::default_model() else { return };
-    let load = |tensor_ops| {
-        let opts = LoadOptions { quantized_decode: false, tensor_ops, ..LoadOptions::default() };
-        Model::load(&path, &opts).unwrap()
-    };
-    let (host, tensor) = (load(false), load(true));
+    let host = load_dense(&path, Device::Cpu, false);
+    for (name, device) in common::tensor_devices() {
+        tensor_path_matches(&host, &load_dense(&path, device, true), name);
+    }
+}
+
+/// The model with dense f32 weights, on `device`, on the tensor path or
+/// (CPU only) the host kernels.
+fn load_dense(path: &std::path::Path, device: Device, tensor_ops: bool) -> Model {
+    let opts = LoadOptions { device, quantized_decode: false, tensor_ops, ..LoadOptions::default() };
+    Model::load(path, &opts).unwrap()
+}
+
+fn tensor_path_matches(host: &Model, tensor: &Model, device: &str) {
     let row_of = |t: Option<candle_core::Tensor>| t.unwrap().to_vec2::<f32>().unwrap().remove(0);
     let mut worst_step = 0f32;
     let mut worst_first = 0f32;
@@ -149,7 +161,7 @@ fn tensor_path_matches_host_kernels_and_llama_cpp() {
             let t = row_of(tensor.forward(&mut [Chunk { tokens, kv: &mut tk, logits: true }]).unwrap());
             let d = largest_difference(&h, &t);
             worst_step = worst_step.max(d);
-            assert!(d < 0.05, "{:?} step {step}: tensor path and host kernels differ by {d}", case.prompt);
+            assert!(d < 0.05, "{device} {:?} step {step}: tensor path and host kernels differ by {d}", case.prompt);
             if step == 0 {
                 let checked = if is_chat(&case.prompt) { &case.top_logits[..1] } else { &case.top_logits[..] };
                 for &(id, want) in checked {
@@ -157,7 +169,7 @@ fn tensor_path_matches_host_kernels_and_llama_cpp() {
                     worst_first = worst_first.max(d);
                     assert!(
                         d <= LOGIT_TOLERANCE,
-                        "{:?}: logit of {id} is {} vs llama.cpp {want}",
+                        "{device} {:?}: logit of {id} is {} vs llama.cpp {want}",
                         case.prompt,
                         t[id as usize]
                     );
@@ -168,7 +180,22 @@ fn tensor_path_matches_host_kernels_and_llama_cpp() {
             }
         }
     }
-    eprintln!("tensor path: largest logit difference from the host kernels {worst_step:.4} over every step; first step vs llama.cpp {worst_first:.3} (tolerance {LOGIT_TOLERANCE})");
+    eprintln!("tensor path on {device}: largest logit difference from the host kernels {worst_step:.4} over every step; first step vs llama.cpp {worst_first:.3} (tolerance {LOGIT_TOLERANCE})");
+}
+
+/// On a GPU, the GGUF's quantized weights kept as stored on the device
+/// (the serving default there) match llama.cpp as the host's serving
+/// weights do. Skipped, with a line saying so, where no GPU is visible.
+#[test]
+fn device_quantized_weights_match_llama_cpp() {
+    let Some(path) = common::default_model() else { return };
+    let devices: Vec<_> = common::tensor_devices().into_iter().filter(|(_, d)| !d.is_cpu()).collect();
+    for (name, device) in devices {
+        let model = Model::load(&path, &LoadOptions { device, ..LoadOptions::default() }).unwrap();
+        let g = check(&model, &format!("{name} quantized"));
+        let exact: usize = g.iter().map(|g| g.exact).sum();
+        assert!(exact * 10 >= 8 * 4 * 32, "{name}: only {exact} of 128 greedy steps are exact: {g:?}");
+    }
 }
 
 fn all_prompt_ids() -> Vec<u32> {
@@ -187,9 +214,10 @@ fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
 fn chunked_prefill_and_token_by_token_agree() {
     let Some(path) = common::default_model() else { return };
     let ids = all_prompt_ids();
-    for tensor_ops in [false, true] {
-        let opts = LoadOptions { quantized_decode: false, tensor_ops, ..LoadOptions::default() };
-        let model = Model::load(&path, &opts).unwrap();
+    let paths = std::iter::once(("host kernels", Device::Cpu, false))
+        .chain(common::tensor_devices().into_iter().map(|(name, d)| (name, d, true)));
+    for (name, device, tensor_ops) in paths {
+        let model = load_dense(&path, device, tensor_ops);
         let last = |chunks: &[&[u32]]| {
             let mut kv = model.new_kv(16);
             let mut out = None;
@@ -203,9 +231,9 @@ fn chunked_prefill_and_token_by_token_agree() {
         let one = last(&[&ids]);
         let singles: Vec<&[u32]> = ids.chunks(1).collect();
         let halves: Vec<&[u32]> = ids.chunks(ids.len() / 2 + 1).collect();
-        for (name, other) in [("token by token", last(&singles)), ("two chunks", last(&halves))] {
+        for (how, other) in [("token by token", last(&singles)), ("two chunks", last(&halves))] {
             let worst = largest_difference(&one, &other);
-            assert!(worst < 0.02, "tensor_ops {tensor_ops}, {name}: logits differ from one chunk by {worst}");
+            assert!(worst < 0.02, "{name} (tensor_ops {tensor_ops}), {how}: logits differ from one chunk by {worst}");
         }
     }
 }
@@ -217,11 +245,13 @@ fn chunked_prefill_and_token_by_token_agree() {
 #[test]
 fn kv_blocks_cross_between_host_and_tensor_paths() {
     let Some(path) = common::default_model() else { return };
-    let load = |tensor_ops| {
-        let opts = LoadOptions { quantized_decode: false, tensor_ops, ..LoadOptions::default() };
-        Model::load(&path, &opts).unwrap()
-    };
-    let (host, tensor) = (load(false), load(true));
+    let host = load_dense(&path, Device::Cpu, false);
+    for (name, device) in common::tensor_devices() {
+        blocks_cross(&host, &load_dense(&path, device, true), name);
+    }
+}
+
+fn blocks_cross(host: &Model, tensor: &Model, device: &str) {
     let ids = all_prompt_ids();
     let bt = 16;
     let full = (ids.len() - 1) / bt;
@@ -230,7 +260,8 @@ fn kv_blocks_cross_between_host_and_tensor_paths() {
         let l = m.forward(&mut [Chunk { tokens, kv, logits: true }]).unwrap();
         l.unwrap().to_vec2::<f32>().unwrap().remove(0)
     };
-    for (from, to, name) in [(&host, &tensor, "host -> tensor"), (&tensor, &host, "tensor -> host")] {
+    let (there, back) = (format!("host -> tensor on {device}"), format!("tensor on {device} -> host"));
+    for (from, to, name) in [(host, tensor, &there), (tensor, host, &back)] {
         let mut src = from.new_kv(bt);
         logits(from, &mut src, &ids);
         let mut dst = to.new_kv(bt);

@@ -180,9 +180,12 @@ async fn reuse_from_remote_tier_is_exact() {
     check_tier(Tier::Remote).await;
 }
 
-/// The accelerator path (KV as tensors, exported and imported by copies;
-/// run here on the CPU) reuses blocks from disk as exactly.
+/// The accelerator path (KV as tensors, exported and imported by copies)
+/// reuses blocks from disk as exactly: on the CPU, and on a GPU where one
+/// is visible ([`common::tensor_devices`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reuse_on_the_tensor_path_is_exact() {
-    check_tier_with(Tier::Disk, LoadOptions { tensor_ops: true, ..LoadOptions::default() }).await;
+    for (_, device) in common::tensor_devices() {
+        check_tier_with(Tier::Disk, LoadOptions { device, tensor_ops: true, ..LoadOptions::default() }).await;
+    }
 }

@@ -223,11 +223,17 @@ fn device(spec: &str) -> Result<candle_core::Device> {
         "cpu" => Ok(candle_core::Device::Cpu),
         s if s == "cuda" || s.starts_with("cuda:") => {
             let n: usize = s.strip_prefix("cuda:").map_or(Ok(0), str::parse).context("--device cuda:N")?;
-            candle_core::Device::new_cuda(n).with_context(|| {
-                format!("--device {s}: CUDA is unavailable (build with `--features cuda` on a host with a GPU)")
+            if !candle_core::utils::cuda_is_available() {
+                bail!("--device {s}: this build has no CUDA support (build with `--features cuda`, docs/engine.md)");
+            }
+            // The driver's error, first line only: candle appends a
+            // backtrace to it under RUST_BACKTRACE.
+            candle_core::Device::new_cuda(n).map_err(|e| {
+                let why = e.to_string();
+                anyhow::anyhow!("--device {s}: no usable CUDA device {n}: {}", why.lines().next().unwrap_or_default())
             })
         }
-        other => bail!("--device {other:?}: expected cpu or cuda[:N]"),
+        other => bail!("--device {other}: expected cpu or cuda[:N]"),
     }
 }
 
@@ -272,12 +278,14 @@ fn since_process_start_ms() -> f64 {
 /// Loads the model and tokenizer, reporting progress.
 pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
     let src: ModelSource = args.model.parse()?;
+    // The device before the model: a wrong --device fails before a download.
+    let device = device(&args.device)?;
     let resolved = src.resolve()?;
     let before_load_ms = since_process_start_ms();
     let started = Instant::now();
     eprintln!("granary: loading {} ...", resolved.path.display());
     let opts = LoadOptions {
-        device: device(&args.device)?,
+        device,
         max_context: args.max_context,
         checkpoint: checkpoint_path(&args.checkpoint, &resolved.path),
         ..Default::default()

@@ -327,3 +327,26 @@ fn an_http2_client_resetting_its_stream_stops_its_generation() {
     let status = rt.block_on(async { resp.await.expect("a response on the same connection").status() });
     assert_eq!(status, 200);
 }
+
+/// `--device cuda` on a build without CUDA (and an unknown device) stops
+/// with status 1 and one line naming the flag, before any model is read:
+/// the model path given does not exist.
+#[test]
+fn an_unavailable_device_is_one_line_naming_the_flag() {
+    let cases: &[(&str, &str)] = if cfg!(feature = "cuda") {
+        &[("tpu", "expected cpu or cuda[:N]")]
+    } else {
+        &[("cuda", "no CUDA support"), ("cuda:1", "no CUDA support"), ("tpu", "expected cpu or cuda[:N]")]
+    };
+    for (device, want) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_granary"))
+            .args(["engine", "--device", device, "--model", "/nonexistent/model.gguf"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "--device {device}: {stderr}");
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "--device {device}: {stderr}");
+        assert!(lines[0].contains(&format!("--device {device}")) && lines[0].contains(want), "{stderr}");
+    }
+}

@@ -31,12 +31,30 @@ pub(super) enum Hold {
     Convert,
 }
 
-/// How a `[n, k]` weight stored as `dtype` is held; `quantize`: the
-/// matmul runs quantized on the host (not dense f32 only, not on an
-/// accelerator).
-pub(super) fn hold(dtype: GgmlDType, n: usize, k: usize, quantize: bool) -> Hold {
-    if !quantize {
-        return Hold::Convert;
+/// Where a weight's matmuls run and whether they may use quantized
+/// weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Target {
+    /// Dense f32 only (on the host, or the tensor path on any device).
+    Dense,
+    /// Quantized on the host, with the engine's tiles or GGML's kernels.
+    HostQuantized,
+    /// Quantized on an accelerator: every block-quantized GGUF type stays
+    /// as stored and is multiplied by candle's device kernels for it
+    /// (dequantizing on the device where a batch is large), so the
+    /// device holds the file's bits and no f32 copy.
+    DeviceQuantized,
+}
+
+/// How a `[n, k]` weight stored as `dtype` is held for matmuls on `target`.
+pub(super) fn hold(dtype: GgmlDType, n: usize, k: usize, target: Target) -> Hold {
+    match target {
+        Target::Dense => return Hold::Convert,
+        Target::DeviceQuantized => {
+            let float = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+            return if float || !k.is_multiple_of(dtype.block_size()) { Hold::Convert } else { Hold::Stored };
+        }
+        Target::HostQuantized => {}
     }
     let tiles = qmatmul::Q8Matrix::supported() && qmatmul::Q8Matrix::fits(n, k) && int4_enabled();
     let k_quant = matches!(dtype, GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K);

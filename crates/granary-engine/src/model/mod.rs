@@ -55,7 +55,10 @@ pub struct LoadOptions {
     pub device: Device,
     /// Multiply by quantized weights on the host: int8 or 4-bit tiles,
     /// GGUF K-quants as stored, or (without AVX-512 VNNI) a Q8_0 copy for
-    /// few-row matmuls. `false`: dense f32 only.
+    /// few-row matmuls. On an accelerator: every block-quantized GGUF
+    /// weight stays on the device as stored, multiplied by candle's device
+    /// kernels ([`linear::Target::DeviceQuantized`]). `false`: dense f32
+    /// only.
     pub quantized_decode: bool,
     /// Multiply by the GGUF's tensors as stored, in every matmul (as
     /// llama.cpp does), instead of dequantized copies. Slow on CPU for

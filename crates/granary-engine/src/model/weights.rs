@@ -243,10 +243,15 @@ impl Model {
     ) -> Result<Self> {
         let host = opts.device.is_cpu() && !opts.tensor_ops;
         let quantize = opts.quantized_decode && host;
+        let target = match (opts.quantized_decode, host, opts.device.is_cpu()) {
+            (true, true, _) => linear::Target::HostQuantized,
+            (true, false, false) => linear::Target::DeviceQuantized,
+            _ => linear::Target::Dense,
+        };
         let native = opts.native_quant;
         // How each stored weight is held (`linear::hold`).
         let hold_of = |src: &dyn TensorSource, name: &str| {
-            src.stored(name).map(|(dtype, n, k)| linear::hold(dtype, n, k, quantize))
+            src.stored(name).map(|(dtype, n, k)| linear::hold(dtype, n, k, target))
         };
         // One weight matrix by its full name, with its bias.
         let weight = |src: &mut dyn TensorSource, name: &str, b: Option<Tensor>| -> Result<Linear> {

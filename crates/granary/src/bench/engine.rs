@@ -59,6 +59,9 @@ pub struct Args {
     /// Prompt length in tokens.
     #[arg(long, default_value_t = 512)]
     prompt_tokens: usize,
+    /// Device of granary's engine (the llama.cpp anchor runs on the CPU): cpu, or cuda[:N] in a build with `--features cuda`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Tokens generated per stream.
     #[arg(long, default_value_t = 64)]
     gen_tokens: usize,
@@ -202,6 +205,8 @@ struct Report {
     release_build: bool,
     model: String,
     model_path: PathBuf,
+    /// granary's engine's `--device`.
+    device: String,
     prompt_tokens: usize,
     gen_tokens: usize,
     max_batch_tokens: usize,
@@ -244,7 +249,8 @@ pub async fn run(mut args: Args) -> Result<()> {
     println!("Host:     {}", host.describe());
     println!("Build:    {}", if release { "release" } else { "debug (figures not representative)" });
     println!("Threads:  {threads} for each engine; {} alternating rounds", args.rounds);
-    let m = llm::load(&args.model)?;
+    let m = llm::load(&args.model, &args.device)?;
+    println!("Device:   {} (granary's engine)", args.device);
     let context = m.model.context_len();
     anyhow::ensure!(
         args.prompt_tokens + args.gen_tokens <= context,
@@ -331,6 +337,7 @@ pub async fn run(mut args: Args) -> Result<()> {
         release_build: release,
         model: m.id.clone(),
         model_path: m.path.clone(),
+        device: args.device.clone(),
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         max_batch_tokens: args.max_batch_tokens,

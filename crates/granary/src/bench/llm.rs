@@ -27,9 +27,9 @@ pub struct Loaded {
     pub kv_bytes_per_token: usize,
 }
 
-/// Loads `source` (a `--model` value) on the CPU exactly as `granary
-/// engine` does.
-pub fn load(source: &str) -> Result<Loaded> {
+/// Loads `source` (a `--model` value) on `device` (a `--device` value:
+/// `cpu`, `cuda[:N]`) exactly as `granary engine` does.
+pub fn load(source: &str, device: &str) -> Result<Loaded> {
     let args = ModelArgs {
         model: source.to_string(),
         model_id: None,
@@ -40,7 +40,7 @@ pub fn load(source: &str) -> Result<Loaded> {
         kv_cache: ByteSize::mib(512),
         kv_memory: None,
         max_context: None,
-        device: "cpu".into(),
+        device: device.to_string(),
         trust_namespace_header: false,
         tokenizer: None,
         sampling: None,

@@ -82,6 +82,9 @@ pub struct Args {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 256)]
     block_tokens: usize,
+    /// Device of the engine: cpu, or cuda[:N] in a build with `--features cuda`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Directory for ttft.json and the charts.
     #[arg(long, default_value = "bench-out/ttft")]
     out: PathBuf,
@@ -267,6 +270,8 @@ struct Report {
     quick: bool,
     model: String,
     model_path: PathBuf,
+    /// granary's engine's `--device`.
+    device: String,
     block_tokens: usize,
     kv_bytes_per_token: usize,
     context_len: usize,
@@ -325,7 +330,8 @@ pub async fn run(args: Args) -> Result<()> {
         if args.quick { "; --quick (smoke-test, figures not representative)" } else { "" }
     );
 
-    let m = llm::load(&args.model)?;
+    let m = llm::load(&args.model, &args.device)?;
+    println!("Device:   {} (granary's engine)", args.device);
     let context = m.model.context_len();
     println!(
         "Model:    {} ({}), context {context}, KV {} B/token (f16), {}-token blocks ({:.1} MiB)",
@@ -426,6 +432,7 @@ pub async fn run(args: Args) -> Result<()> {
         quick: args.quick,
         model: m.id.clone(),
         model_path: m.path.clone(),
+        device: args.device.clone(),
         block_tokens: args.block_tokens,
         kv_bytes_per_token: m.kv_bytes_per_token,
         context_len: context,
