@@ -10,7 +10,7 @@
 #   scripts/test.sh            everything
 #   FUZZ_SECONDS=0 scripts/test.sh   skip fuzzing
 #   GRANARY_CUDA_BUILD=0 scripts/test.sh   skip the CUDA build
-#   GRANARY_CUDA_CAPS=90 scripts/test.sh    the CUDA build for one GPU generation
+#   GRANARY_CUDA_CAPS="80 90" scripts/test.sh   the CUDA build for A100 and H100
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -188,13 +188,14 @@ fi
 # The CUDA build (docs/engine.md, "Building it"): the CUDA 13 toolkit from
 # PyPI, the binary built with `--features cuda` for each compute capability
 # in GRANARY_CUDA_CAPS (candle compiles its kernels for one per build, about
-# 8 minutes each here), and the engine's device tests for the last. No GPU
+# 10 minutes each here, so CI builds 90 only, H100/H200; `80 90` builds A100
+# too), and the engine's device tests for the last. No GPU
 # is here, so nothing runs on one (scripts/gpu-check.sh does, on a GPU
 # machine); against the stub driver the binary must load and refuse
 # `--device cuda` in one line, and the device tests must say they skipped
 # CUDA. The plain binary is put back afterwards (cargo keeps both builds).
 if [ "${GRANARY_CUDA_BUILD:-1}" = 1 ] && [ "$(uname -m)" = x86_64 ]; then
-  caps=${GRANARY_CUDA_CAPS:-80 90}
+  caps=${GRANARY_CUDA_CAPS:-90}
   echo "== CUDA build (granary --features cuda, compute capability: $caps)"
   (
     # shellcheck source=scripts/cuda-toolkit.sh
