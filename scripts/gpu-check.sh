@@ -44,8 +44,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])' |
     while read -r name exe; do cp "$exe" "$out/tests/$name"; done
-  "$out/granary" fetch default >/dev/null
-  cp "$(find "${XDG_CACHE_HOME:-$HOME/.cache}/granary" -name '*.gguf' | head -n 1)" "$out/model.gguf"
+  cp "$("$out/granary" fetch default)" "$out/model.gguf"
   if [ "${GPU_CHECK_BUNDLE_LIBS:-0}" = 1 ]; then
     mkdir -p "$out/lib"
     cp -L "$CUDA_ROOT"/lib/lib{cublas,cublasLt,curand,nvrtc,cudart}.so.* "$CUDA_ROOT"/lib/libnvrtc-builtins.so.* "$out/lib/"

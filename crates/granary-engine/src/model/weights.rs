@@ -242,12 +242,12 @@ impl Model {
         name: impl Fn(usize, Part) -> String,
     ) -> Result<Self> {
         let host = opts.device.is_cpu() && !opts.tensor_ops;
-        let quantize = opts.quantized_decode && host;
         let target = match (opts.quantized_decode, host, opts.device.is_cpu()) {
             (true, true, _) => linear::Target::HostQuantized,
             (true, false, false) => linear::Target::DeviceQuantized,
             _ => linear::Target::Dense,
         };
+        let quantize = target == linear::Target::HostQuantized;
         let native = opts.native_quant;
         // How each stored weight is held (`linear::hold`).
         let hold_of = |src: &dyn TensorSource, name: &str| {
