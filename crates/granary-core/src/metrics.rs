@@ -143,6 +143,10 @@ pub mod engine {
     pub const RESUMED_TOKENS: &str = "granary_engine_resumed_kv_tokens_total";
     /// Sequences set aside for KV memory now (gauge).
     pub const PREEMPTED: &str = "granary_engine_preempted_requests";
+    /// Logits brought from the device to the host for next-token choices
+    /// (counter; tensor path only: greedy rows bring one id, rows cut by
+    /// `min_p` or `top_k` their candidate blocks).
+    pub const LOGITS_TO_HOST: &str = "granary_engine_logits_to_host_total";
 
     pub const ALL: &[&str] = &[
         TTFT_SECONDS,
@@ -162,6 +166,7 @@ pub mod engine {
         PREEMPTIONS,
         RESUMED_TOKENS,
         PREEMPTED,
+        LOGITS_TO_HOST,
     ];
 }
 

@@ -48,6 +48,8 @@ pub struct EngineMetrics {
     pub request_seconds: Histogram,
     pub prompt_tokens: Family<Labels, Counter>,
     pub generated: Counter,
+    /// Logits the tensor path brought to the host to choose tokens.
+    pub logits_to_host: Counter,
     pub requests: Family<Labels, Counter>,
     pub running: Gauge,
     pub waiting: Gauge,
@@ -81,6 +83,7 @@ impl EngineMetrics {
             request_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 16)),
             prompt_tokens: Family::default(),
             generated: Counter::default(),
+            logits_to_host: Counter::default(),
             requests: Family::default(),
             running: Gauge::default(),
             waiting: Gauge::default(),
@@ -106,6 +109,11 @@ impl EngineMetrics {
             m.prompt_tokens.clone(),
         );
         registry.register(base(names::GENERATED_TOKENS), "Tokens generated", m.generated.clone());
+        registry.register(
+            base(names::LOGITS_TO_HOST),
+            "Logits brought from the device to choose tokens",
+            m.logits_to_host.clone(),
+        );
         registry.register(base(names::REQUESTS), "Requests by outcome", m.requests.clone());
         registry.register(names::RUNNING, "Requests in the running batch", m.running.clone());
         registry.register(names::WAITING, "Requests waiting to run", m.waiting.clone());

@@ -11,6 +11,7 @@
 //! join between steps, without waiting for running ones to finish.
 
 mod cache;
+mod device_pick;
 mod health;
 pub mod metrics;
 mod preempt;

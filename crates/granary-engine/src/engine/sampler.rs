@@ -35,7 +35,7 @@ impl History {
 }
 
 /// Whether `p` changes any logit before the choice.
-fn adjusts(p: &SamplingParams) -> bool {
+pub fn adjusts(p: &SamplingParams) -> bool {
     !p.logit_bias.is_empty() || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 || p.repetition_penalty != 1.0
 }
 
@@ -83,15 +83,7 @@ fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
         return argmax(logits);
     }
     let t = p.temperature;
-    // Candidates as (id, logit), only those that survive min_p.
-    let threshold = if p.min_p > 0.0 { max + t * p.min_p.ln() } else { f32::NEG_INFINITY };
-    let mut cand: Vec<(u32, f32)> = if p.top_k == 0 && p.min_p <= 0.0 && p.top_p >= 1.0 {
-        Vec::new()
-    } else {
-        logits.iter().enumerate().filter(|(_, &l)| l >= threshold).map(|(i, &l)| (i as u32, l)).collect()
-    };
-    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    if p.top_k == 0 && p.min_p <= 0.0 && p.top_p >= 1.0 {
+    if !cuts(p) {
         // No cut: draw from the whole distribution.
         let inv_t = 1.0 / t;
         let total: f32 = logits.iter().map(|&l| ((l - max) * inv_t).exp()).sum();
@@ -105,11 +97,41 @@ fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
         }
         return argmax(logits);
     }
+    let threshold = min_p_threshold(p, max);
+    let cand: Vec<(u32, f32)> =
+        logits.iter().enumerate().filter(|(_, &l)| l >= threshold).map(|(i, &l)| (i as u32, l)).collect();
+    choose_among(cand, max, p, rng)
+}
+
+/// Whether `p` cuts the distribution (`top_k`, `top_p` or `min_p`).
+pub fn cuts(p: &SamplingParams) -> bool {
+    p.top_k > 0 || p.min_p > 0.0 || p.top_p < 1.0
+}
+
+/// The lowest logit `min_p` keeps, given the row's highest (`-inf`
+/// without `min_p`): `p >= min_p * p_max` is `l >= l_max + T ln(min_p)`.
+pub fn min_p_threshold(p: &SamplingParams, max: f32) -> f32 {
+    if p.min_p > 0.0 {
+        max + p.temperature * p.min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    }
+}
+
+/// The choice among `cand`: every token whose logit is at or above
+/// [`min_p_threshold`], in id order, with `max` the row's highest logit
+/// (`temperature > 0` and [`cuts`]); with `top_k`, tokens that cannot be
+/// among the `top_k` best may be left out. The result depends only on
+/// that, not on how the set was found: the host passes a whole row's
+/// survivors, the device path ([`super::device_pick`]) those of the blocks
+/// that can hold one.
+pub fn choose_among(mut cand: Vec<(u32, f32)>, max: f32, p: &SamplingParams, rng: &mut StdRng) -> u32 {
+    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     if p.top_k > 0 && cand.len() > p.top_k {
         cand.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
         cand.truncate(p.top_k);
     }
-    let inv_t = 1.0 / t;
+    let inv_t = 1.0 / p.temperature;
     if p.top_p < 1.0 {
         let total: f32 = cand.iter().map(|&(_, l)| ((l - max) * inv_t).exp()).sum();
         let want = p.top_p * total;
@@ -139,6 +161,11 @@ fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
             }
         }
     }
+    // The draw walks the survivors in id order, whatever order the cuts
+    // left them in.
+    if !cand.is_sorted_by_key(|c| c.0) {
+        cand.sort_unstable_by_key(|c| c.0);
+    }
     let weights: Vec<f32> = cand.iter().map(|&(_, l)| ((l - max) * inv_t).exp()).collect();
     let total: f32 = weights.iter().sum();
     let mut r = rng.random::<f32>() * total;
@@ -148,7 +175,7 @@ fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
         }
         r -= w;
     }
-    cand.iter().max_by(|a, b| a.1.total_cmp(&b.1)).map_or_else(|| argmax(logits), |c| c.0)
+    cand.iter().max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0))).map_or(0, |c| c.0)
 }
 
 /// Log probabilities of `chosen` and the `top` most likely tokens, from the

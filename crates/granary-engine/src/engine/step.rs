@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 
 use tracing::Instrument;
 
+use super::device_pick::{self, Row};
 use super::{preempt, sampler, Admitted, Fault, KvEvent, Role, SaveJob, Shared, Source};
 use crate::model::{Chunk, KvCache};
 use crate::{Event, FinishReason, GenerateRequest, Usage};
@@ -498,8 +499,26 @@ impl StepLoop {
             }
             self.sh.model.forward(&mut chunks)?
         };
-        let rows = match logits {
-            Some(t) => t.to_vec2::<f32>()?,
+        let rows: Vec<Row> = match logits {
+            // The tensor path: the vocabulary-wide part of each choice is
+            // made where the logits are.
+            Some(t) if !self.sh.model.host_kernels() => {
+                let how: Vec<Option<&crate::SamplingParams>> = plan
+                    .iter()
+                    .filter(|p| p.3)
+                    .map(|&(i, ..)| {
+                        let s = &self.running[i];
+                        let whole = s.req.constraint.is_some()
+                            || s.req.sampling.logprobs.is_some()
+                            || sampler::adjusts(&s.req.sampling);
+                        (!whole).then_some(&s.req.sampling)
+                    })
+                    .collect();
+                let rows = device_pick::rows(&t, &how)?;
+                self.sh.metrics.logits_to_host.inc_by(rows.iter().map(|r| r.moved() as u64).sum());
+                rows
+            }
+            Some(t) => t.to_vec2::<f32>()?.into_iter().map(Row::Full).collect(),
             None => Vec::new(),
         };
         let elapsed = started.elapsed().as_secs_f64().max(1e-9);
@@ -539,16 +558,24 @@ impl StepLoop {
             if !want {
                 continue;
             }
-            let mut row = rows.next().expect("a logits row per chunk that asked");
+            let mut picked = rows.next().expect("a logits row per chunk that asked");
             let now = Instant::now();
             if let Some(c) = s.req.constraint.as_mut() {
-                if let Err(e) = c.mask(&mut row) {
+                let masked = match &mut picked {
+                    Row::Full(row) => c.mask(row),
+                    _ => Err(anyhow::anyhow!("the logits row was not brought to the host")),
+                };
+                if let Err(e) = masked {
                     let _ = s.tx.send(Event::Failed(format!("the output grammar failed: {e}")));
                     failed.push(i);
                     continue;
                 }
             }
-            let tok = sampler::sample(&row, &s.req.sampling, &s.history, &mut s.rng);
+            let tok = match &picked {
+                Row::Full(row) => sampler::sample(row, &s.req.sampling, &s.history, &mut s.rng),
+                Row::Token(t) => *t,
+                Row::Among { max, cand, .. } => sampler::choose_among(cand.clone(), *max, &s.req.sampling, &mut s.rng),
+            };
             if s.last_token.is_none() {
                 self.sh.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());
                 s.first_token_span = None;
@@ -577,8 +604,8 @@ impl StepLoop {
             s.output.push(tok);
             s.history.push(tok);
             self.sh.metrics.generated.inc();
-            if let Some(top) = s.req.sampling.logprobs {
-                let _ = s.tx.send(Event::Logprobs(Box::new(sampler::logprobs(&row, tok, top))));
+            if let (Some(top), Row::Full(row)) = (s.req.sampling.logprobs, &picked) {
+                let _ = s.tx.send(Event::Logprobs(Box::new(sampler::logprobs(row, tok, top))));
             }
             let _ = s.tx.send(Event::Token(tok));
             s.input = [tok];

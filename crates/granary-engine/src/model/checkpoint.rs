@@ -892,6 +892,7 @@ fn assemble(
         source: source.to_path_buf(),
         stamps,
         checkpoint_key: Some(key),
+        pools: Default::default(),
     })
 }
 

@@ -8,14 +8,19 @@
 //! memory is therefore never copied into the sequence, and a full block is
 //! handed to the cache and the warehouse without a copy either. Writing
 //! into a shared block (a fully cached prompt recomputing its last token)
-//! copies that one block first. On an accelerator the cache is a pair of
-//! device tensors per layer, `[kv_heads, capacity, head_dim]`.
+//! copies that one block first. On an accelerator the sequence holds ids
+//! of blocks in the model's device pool ([`KvPool`]); a block taken in
+//! from the warehouse waits in host memory and is copied to its pool
+//! block layer by layer, as the next forward step reaches each layer, so
+//! the first layers compute while the rest are still on their way.
+
+use std::sync::Arc;
 
 use anyhow::{bail, ensure, Result};
 use bytes::Bytes;
-use candle_core::{DType, Device, Tensor};
 use half::f16;
 
+use super::pool::KvPool;
 use super::simd;
 use super::ModelConfig;
 
@@ -46,7 +51,14 @@ impl AsRef<[u8]> for F16Bytes {
 
 enum Storage {
     Host(Vec<HostBlock>),
-    Device { k: Vec<Tensor>, v: Vec<Tensor>, cap: usize },
+    Pool {
+        pool: Arc<KvPool>,
+        /// The pool block of each of the sequence's blocks.
+        ids: Vec<u32>,
+        /// Blocks taken in and not yet on the device: (block index,
+        /// payload).
+        pending: Vec<(usize, Bytes)>,
+    },
 }
 
 /// KV of one sequence.
@@ -58,27 +70,49 @@ pub struct KvCache {
     head_dim: usize,
     block_tokens: usize,
     max_len: usize,
-    device: Device,
 }
 
 impl KvCache {
-    /// `host`: blocks in host memory, read by the engine's own kernels
-    /// (CPU only); otherwise per-layer tensors on `device`.
-    pub fn new(cfg: &ModelConfig, device: &Device, host: bool, block_tokens: usize, max_len: usize) -> Self {
-        let storage = if host && device.is_cpu() {
-            Storage::Host(Vec::new())
-        } else {
-            Storage::Device { k: Vec::new(), v: Vec::new(), cap: 0 }
-        };
+    /// Blocks in host memory, read by the engine's own kernels (CPU).
+    pub fn host(cfg: &ModelConfig, block_tokens: usize, max_len: usize) -> Self {
         KvCache {
-            storage,
+            storage: Storage::Host(Vec::new()),
             len: 0,
             layers: cfg.layers,
             kv_heads: cfg.kv_heads,
             head_dim: cfg.head_dim,
             block_tokens: block_tokens.max(1),
             max_len,
-            device: device.clone(),
+        }
+    }
+
+    /// Blocks of `pool`, read by tensor operations.
+    pub fn pooled(pool: Arc<KvPool>, max_len: usize) -> Self {
+        KvCache {
+            len: 0,
+            layers: pool.layers,
+            kv_heads: pool.kv_heads,
+            head_dim: pool.head_dim,
+            block_tokens: pool.block_tokens,
+            max_len,
+            storage: Storage::Pool { pool, ids: Vec::new(), pending: Vec::new() },
+        }
+    }
+
+    /// The pool, the pool block of each of the sequence's blocks, and the
+    /// blocks still waiting to be copied in (`None` for host caches).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn pool_blocks(&self) -> Option<(&Arc<KvPool>, &[u32], &[(usize, Bytes)])> {
+        match &self.storage {
+            Storage::Pool { pool, ids, pending } => Some((pool, ids, pending)),
+            Storage::Host(_) => None,
+        }
+    }
+
+    /// Called once a forward step has copied every pending block in.
+    pub(crate) fn pending_done(&mut self) {
+        if let Storage::Pool { pending, .. } = &mut self.storage {
+            pending.clear();
         }
     }
 
@@ -104,7 +138,7 @@ impl KvCache {
     pub fn allocated_bytes(&self) -> usize {
         match &self.storage {
             Storage::Host(blocks) => blocks.len() * self.block_bytes(self.block_tokens),
-            Storage::Device { cap, .. } => 2 * self.layers * self.kv_heads * cap * self.head_dim * 2,
+            Storage::Pool { ids, .. } => ids.len() * self.block_bytes(self.block_tokens),
         }
     }
 
@@ -112,37 +146,18 @@ impl KvCache {
     pub fn reserve(&mut self, layers: usize, new_len: usize) -> Result<()> {
         ensure!(layers == self.layers, "KV cache of {} layers asked for {layers}", self.layers);
         ensure!(new_len <= self.max_len, "sequence of {new_len} tokens exceeds the context of {}", self.max_len);
-        let (bt, kvh, d, len) = (self.block_tokens, self.kv_heads, self.head_dim, self.len);
+        let want = new_len.div_ceil(self.block_tokens);
         let elems = self.block_elems();
         match &mut self.storage {
             Storage::Host(blocks) => {
-                let want = new_len.div_ceil(bt);
                 while blocks.len() < want {
                     blocks.push(HostBlock::Owned(vec![f16::ZERO; elems]));
                 }
             }
-            Storage::Device { k, v, cap } => {
-                if new_len <= *cap && !k.is_empty() {
-                    return Ok(());
+            Storage::Pool { pool, ids, .. } => {
+                if ids.len() < want {
+                    ids.extend(pool.alloc(want - ids.len())?);
                 }
-                let want = new_len.div_ceil(bt) * bt;
-                let new_cap = want.max(cap.saturating_mul(2)).min(self.max_len.div_ceil(bt) * bt);
-                let shape = (kvh, new_cap, d);
-                let mut nk = Vec::with_capacity(layers);
-                let mut nv = Vec::with_capacity(layers);
-                for l in 0..layers {
-                    let tk = Tensor::zeros(shape, DType::F16, &self.device)?;
-                    let tv = Tensor::zeros(shape, DType::F16, &self.device)?;
-                    if len > 0 && l < k.len() {
-                        tk.slice_set(&k[l].narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-                        tv.slice_set(&v[l].narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-                    }
-                    nk.push(tk);
-                    nv.push(tv);
-                }
-                *k = nk;
-                *v = nv;
-                *cap = new_cap;
             }
         }
         Ok(())
@@ -152,7 +167,7 @@ impl KvCache {
     fn capacity(&self) -> usize {
         match &self.storage {
             Storage::Host(blocks) => blocks.len() * self.block_tokens,
-            Storage::Device { cap, .. } => *cap,
+            Storage::Pool { ids, .. } => ids.len() * self.block_tokens,
         }
     }
 
@@ -164,7 +179,7 @@ impl KvCache {
             Storage::Host(blocks) => {
                 Some(blocks.iter().map(|b| &b.elems()[layer * per_layer..(layer + 1) * per_layer]).collect())
             }
-            Storage::Device { .. } => None,
+            Storage::Pool { .. } => None,
         }
     }
 
@@ -199,27 +214,14 @@ impl KvCache {
         Ok(())
     }
 
-    /// Stores K and V (`[kv_heads, n, head_dim]`, any float dtype) of `layer`
-    /// at positions `offset..offset + n` (device caches). Room must have
-    /// been reserved.
-    pub(crate) fn write(&self, layer: usize, offset: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let n = k.dim(1)?;
-        ensure!(offset + n <= self.capacity(), "KV write past the reserved capacity");
-        let Storage::Device { k: ks, v: vs, .. } = &self.storage else { bail!("KV cache is in host memory") };
-        ks[layer].slice_set(&k.to_dtype(DType::F16)?.contiguous()?, 1, offset)?;
-        vs[layer].slice_set(&v.to_dtype(DType::F16)?.contiguous()?, 1, offset)?;
-        Ok(())
-    }
-
-    /// K and V of `layer` for positions `0..len` in `dtype` (device caches).
-    pub(crate) fn read(&self, layer: usize, len: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
-        let Storage::Device { k, v, .. } = &self.storage else { bail!("KV cache is in host memory") };
-        Ok((k[layer].narrow(1, 0, len)?.to_dtype(dtype)?, v[layer].narrow(1, 0, len)?.to_dtype(dtype)?))
-    }
-
     pub(crate) fn set_len(&mut self, len: usize) {
         debug_assert!(len <= self.capacity());
         self.len = len;
+    }
+
+    /// Positions with room reserved (what [`KvCache::reserve`] made).
+    pub(crate) fn reserved(&self) -> usize {
+        self.capacity()
     }
 
     /// Forgets everything after `len` tokens.
@@ -252,8 +254,6 @@ impl KvCache {
 
     fn export(&mut self, index: usize, tokens: usize) -> Result<Bytes> {
         ensure!(tokens == self.block_tokens, "blocks of this cache hold {} tokens, not {tokens}", self.block_tokens);
-        let start = index * tokens;
-        let elems = self.block_elems();
         match &mut self.storage {
             Storage::Host(blocks) => {
                 let block = &mut blocks[index];
@@ -264,15 +264,12 @@ impl KvCache {
                 *block = HostBlock::Shared(bytes.clone());
                 Ok(bytes)
             }
-            Storage::Device { k, v, .. } => {
-                let mut out: Vec<u8> = Vec::with_capacity(elems * 2);
-                for l in 0..k.len() {
-                    for t in [&k[l], &v[l]] {
-                        let part = t.narrow(1, start, tokens)?.flatten_all()?.to_vec1::<f16>()?;
-                        out.extend_from_slice(bytemuck::cast_slice(&part));
-                    }
+            Storage::Pool { pool, ids, pending } => {
+                // Not on the device yet: the payload as it came.
+                if let Some((_, b)) = pending.iter().find(|(i, _)| *i == index) {
+                    return Ok(b.clone());
                 }
-                Ok(Bytes::from(out))
+                Ok(Bytes::from(pool.get_block(ids[index])?))
             }
         }
     }
@@ -295,7 +292,6 @@ impl KvCache {
             bail!("block of {} bytes, expected {want}", bytes.len());
         }
         ensure!(start + tokens <= self.max_len, "block {index} runs past the context of {}", self.max_len);
-        let (kvh, d) = (self.kv_heads, self.head_dim);
         match &mut self.storage {
             Storage::Host(blocks) => {
                 let block = if (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f16>()) {
@@ -309,18 +305,11 @@ impl KvCache {
                     blocks.push(block);
                 }
             }
-            Storage::Device { .. } => {
+            Storage::Pool { .. } => {
                 self.reserve(layers, start + tokens)?;
-                let Storage::Device { k, v, .. } = &self.storage else { unreachable!() };
-                let per = kvh * tokens * d * 2;
-                let shape = (kvh, tokens, d);
-                for l in 0..layers {
-                    for (j, dst) in [&k[l], &v[l]].into_iter().enumerate() {
-                        let off = (2 * l + j) * per;
-                        let vals: Vec<f16> = bytemuck::pod_collect_to_vec(&bytes[off..off + per]);
-                        dst.slice_set(&Tensor::from_vec(vals, shape, &self.device)?, 1, start)?;
-                    }
-                }
+                let Storage::Pool { pending, .. } = &mut self.storage else { unreachable!() };
+                pending.retain(|(i, _)| *i != index);
+                pending.push((index, bytes));
             }
         }
         self.len = start + tokens;
@@ -328,11 +317,20 @@ impl KvCache {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        if let Storage::Pool { pool, ids, .. } = &self.storage {
+            pool.release(ids);
+        }
+    }
+}
 
-    fn cfg() -> ModelConfig {
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    pub(crate) fn cfg() -> ModelConfig {
         ModelConfig {
             architecture: "llama".into(),
             vocab_size: 16,
@@ -358,6 +356,33 @@ mod tests {
         (0..8).map(|i| (pos * 100 + layer * 10 + i) as f32).collect()
     }
 
+    fn pooled() -> KvCache {
+        KvCache::pooled(Arc::new(KvPool::new(&cfg(), &Device::Cpu, 4)), 64)
+    }
+
+    /// Writes `row`s `from..to` into a pooled cache as a forward step does.
+    fn fill_pooled(kv: &mut KvCache, from: usize, to: usize) {
+        kv.reserve(2, to).unwrap();
+        let (pool, ids, _) = kv.pool_blocks().unwrap();
+        let (pool, ids) = (pool.clone(), ids.to_vec());
+        let n = to - from;
+        // One KV head: row (block * 1 + 0) * 4 + slot of the pool's [.., 4] view.
+        let at: Vec<u32> = (from..to).map(|p| (ids[p / 4] as usize * 4 + p % 4) as u32).collect();
+        let at =
+            Tensor::from_vec(at, (n, 1), &Device::Cpu).unwrap().broadcast_as((n, 4)).unwrap().contiguous().unwrap();
+        let t = pool.read();
+        for l in 0..2 {
+            // A row is [K of the one KV head | V of it], 4 dims each.
+            let part = |r: std::ops::Range<usize>| -> Tensor {
+                let vals: Vec<f32> = (from..to).flat_map(|p| row(p, l)[r.clone()].to_vec()).collect();
+                Tensor::from_vec(vals, (n, 1, 4), &Device::Cpu).unwrap()
+            };
+            crate::model::device::write_rows(&t, l, &at, &part(0..4), &part(4..8)).unwrap();
+        }
+        drop(t);
+        kv.set_len(to);
+    }
+
     fn fill(kv: &mut KvCache, from: usize, to: usize) {
         kv.reserve(2, to).unwrap();
         for l in 0..2 {
@@ -369,7 +394,7 @@ mod tests {
 
     #[test]
     fn exported_blocks_are_shared_and_import_without_a_copy() {
-        let mut kv = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
+        let mut kv = KvCache::host(&cfg(), 4, 64);
         fill(&mut kv, 0, 10);
         let b0 = kv.export_block(0, 4).unwrap();
         let b1 = kv.export_block(1, 4).unwrap();
@@ -383,7 +408,7 @@ mod tests {
         // Exporting again gives the same memory.
         assert_eq!(kv.export_block(0, 4).unwrap().as_ptr(), b0.as_ptr());
 
-        let mut other = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
+        let mut other = KvCache::host(&cfg(), 4, 64);
         other.import_block(2, 0, 4, b0.clone()).unwrap();
         other.import_block(2, 1, 4, b1.clone()).unwrap();
         assert!(other.import_block(2, 3, 4, b1.clone()).is_err(), "a gap");
@@ -404,47 +429,58 @@ mod tests {
     /// host blocks in: engines on either path share warehouse blocks.
     #[test]
     fn tensor_and_host_caches_share_one_block_layout() {
-        let mut host = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
+        let mut host = KvCache::host(&cfg(), 4, 64);
         fill(&mut host, 0, 8);
-        let mut dev = KvCache::new(&cfg(), &Device::Cpu, false, 4, 64);
+        let mut dev = pooled();
         assert!(dev.host_layer(0).is_none(), "tensor storage");
-        dev.reserve(2, 8).unwrap();
-        for l in 0..2 {
-            // A row is [K of the one KV head | V of it], 4 dims each.
-            let part = |r: std::ops::Range<usize>| -> Tensor {
-                let vals: Vec<f32> = (0..8).flat_map(|p| row(p, l)[r.clone()].to_vec()).collect();
-                Tensor::from_vec(vals, (1, 8, 4), &Device::Cpu).unwrap()
-            };
-            dev.write(l, 0, &part(0..4), &part(4..8)).unwrap();
-        }
-        dev.set_len(8);
+        fill_pooled(&mut dev, 0, 5);
+        fill_pooled(&mut dev, 5, 8);
         for b in 0..2 {
             assert_eq!(dev.export_block(b, 4).unwrap(), host.export_block(b, 4).unwrap(), "block {b}");
         }
-        let mut back = KvCache::new(&cfg(), &Device::Cpu, false, 4, 64);
+        // Taken in, a block waits in host memory, then goes to the device
+        // layer by layer (as a forward step copies it).
+        let pool = dev.pool_blocks().unwrap().0.clone();
+        let mut back = KvCache::pooled(pool.clone(), 64);
         for b in 0..2 {
             back.import_block(2, b, 4, host.export_block(b, 4).unwrap()).unwrap();
         }
         assert_eq!(back.len(), 8);
-        let (k, v) = back.read(1, 8, DType::F32).unwrap();
-        assert_eq!(k.to_vec3::<f32>().unwrap()[0][5], row(5, 1)[..4]);
-        assert_eq!(v.to_vec3::<f32>().unwrap()[0][6], row(6, 1)[4..]);
+        let (_, ids, pending) = back.pool_blocks().unwrap();
+        assert_eq!(pending.len(), 2);
+        let uploads: Vec<(u32, Bytes)> = pending.iter().map(|(i, b)| (ids[*i], b.clone())).collect();
+        assert_eq!(back.export_block(1, 4).unwrap().as_ptr(), host.export_block(1, 4).unwrap().as_ptr(), "as it came");
+        {
+            let t = pool.read();
+            for l in 0..2 {
+                for (id, b) in &uploads {
+                    pool.put_layer(&t, *id, l, b).unwrap();
+                }
+            }
+        }
+        back.pending_done();
+        assert_eq!(pool.in_use(), 4);
+        for b in 0..2 {
+            assert_eq!(back.export_block(b, 4).unwrap(), host.export_block(b, 4).unwrap(), "block {b} from the device");
+        }
+        drop(back);
+        assert_eq!(pool.in_use(), 2, "a dropped cache gives its blocks back");
     }
 
     #[test]
     fn a_misaligned_payload_is_copied_and_a_short_one_refused() {
-        let mut kv = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
+        let mut kv = KvCache::host(&cfg(), 4, 64);
         fill(&mut kv, 0, 4);
         let b = kv.export_block(0, 4).unwrap();
         let mut buf = vec![0u8; b.len() + 1];
         buf[1..].copy_from_slice(&b);
         let odd = Bytes::from(buf).slice(1..);
-        let mut other = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
+        let mut other = KvCache::host(&cfg(), 4, 64);
         if (odd.as_ptr() as usize) % 2 == 1 {
             other.import_block(2, 0, 4, odd).unwrap();
             assert_eq!(other.export_block(0, 4).unwrap(), b);
         }
-        let mut third = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
+        let mut third = KvCache::host(&cfg(), 4, 64);
         assert!(third.import_block(2, 0, 4, b.slice(2..)).is_err());
     }
 
@@ -453,25 +489,17 @@ mod tests {
     #[test]
     fn a_partial_last_block_round_trips() {
         for host in [true, false] {
-            let mut kv = KvCache::new(&cfg(), &Device::Cpu, host, 4, 64);
+            let mut kv = if host { KvCache::host(&cfg(), 4, 64) } else { pooled() };
             if host {
                 fill(&mut kv, 0, 6);
             } else {
-                kv.reserve(2, 6).unwrap();
-                for l in 0..2 {
-                    let part = |r: std::ops::Range<usize>| -> Tensor {
-                        let vals: Vec<f32> = (0..6).flat_map(|p| row(p, l)[r.clone()].to_vec()).collect();
-                        Tensor::from_vec(vals, (1, 6, 4), &Device::Cpu).unwrap()
-                    };
-                    kv.write(l, 0, &part(0..4), &part(4..8)).unwrap();
-                }
-                kv.set_len(6);
+                fill_pooled(&mut kv, 0, 6);
             }
             assert!(kv.export_last_block(0, 4).is_err(), "block 0 is full, not the last");
             assert!(kv.export_block(1, 4).is_err(), "block 1 is not complete");
             let b0 = kv.export_block(0, 4).unwrap();
             let b1 = kv.export_last_block(1, 4).unwrap();
-            let mut back = KvCache::new(&cfg(), &Device::Cpu, true, 4, 64);
+            let mut back = KvCache::host(&cfg(), 4, 64);
             back.import_block(2, 0, 4, b0).unwrap();
             back.import_block(2, 1, 4, b1).unwrap();
             back.truncate(6);

@@ -31,6 +31,7 @@ mod host;
 mod kv;
 mod linear;
 pub mod load;
+mod pool;
 mod qmatmul;
 mod simd;
 mod weights;
@@ -38,7 +39,7 @@ mod weights;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 
 use host::silu_mul_host;
@@ -48,6 +49,7 @@ pub use checkpoint::CheckpointUse;
 pub use config::{Activation, ArchSpec, ModelConfig, RopeScaling, RopeStyle, ARCHITECTURES};
 pub use kv::KvCache;
 pub use load::{Loader, ReadOptions, ReadStats};
+pub use pool::KvPool;
 
 /// How to hold the weights.
 #[derive(Debug, Clone)]
@@ -213,6 +215,8 @@ pub struct Model {
     stamps: Vec<checkpoint::Stamp>,
     /// What a checkpoint of these weights is keyed by (`None`: not on the host).
     checkpoint_key: Option<String>,
+    /// Device KV pools, one per block size (tensor operations only).
+    pools: std::sync::Mutex<Vec<std::sync::Arc<KvPool>>>,
 }
 
 impl Model {
@@ -222,6 +226,12 @@ impl Model {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Whether steps run on the engine's own host kernels (logits and KV in
+    /// host memory), rather than as tensor operations over the device pool.
+    pub fn host_kernels(&self) -> bool {
+        self.host
     }
 
     /// Positions a sequence may use (prompt plus generated tokens).
@@ -250,9 +260,25 @@ impl Model {
         &self.source
     }
 
-    /// An empty KV cache for one sequence, in blocks of `block_tokens`.
+    /// An empty KV cache for one sequence, in blocks of `block_tokens`: in
+    /// host memory, or in the model's device pool for that block size.
     pub fn new_kv(&self, block_tokens: usize) -> KvCache {
-        KvCache::new(&self.cfg, &self.device, self.host, block_tokens, self.context_len)
+        if self.host {
+            return KvCache::host(&self.cfg, block_tokens, self.context_len);
+        }
+        KvCache::pooled(self.kv_pool(block_tokens), self.context_len)
+    }
+
+    /// The device KV pool for blocks of `block_tokens` (made on first use).
+    pub fn kv_pool(&self, block_tokens: usize) -> std::sync::Arc<KvPool> {
+        let bt = block_tokens.max(1);
+        let mut pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pools.iter().find(|p| p.block_tokens == bt) {
+            return p.clone();
+        }
+        let p = std::sync::Arc::new(KvPool::new(&self.cfg, &self.device, bt));
+        pools.push(p.clone());
+        p
     }
 
     /// Runs one step over several sequences. Each chunk's tokens are appended
@@ -330,13 +356,20 @@ impl Model {
         }
         let eps = cfg.rms_eps as f32;
         let inter = cfg.intermediate_size;
+        let pool = match self.host {
+            true => None,
+            false => Some(chunks[0].kv.pool_blocks().map(|p| p.0.clone()).context("KV cache is in host memory")?),
+        };
+        let plan = match &pool {
+            Some(p) => Some(device::Plan::new(self, p, chunks)?),
+            None => None,
+        };
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let qkv = layer.qkv.forward(&h)?;
-            let attn = if self.host {
-                self.attention_host(li, &qkv, chunks)?
-            } else {
-                self.attention_device(li, &qkv, chunks)?
+            let attn = match &plan {
+                None => self.attention_host(li, &qkv, chunks)?,
+                Some(plan) => self.attention_device(li, &qkv, plan)?,
             };
             let mut o = layer.wo.forward(&attn)?;
             if let Some(w) = &layer.attn_post_norm {
@@ -356,9 +389,11 @@ impl Model {
             }
             x = (x + d)?;
         }
+        drop(plan);
         for c in chunks.iter_mut() {
             let new_len = c.kv.len() + c.tokens.len();
             c.kv.set_len(new_len);
+            c.kv.pending_done();
         }
         Ok(x)
     }

@@ -415,6 +415,7 @@ impl Model {
             source: source.to_path_buf(),
             stamps: Vec::new(),
             checkpoint_key: checkpoint::key(opts),
+            pools: Default::default(),
         })
     }
 }
