@@ -81,16 +81,23 @@ async fn concurrent_requests_match_running_alone() {
     assert_eq!(alone[0][..5], fx.generate[0].greedy_ids[..5]);
 }
 
-/// The tensor path (an accelerator's, on the CPU here) through the step
-/// loop: sequences batched over the device KV pool, greedy choices and
-/// seeded sampling made from what the device picks (`device_pick`), give
-/// each request the tokens it gets alone.
+/// The tensor path through the step loop, on every device
+/// [`common::tensor_devices`] lists (the CPU, and CUDA where a GPU is):
+/// sequences batched over the device KV pool, greedy choices and seeded
+/// sampling made from what the device picks (`device_pick`), give each
+/// request the tokens it gets alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tensor_path_batches_and_samples_as_requests_alone() {
     let Some(path) = common::default_model() else { return };
-    let opts = LoadOptions { tensor_ops: true, quantized_decode: false, ..LoadOptions::default() };
-    let model = Arc::new(Model::load(&path, &opts).unwrap());
-    let tok = Arc::new(Tokenizer::from_gguf_path(&path).unwrap());
+    for (name, device) in common::tensor_devices() {
+        batches_and_samples_as_alone(&path, name, device).await;
+    }
+}
+
+async fn batches_and_samples_as_alone(path: &std::path::Path, name: &str, device: candle_core::Device) {
+    let opts = LoadOptions { device, tensor_ops: true, quantized_decode: false, ..LoadOptions::default() };
+    let model = Arc::new(Model::load(path, &opts).unwrap());
+    let tok = Arc::new(Tokenizer::from_gguf_path(path).unwrap());
     let cfg = EngineConfig { max_batch_tokens: 64, block_tokens: 16, ..Default::default() };
     let engine = Engine::start(cfg, model.clone(), tok, None).unwrap();
     let fx = common::fixture();
@@ -121,15 +128,15 @@ async fn the_tensor_path_batches_and_samples_as_requests_alone() {
     let together = futures::future::join_all(rxs.into_iter().map(collect)).await;
     for (i, ((toks, _), want)) in together.into_iter().zip(&alone).enumerate() {
         assert_eq!(toks.len(), 10);
-        assert_eq!(&toks, want, "request {i}: batched output differs from running alone");
+        assert_eq!(&toks, want, "{name}, request {i}: batched output differs from running alone");
     }
-    assert_eq!(alone[0][..5], fx.generate[0].greedy_ids[..5], "greedy on the tensor path follows llama.cpp");
-    assert_ne!(alone[0], alone[1], "sampling at temperature 0.8 left the greedy path");
+    assert_eq!(alone[0][..5], fx.generate[0].greedy_ids[..5], "{name}: greedy on the tensor path follows llama.cpp");
+    assert_ne!(alone[0], alone[1], "{name}: sampling at temperature 0.8 left the greedy path");
     // 160 choices; whole rows would have brought 160 times the vocabulary.
     let moved = metric(&engine, "granary_engine_logits_to_host_total");
     let whole = (2 * requests.len() * 10 * model.config().vocab_size) as f64;
-    eprintln!("logits brought to the host: {moved} ({:.2}% of whole rows)", 100.0 * moved / whole);
-    assert!(moved > 0.0 && moved < whole / 20.0, "{moved} logits crossed for {whole} in whole rows");
+    eprintln!("{name}: logits brought to the host: {moved} ({:.2}% of whole rows)", 100.0 * moved / whole);
+    assert!(moved > 0.0 && moved < whole / 20.0, "{name}: {moved} logits crossed for {whole} in whole rows");
     drop(engine);
 }
 
