@@ -68,13 +68,21 @@ storage_delay_off() {
     sed -n 's/^delay-wire: a->b \([0-9]*\) frames, b->a \([0-9]*\) frames, dropped \([0-9]*\)$/delay wire: \2 frames to S3, \1 back, \3 dropped/p' \
         "$LOGS/delay-wire.log"
 }
-# s3_rtt_ms HOST: the round trip from HOST to the S3 tier in ms (the median
-# of five TCP connects).
+# s3_rtt_ms HOST: the round trip from HOST to the S3 tier in ms: the median
+# of five TCP connects that succeeded, of at most twenty tries ("none" if
+# none did). Right after the storage link moves behind the delay wire the
+# bridges may still be learning where S3 is, and a connect that fails
+# reports 0 ms.
 s3_rtt_ms() {
-    local i
-    for i in 1 2 3 4 5; do
-        on "$1" curl -s -o /dev/null --max-time 5 -w '%{time_connect}\n' "http://$S3_ADDR/"
-    done | sort -n | awk '{ v[NR] = $1 } END { printf "%.2f\n", v[int((NR + 1) / 2)] * 1000 }'
+    local i t got=()
+    for i in $(seq 20); do
+        t=$(on "$1" curl -s -o /dev/null --max-time 2 -w '%{time_connect}' "http://$S3_ADDR/") || t=0
+        if awk -v t="$t" 'BEGIN { exit !(t > 0) }'; then got+=("$t"); fi
+        [[ ${#got[@]} -ge 5 ]] && break
+        [[ $i -gt ${#got[@]} ]] && sleep 0.2
+    done
+    [[ ${#got[@]} -gt 0 ]] || { echo none; return; }
+    printf '%s\n' "${got[@]}" | sort -n | awk '{ v[NR] = $1 } END { printf "%.2f\n", v[int((NR + 1) / 2)] * 1000 }'
 }
 
 # ---------------------------------------------------------------- waiting

@@ -49,9 +49,6 @@ pub struct KvPool {
     device: Device,
 }
 
-/// Blocks the pool's first allocation holds at least (block 0 included).
-const INITIAL_BLOCKS: usize = 16;
-
 impl KvPool {
     /// An empty pool: device memory is taken by the first reservation.
     pub fn new(cfg: &ModelConfig, device: &Device, block_tokens: usize) -> Self {
@@ -119,7 +116,10 @@ impl KvPool {
         if blocks <= t.blocks {
             return Ok(());
         }
-        let cap = blocks.max(t.blocks * 2).max(INITIAL_BLOCKS);
+        // What the reservation needs, or twice what the pool held: a pool
+        // used once (embeddings, a short test) stays small, a busy one
+        // grows a logarithmic number of times.
+        let cap = blocks.max(t.blocks * 2);
         let shape = (cap, self.kv_heads, self.block_tokens, self.head_dim);
         let fresh = |old: Option<&Tensor>| -> Result<Tensor> {
             let bigger = Tensor::zeros(shape, DType::F16, &self.device)?;
