@@ -571,10 +571,12 @@ impl StepLoop {
                     continue;
                 }
             }
-            let tok = match &picked {
+            let tok = match &mut picked {
                 Row::Full(row) => sampler::sample(row, &s.req.sampling, &s.history, &mut s.rng),
                 Row::Token(t) => *t,
-                Row::Among { max, cand, .. } => sampler::choose_among(cand.clone(), *max, &s.req.sampling, &mut s.rng),
+                Row::Among { max, cand, .. } => {
+                    sampler::choose_among(std::mem::take(cand), *max, &s.req.sampling, &mut s.rng)
+                }
             };
             if s.last_token.is_none() {
                 self.sh.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());

@@ -893,6 +893,7 @@ fn assemble(
         stamps,
         checkpoint_key: Some(key),
         pools: Default::default(),
+        head_norms: Default::default(),
     })
 }
 

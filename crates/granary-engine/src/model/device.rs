@@ -78,7 +78,7 @@ impl<'a> Plan<'a> {
             let (p, ids, pending) = c.kv.pool_blocks().ok_or_else(|| anyhow::anyhow!("KV cache is in host memory"))?;
             ensure!(std::ptr::eq(&**p, pool), "the step's KV caches are in different pools");
             let (off, n) = (c.kv.len(), c.tokens.len());
-            ensure!(off + n <= c.kv.reserved(), "KV write past the reserved capacity");
+            ensure!(off + n <= c.kv.capacity(), "KV write past the reserved capacity");
             starts.push(positions.len());
             for pos in off..off + n {
                 positions.push(pos as u32);
@@ -166,7 +166,21 @@ fn mask(offs: &[f32], n: usize, span: usize, window: Option<usize>, dev: &Device
     Ok(((ok - 1.0)? * f32::MAX as f64)?.unsqueeze(1)?)
 }
 
+/// A layer's Q and K head-norm weights on the device, `[head_dim]` each.
+pub(super) type HeadNorms = (Option<Tensor>, Option<Tensor>);
+
 impl Model {
+    /// Per layer, the head-norm weights on the device: uploaded once, not
+    /// on every layer of every step.
+    fn device_head_norms(&self) -> Result<&[HeadNorms]> {
+        if let Some(n) = self.head_norms.get() {
+            return Ok(n);
+        }
+        let up = |w: &Option<Vec<f32>>| w.as_ref().map(|w| Tensor::from_slice(w, w.len(), &self.device)).transpose();
+        let built = self.layers.iter().map(|l| Ok((up(&l.q_norm)?, up(&l.k_norm)?))).collect::<Result<Vec<_>>>()?;
+        Ok(self.head_norms.get_or_init(|| built))
+    }
+
     /// The same as [`Model::attention_host`] with tensor operations over the
     /// device KV pool, for every chunk of the step ([`Plan`]).
     pub(super) fn attention_device(&self, layer: usize, qkv: &Tensor, plan: &Plan<'_>) -> Result<Tensor> {
@@ -176,14 +190,15 @@ impl Model {
         let rows = qkv.dim(0)?;
         let l = &self.layers[layer];
         let eps = cfg.rms_eps as f32;
-        let head_norm = |x: &Tensor, w: &Option<Vec<f32>>| -> Result<Tensor> {
+        let head_norm = |x: Tensor, w: &Option<Tensor>| -> Result<Tensor> {
             Ok(match w {
-                Some(w) => candle_nn::ops::rms_norm(x, &Tensor::from_slice(w, d, x.device())?, eps)?,
-                None => x.clone(),
+                Some(w) => candle_nn::ops::rms_norm(&x, w, eps)?,
+                None => x,
             })
         };
-        let q = head_norm(&qkv.narrow(1, 0, q_w)?.reshape((rows, h, d))?, &l.q_norm)?;
-        let k = head_norm(&qkv.narrow(1, q_w, kv_w)?.reshape((rows, kvh, d))?, &l.k_norm)?;
+        let (q_norm, k_norm) = &self.device_head_norms()?[layer];
+        let q = head_norm(qkv.narrow(1, 0, q_w)?.reshape((rows, h, d))?, q_norm)?;
+        let k = head_norm(qkv.narrow(1, q_w, kv_w)?.reshape((rows, kvh, d))?, k_norm)?;
         let v = qkv.narrow(1, q_w + kv_w, kv_w)?.reshape((rows, kvh, d))?;
         // [1, heads, rows, d] for the rotary kernels.
         let q = q.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;

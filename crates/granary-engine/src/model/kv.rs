@@ -164,7 +164,7 @@ impl KvCache {
     }
 
     /// Positions with room reserved.
-    fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         match &self.storage {
             Storage::Host(blocks) => blocks.len() * self.block_tokens,
             Storage::Pool { ids, .. } => ids.len() * self.block_tokens,
@@ -217,11 +217,6 @@ impl KvCache {
     pub(crate) fn set_len(&mut self, len: usize) {
         debug_assert!(len <= self.capacity());
         self.len = len;
-    }
-
-    /// Positions with room reserved (what [`KvCache::reserve`] made).
-    pub(crate) fn reserved(&self) -> usize {
-        self.capacity()
     }
 
     /// Forgets everything after `len` tokens.

@@ -217,6 +217,9 @@ pub struct Model {
     checkpoint_key: Option<String>,
     /// Device KV pools, one per block size (tensor operations only).
     pools: std::sync::Mutex<Vec<std::sync::Arc<KvPool>>>,
+    /// Per layer, the Q and K head-norm weights as device tensors (tensor
+    /// operations only; made on the first step).
+    head_norms: std::sync::OnceLock<Vec<device::HeadNorms>>,
 }
 
 impl Model {

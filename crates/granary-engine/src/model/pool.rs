@@ -64,10 +64,6 @@ impl KvPool {
         }
     }
 
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
     /// Blocks the pool's tensors hold (block 0 included).
     pub fn capacity(&self) -> usize {
         self.read().blocks

@@ -416,6 +416,7 @@ impl Model {
             stamps: Vec::new(),
             checkpoint_key: checkpoint::key(opts),
             pools: Default::default(),
+            head_norms: Default::default(),
         })
     }
 }
