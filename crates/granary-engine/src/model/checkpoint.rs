@@ -850,7 +850,7 @@ fn assemble(
     let (ropes, rope_of) = super::weights::ropes(&cfg, context_len, &opts.device)?;
     let embed = if parts.has("embed.rows") {
         match parts.take("embed.rows")? {
-            Buf::Quant(b, g, dims) => Embedding::Rows(b.into_qtensor(g, dims, &candle_core::Device::Cpu)?),
+            Buf::Quant(b, g, dims) => Embedding::Rows(Box::new(b.into_qtensor(g, dims, &candle_core::Device::Cpu)?)),
             _ => bail!("embed.rows is not quantized"),
         }
     } else {

@@ -4,42 +4,19 @@
 //!
 //! Everything that depends only on the step's sequences, not on the layer,
 //! is worked out once per step ([`Plan`]): each new row's rotary angles,
-//! where its K and V go in the pool, which pool blocks each sequence
-//! reads, and the masks (causal, sliding window, padding), built on the
-//! device from positions. Per layer, new K and V are scattered into their
-//! pool blocks in one operation, and sequences with the same number of new
-//! rows (all decoding sequences, typically) attend together: their blocks
-//! are gathered from the pool in f16, shorter block tables padded with
-//! block 0 and masked, and Q·Kᵀ and P·V are two batched f16 matmuls.
+//! where its K and V go in the pool, each sequence's block table and each
+//! row's sequence and position. Per layer, new K and V are scattered into
+//! their pool blocks in one operation, and every row of every sequence
+//! attends in one [`PagedAttention`] call that reads the pool in place.
 
-use std::collections::HashMap;
 use std::sync::RwLockReadGuard;
 
 use anyhow::{ensure, Result};
-use bytes::Bytes;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
-use super::pool::{KvPool, Tensors};
+use super::paged::PagedAttention;
+use super::pool::{KvPool, Staged, Tensors};
 use super::{Chunk, Model, RopeStyle};
-
-/// Sequences attending together: the same number of new rows each.
-struct Group {
-    /// Rows of the step (in step order) the group's queries are, grouped by
-    /// sequence; `None` when the group is the whole step.
-    rows: Option<Tensor>,
-    seqs: usize,
-    /// New rows per sequence.
-    n: usize,
-    /// Positions gathered per sequence (a multiple of the block size).
-    span: usize,
-    /// Rows of the pool's `[blocks * kv_heads, block_tokens * head_dim]`
-    /// view, sequence by sequence, KV head by KV head, block by block:
-    /// `[seqs * kv_heads * blocks]`.
-    gather: Tensor,
-    /// `[seqs, 1, n, span]` f32: 0 where a query may attend, a huge
-    /// negative elsewhere; one per sliding window among the layers.
-    masks: HashMap<Option<usize>, Tensor>,
-}
 
 /// What a forward step's attention needs, worked out once for every layer.
 pub(super) struct Plan<'a> {
@@ -52,12 +29,14 @@ pub(super) struct Plan<'a> {
     /// kv_heads * block_tokens, head_dim]` view, repeated along
     /// `head_dim`: `[rows * kv_heads, head_dim]` u32.
     write_at: Tensor,
-    groups: Vec<Group>,
-    /// Where each step row is among the groups' concatenated outputs, when
-    /// that is not the step order.
-    unpermute: Option<Tensor>,
+    /// Per chunk, its pool block ids, padded with block 0: `[chunks,
+    /// max_blocks]` u32.
+    tables: Tensor,
+    /// Per new row, its chunk and its position: `[rows]` u32 each.
+    row_seq: Tensor,
+    row_pos: Tensor,
     /// Blocks taken in and not yet on the device: copied layer by layer.
-    uploads: Vec<(u32, Bytes)>,
+    staged: Staged,
 }
 
 impl<'a> Plan<'a> {
@@ -69,101 +48,53 @@ impl<'a> Plan<'a> {
         let (kvh, bt, d) = (cfg.kv_heads, pool.block_tokens, cfg.head_dim);
         let tensors = pool.read();
         let mut positions = Vec::new();
+        let mut row_seq = Vec::new();
         let mut write_at = Vec::new();
         let mut uploads = Vec::new();
-        // Sequences by number of new rows, in order of first appearance.
-        let mut by_n: Vec<(usize, Vec<usize>)> = Vec::new();
-        let mut starts = Vec::with_capacity(chunks.len());
+        let max_blocks = chunks.iter().map(|c| (c.kv.len() + c.tokens.len()).div_ceil(bt)).max().unwrap_or(0).max(1);
+        let mut tables = vec![0u32; chunks.len() * max_blocks];
         for (ci, c) in chunks.iter().enumerate() {
             let (p, ids, pending) = c.kv.pool_blocks().ok_or_else(|| anyhow::anyhow!("KV cache is in host memory"))?;
             ensure!(std::ptr::eq(&**p, pool), "the step's KV caches are in different pools");
             let (off, n) = (c.kv.len(), c.tokens.len());
             ensure!(off + n <= c.kv.capacity(), "KV write past the reserved capacity");
-            starts.push(positions.len());
+            let used = (off + n).div_ceil(bt);
+            ensure!(
+                ids.len() >= used && ids[..used].iter().all(|&id| (id as usize) < tensors.blocks),
+                "KV blocks outside the pool"
+            );
+            tables[ci * max_blocks..ci * max_blocks + used].copy_from_slice(&ids[..used]);
             for pos in off..off + n {
                 positions.push(pos as u32);
+                row_seq.push(ci as u32);
                 let block = ids[pos / bt] as usize;
                 for h in 0..kvh {
                     write_at.push(((block * kvh + h) * bt + pos % bt) as u32);
                 }
             }
             uploads.extend(pending.iter().map(|(i, b)| (ids[*i], b.clone())));
-            match by_n.iter_mut().find(|(m, _)| *m == n) {
-                Some((_, seqs)) => seqs.push(ci),
-                None => by_n.push((n, vec![ci])),
-            }
         }
         let rows = positions.len();
-        let pos_t = Tensor::from_vec(positions, rows, dev)?;
+        let row_pos = Tensor::from_vec(positions, rows, dev)?;
         let rope = model
             .ropes
             .iter()
-            .map(|r| Ok((r.cos.index_select(&pos_t, 0)?, r.sin.index_select(&pos_t, 0)?)))
+            .map(|r| Ok((r.cos.index_select(&row_pos, 0)?, r.sin.index_select(&row_pos, 0)?)))
             .collect::<Result<Vec<_>>>()?;
         let write_at = Tensor::from_vec(write_at, (rows * kvh, 1), dev)?.broadcast_as((rows * kvh, d))?.contiguous()?;
-        let windows: Vec<Option<usize>> = {
-            let mut w: Vec<Option<usize>> = model.layers.iter().map(|l| l.window).collect();
-            w.sort_unstable();
-            w.dedup();
-            w
-        };
-        let whole = by_n.len() == 1;
-        let mut groups = Vec::with_capacity(by_n.len());
-        let mut order = Vec::with_capacity(rows);
-        for (n, seqs) in by_n {
-            let blocks = seqs.iter().map(|&ci| (chunks[ci].kv.len() + n).div_ceil(bt)).max().unwrap_or(1);
-            let mut gather = Vec::with_capacity(seqs.len() * kvh * blocks);
-            let mut offs = Vec::with_capacity(seqs.len());
-            for &ci in &seqs {
-                let (_, ids, _) = chunks[ci].kv.pool_blocks().expect("checked above");
-                for h in 0..kvh {
-                    for b in 0..blocks {
-                        let id = ids.get(b).copied().unwrap_or(0) as usize;
-                        gather.push((id * kvh + h) as u32);
-                    }
-                }
-                let off = chunks[ci].kv.len();
-                offs.push(off as f32);
-                order.extend((starts[ci]..starts[ci] + n).map(|r| r as u32));
-            }
-            let span = blocks * bt;
-            let s = seqs.len();
-            let gather = Tensor::from_vec(gather, s * kvh * blocks, dev)?;
-            let masks =
-                windows.iter().map(|&w| Ok((w, mask(&offs, n, span, w, dev)?))).collect::<Result<HashMap<_, _>>>()?;
-            let rows =
-                if whole { None } else { Some(Tensor::from_vec(order[order.len() - s * n..].to_vec(), s * n, dev)?) };
-            groups.push(Group { rows, seqs: s, n, span, gather, masks });
-        }
-        let unpermute = if order.iter().enumerate().all(|(i, &r)| r as usize == i) {
-            None
-        } else {
-            let mut inv = vec![0u32; rows];
-            for (i, &r) in order.iter().enumerate() {
-                inv[r as usize] = i as u32;
-            }
-            Some(Tensor::from_vec(inv, rows, dev)?)
-        };
-        Ok(Plan { pool, tensors, rope, write_at, groups, unpermute, uploads })
+        let tables = Tensor::from_vec(tables, (chunks.len(), max_blocks), dev)?;
+        let row_seq = Tensor::from_vec(row_seq, rows, dev)?;
+        let staged = pool.stage(&tensors, uploads)?;
+        Ok(Plan { pool, tensors, rope, write_at, tables, row_seq, row_pos, staged })
     }
 }
 
-/// `[seqs, 1, n, span]`: 0 where query `i` of a sequence (position `off +
-/// i`) may attend key `j`: `j <= off + i`, within the sliding `window` when
-/// there is one; a huge negative elsewhere, padding included.
-fn mask(offs: &[f32], n: usize, span: usize, window: Option<usize>, dev: &Device) -> Result<Tensor> {
-    let s = offs.len();
-    let keys = Tensor::arange(0u32, span as u32, dev)?.to_dtype(DType::F32)?.reshape((1, 1, span))?;
-    let steps = Tensor::arange(0u32, n as u32, dev)?.to_dtype(DType::F32)?.reshape((1, n, 1))?;
-    let pos = Tensor::from_slice(offs, (s, 1, 1), dev)?.broadcast_add(&steps)?;
-    // Keys at or before the query's position (padding lies past every one).
-    let mut ok = keys.broadcast_le(&pos)?.to_dtype(DType::F32)?;
-    if let Some(w) = window {
-        let first = (pos - (w as f64 - 1.0))?;
-        ok = (ok * keys.broadcast_ge(&first)?.to_dtype(DType::F32)?)?;
+impl Drop for Plan<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.pool.settle(&self.staged) {
+            tracing::error!("the KV pool's copies did not settle: {e:#}");
+        }
     }
-    // 0 where allowed, -f32::MAX elsewhere (never -inf: no NaN from 0 * inf).
-    Ok(((ok - 1.0)? * f32::MAX as f64)?.unsqueeze(1)?)
 }
 
 /// A layer's Q and K head-norm weights on the device, `[head_dim]` each.
@@ -210,45 +141,21 @@ impl Model {
             (candle_nn::rotary_emb::rope(&q, cos, sin)?, candle_nn::rotary_emb::rope(&k, cos, sin)?)
         };
         // Blocks taken in since the last step arrive layer by layer.
-        for (id, bytes) in &plan.uploads {
-            plan.pool.put_layer(&plan.tensors, *id, layer, bytes)?;
-        }
+        plan.pool.layer_ready(&plan.tensors, &plan.staged, layer)?;
         let k = k.squeeze(0)?.transpose(0, 1)?; // [rows, kvh, d]
         write_rows(&plan.tensors, layer, &plan.write_at, &k, &v)?;
-        // [rows, h, d], scaled here so that the f16 scores stay small.
-        let q = (q.squeeze(0)?.transpose(0, 1)? * cfg.attn_scale as f64)?;
-        let t = &plan.tensors;
-        let per_block = plan.pool.block_tokens * d;
-        let k_pool = t.k[layer].reshape((t.blocks * kvh, per_block))?;
-        let v_pool = t.v[layer].reshape((t.blocks * kvh, per_block))?;
-        let g = h / kvh;
-        let mut outs = Vec::with_capacity(plan.groups.len());
-        for gr in &plan.groups {
-            let (s, n, span) = (gr.seqs, gr.n, gr.span);
-            let qg = match &gr.rows {
-                Some(r) => q.index_select(r, 0)?,
-                None => q.clone(),
-            };
-            // Query heads sharing a KV head are adjacent: [s * kvh, g * n, d].
-            let qg =
-                qg.reshape((s, n, kvh, g, d))?.permute((0, 2, 3, 1, 4))?.contiguous()?.reshape((s * kvh, g * n, d))?;
-            let kg = k_pool.index_select(&gr.gather, 0)?.reshape((s * kvh, span, d))?;
-            let vg = v_pool.index_select(&gr.gather, 0)?.reshape((s * kvh, span, d))?;
-            let mut att = qg.matmul(&kg.to_dtype(DType::F32)?.t()?)?;
-            if let Some(cap) = cfg.arch.softcap.map(|c| c.0 as f64).filter(|&c| c > 0.0) {
-                att = ((att / cap)?.tanh()? * cap)?;
-            }
-            let mask = &gr.masks[&l.window];
-            let att = att.reshape((s, kvh * g, n, span))?.broadcast_add(mask)?.reshape((s * kvh, g * n, span))?;
-            let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(DType::F16)?;
-            let o = att.matmul(&vg)?.to_dtype(DType::F32)?;
-            outs.push(o.reshape((s, kvh, g, n, d))?.permute((0, 3, 1, 2, 4))?.reshape((s * n, h * d))?);
-        }
-        let out = if outs.len() == 1 { outs.pop().expect("one group") } else { Tensor::cat(&outs, 0)? };
-        Ok(match &plan.unpermute {
-            Some(p) => out.index_select(p, 0)?,
-            None => out,
-        })
+        // [rows, h, d], scaled.
+        let q = (q.squeeze(0)?.transpose(0, 1)? * cfg.attn_scale as f64)?.contiguous()?;
+        let op = PagedAttention {
+            k: &plan.tensors.k[layer],
+            v: &plan.tensors.v[layer],
+            tables: &plan.tables,
+            row_seq: &plan.row_seq,
+            row_pos: &plan.row_pos,
+            window: l.window,
+            softcap: cfg.arch.softcap.map(|c| c.0).filter(|&c| c > 0.0),
+        };
+        Ok(q.apply_op1_no_bwd(&op)?.reshape((rows, h * d))?)
     }
 }
 

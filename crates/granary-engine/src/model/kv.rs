@@ -447,10 +447,9 @@ pub(crate) mod tests {
         assert_eq!(back.export_block(1, 4).unwrap().as_ptr(), host.export_block(1, 4).unwrap().as_ptr(), "as it came");
         {
             let t = pool.read();
+            let staged = pool.stage(&t, uploads).unwrap();
             for l in 0..2 {
-                for (id, b) in &uploads {
-                    pool.put_layer(&t, *id, l, b).unwrap();
-                }
+                pool.layer_ready(&t, &staged, l).unwrap();
             }
         }
         back.pending_done();

@@ -31,6 +31,7 @@ mod host;
 mod kv;
 mod linear;
 pub mod load;
+mod paged;
 mod pool;
 mod qmatmul;
 mod simd;
@@ -140,7 +141,7 @@ struct Layer {
 /// out exactly as dequantizing the whole tensor gives it.
 pub(crate) enum Embedding {
     Dense(Tensor),
-    Rows(candle_core::quantized::QTensor),
+    Rows(Box<candle_core::quantized::QTensor>),
 }
 
 impl Embedding {

@@ -398,7 +398,7 @@ impl Model {
         let norm = src.get(&name(0, Part::Norm))?;
         let head_is_embed = matches!(&lm_head.w, Weights::Dense { dense, .. } if dense.id() == embed.id());
         let embed = match embed_rows {
-            Some(q) if !head_is_embed => Embedding::Rows(q),
+            Some(q) if !head_is_embed => Embedding::Rows(Box::new(q)),
             _ => Embedding::Dense(embed),
         };
         Ok(Model {
