@@ -11,8 +11,11 @@
 //!   `top_k` best tokens, ties included). The host then makes exactly the
 //!   choice it makes from the whole row ([`sampler::choose_among`] on the
 //!   same survivors, in the same order, with the same draw).
-//! - Every other row (no cut, `top_p` alone, a grammar, `logprobs`,
-//!   penalties or `logit_bias`) comes back whole.
+//! - Rows with `logit_bias` or penalties are changed first where they are
+//!   ([`adjust`]): only the logits those change cross, both ways, and the
+//!   row then goes on as above.
+//! - Every other row (no cut, `top_p` alone, a grammar, `logprobs`) comes
+//!   back whole.
 
 use anyhow::Result;
 use candle_core::{DType, Tensor, D};
@@ -28,6 +31,8 @@ pub const BLOCK: usize = 256;
 pub enum Row {
     /// The whole row.
     Full(Vec<f32>),
+    /// The whole row, `logit_bias` and the penalties applied on the device.
+    Adjusted(Vec<f32>),
     /// The device's greedy choice.
     Token(u32),
     /// The tokens that can survive the cuts, in id order (those of the
@@ -41,11 +46,49 @@ impl Row {
     /// Logits that crossed to the host for this row.
     pub fn moved(&self) -> usize {
         match self {
-            Row::Full(r) => r.len(),
+            Row::Full(r) | Row::Adjusted(r) => r.len(),
             Row::Token(_) => 1,
             Row::Among { crossed, .. } => *crossed,
         }
     }
+}
+
+/// Applies `logit_bias` and the penalties of `rows` (a row of `logits`
+/// `[rows, vocab]`, its sampling, its history) in place on the device, as
+/// [`sampler::sample`] applies them to a whole row: the logits they change
+/// are fetched, changed on the host and written back. Returns how many
+/// logits crossed, each way.
+pub fn adjust(logits: &Tensor, rows: &[(usize, &SamplingParams, &sampler::History)]) -> Result<usize> {
+    let (n, vocab) = logits.dims2()?;
+    anyhow::ensure!(logits.is_contiguous(), "the logits are not contiguous");
+    anyhow::ensure!(n * vocab <= u32::MAX as usize, "{n} rows of {vocab} logits are past u32 indices");
+    let touched: Vec<(usize, Vec<u32>)> = rows
+        .iter()
+        .map(|&(r, p, h)| (r, sampler::touched(p, h).into_iter().filter(|&t| (t as usize) < vocab).collect()))
+        .collect();
+    let at: Vec<u32> = touched.iter().flat_map(|(r, ids)| ids.iter().map(move |&t| (r * vocab) as u32 + t)).collect();
+    if at.is_empty() {
+        return Ok(0);
+    }
+    let dev = logits.device();
+    let at_t = Tensor::from_slice(&at, at.len(), dev)?;
+    let flat = logits.flatten_all()?;
+    let now = flat.index_select(&at_t, 0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let mut new = Vec::with_capacity(at.len());
+    let mut cur = now.iter();
+    for ((_, ids), &(_, p, h)) in touched.iter().zip(rows) {
+        let mut vals: std::collections::HashMap<u32, f32> =
+            ids.iter().map(|&t| (t, *cur.next().expect("one value per index"))).collect();
+        sampler::adjust_each(p, h, |t, f| {
+            if let Some(l) = vals.get_mut(&t) {
+                *l = f(*l);
+            }
+        });
+        new.extend(ids.iter().map(|t| vals[t]));
+    }
+    let src = Tensor::from_vec(new, at.len(), dev)?.to_dtype(logits.dtype())?;
+    flat.scatter_set(&at_t, &src, 0)?;
+    Ok(at.len())
 }
 
 /// `logits` `[rows, vocab]`; `how[i]`: the sampling of row `i` when the
@@ -191,6 +234,7 @@ mod tests {
                     let got = match row {
                         Row::Token(t) => *t,
                         Row::Full(l) => sampler::sample(l, p, &h, &mut rng),
+                        Row::Adjusted(l) => sampler::choose(l, p, &mut rng),
                         Row::Among { max, cand, .. } => sampler::choose_among(cand.clone(), *max, p, &mut rng),
                     };
                     assert_eq!(got, want, "{p:?}, row {r}, seed {seed}");
@@ -200,5 +244,77 @@ mod tests {
         // A row wanted whole comes back whole.
         let how = vec![None; data.len()];
         assert!(rows(&logits, &how).unwrap().iter().all(|r| matches!(r, Row::Full(l) if l.len() == vocab)));
+    }
+
+    /// Rows with `logit_bias` and penalties, changed on the device, choose
+    /// draw for draw what the host chooses from the whole row, and only
+    /// the changed logits cross for them.
+    #[test]
+    fn rows_adjusted_on_the_device_choose_as_the_host_does() {
+        let vocab = 20_000;
+        let mut g = StdRng::seed_from_u64(9);
+        // Peaked rows: a few high logits, which the histories then hold.
+        let data: Vec<Vec<f32>> = (0..4)
+            .map(|r| {
+                (0..vocab).map(|i| g.random::<f32>() * 4.0 + if i % (1999 + r) == 0 { 6.0 } else { 0.0 }).collect()
+            })
+            .collect();
+        let prompt: Vec<u32> = (0..50).map(|i| i * 37 % vocab as u32).collect();
+        let settings = [
+            SamplingParams { temperature: 0.0, logit_bias: vec![(7, 100.0)], ..SamplingParams::default() },
+            SamplingParams {
+                repetition_penalty: 1.3,
+                presence_penalty: 0.5,
+                frequency_penalty: 0.7,
+                logit_bias: vec![(3, -100.0), (vocab as u32 + 5, 1.0), (11, 2.0), (11, 1.5)],
+                ..params(0.8, 40, 0.95, 0.05)
+            },
+            SamplingParams { frequency_penalty: 1.0, ..params(1.0, 0, 1.0, 0.0) },
+            SamplingParams { repetition_penalty: 0.8, ..params(0.7, 0, 1.0, 0.1) },
+            SamplingParams { presence_penalty: -2.0, ..params(0.0, 0, 1.0, 0.0) },
+        ];
+        for p in &settings {
+            // Each row's history holds its own best tokens, some twice, so
+            // that the penalties change the choice.
+            let hist: Vec<sampler::History> = data
+                .iter()
+                .map(|row| {
+                    let mut h = sampler::History::new(p, &prompt);
+                    let mut best: Vec<u32> = (0..vocab as u32).collect();
+                    best.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+                    for (i, &t) in best[..6].iter().enumerate() {
+                        h.push(t);
+                        if i % 2 == 0 {
+                            h.push(t);
+                        }
+                    }
+                    h
+                })
+                .collect();
+            let flat: Vec<f32> = data.iter().flatten().copied().collect();
+            let logits = Tensor::from_vec(flat, (data.len(), vocab), &Device::Cpu).unwrap();
+            let adj: Vec<_> = (0..data.len()).map(|r| (r, p, &hist[r])).collect();
+            let fetched = adjust(&logits, &adj).unwrap();
+            let touched: usize =
+                hist.iter().map(|h| sampler::touched(p, h).iter().filter(|&&t| (t as usize) < vocab).count()).sum();
+            assert_eq!(fetched, touched, "{p:?}");
+            let how: Vec<_> = (0..data.len()).map(|_| Some(p)).collect();
+            let rows = rows(&logits, &how).unwrap();
+            for (r, row) in rows.into_iter().enumerate() {
+                if p.temperature > 0.0 && (p.min_p > 0.0 || p.top_k > 0) {
+                    assert!(row.moved() < vocab / 4, "{p:?} row {r}: {} logits crossed", row.moved());
+                }
+                for seed in 0..40 {
+                    let want = sampler::sample(&data[r], p, &hist[r], &mut StdRng::seed_from_u64(seed));
+                    let mut rng = StdRng::seed_from_u64(seed);
+                    let got = match &row {
+                        Row::Token(t) => *t,
+                        Row::Full(l) | Row::Adjusted(l) => sampler::choose(l, p, &mut rng),
+                        Row::Among { max, cand, .. } => sampler::choose_among(cand.clone(), *max, p, &mut rng),
+                    };
+                    assert_eq!(got, want, "{p:?}, row {r}, seed {seed}");
+                }
+            }
+        }
     }
 }

@@ -41,25 +41,48 @@ pub fn adjusts(p: &SamplingParams) -> bool {
 
 /// Applies `logit_bias` and the penalties in place.
 fn adjust(logits: &mut [f32], p: &SamplingParams, h: &History) {
-    for &(id, bias) in &p.logit_bias {
-        if let Some(l) = logits.get_mut(id as usize) {
-            *l += bias;
+    adjust_each(p, h, |t, f| {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l = f(*l);
         }
+    });
+}
+
+/// The tokens whose logits `logit_bias` and the penalties change, sorted,
+/// once each.
+pub fn touched(p: &SamplingParams, h: &History) -> Vec<u32> {
+    let mut ids: Vec<u32> = p.logit_bias.iter().map(|&(id, _)| id).collect();
+    if p.repetition_penalty != 1.0 {
+        ids.extend(h.prompt.iter().copied());
+    }
+    if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        ids.extend(h.output.keys().copied());
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// `logit_bias`, then the repetition penalty, then the presence and
+/// frequency penalties: `apply(token, change)` for every change, in the
+/// order they apply. The host applies them to a whole row, the device path
+/// to the [`touched`] logits it fetched ([`super::device_pick::adjust`]):
+/// the same operations, so the same values.
+pub fn adjust_each(p: &SamplingParams, h: &History, mut apply: impl FnMut(u32, &dyn Fn(f32) -> f32)) {
+    for &(id, bias) in &p.logit_bias {
+        apply(id, &|l| l + bias);
     }
     if p.repetition_penalty != 1.0 {
         let r = p.repetition_penalty;
         let seen = h.prompt.iter().chain(h.output.keys().filter(|t| !h.prompt.contains(t)));
         for &t in seen {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l = if *l > 0.0 { *l / r } else { *l * r };
-            }
+            apply(t, &|l| if l > 0.0 { l / r } else { l * r });
         }
     }
     if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
         for (&t, &n) in &h.output {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l -= p.presence_penalty + p.frequency_penalty * n as f32;
-            }
+            let by = p.presence_penalty + p.frequency_penalty * n as f32;
+            apply(t, &|l| l - by);
         }
     }
 }
@@ -74,7 +97,9 @@ pub fn sample(logits: &[f32], p: &SamplingParams, h: &History, rng: &mut StdRng)
     choose(&adjusted, p, rng)
 }
 
-fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
+/// Chooses the next token from logits `logit_bias` and the penalties were
+/// already applied to.
+pub fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
     if p.temperature <= 0.0 {
         return argmax(logits);
     }

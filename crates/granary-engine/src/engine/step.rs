@@ -503,19 +503,28 @@ impl StepLoop {
             // The tensor path: the vocabulary-wide part of each choice is
             // made where the logits are.
             Some(t) if !self.sh.model.host_kernels() => {
-                let how: Vec<Option<&crate::SamplingParams>> = plan
-                    .iter()
-                    .filter(|p| p.3)
-                    .map(|&(i, ..)| {
-                        let s = &self.running[i];
-                        let whole = s.req.constraint.is_some()
-                            || s.req.sampling.logprobs.is_some()
-                            || sampler::adjusts(&s.req.sampling);
-                        (!whole).then_some(&s.req.sampling)
-                    })
-                    .collect();
-                let rows = device_pick::rows(&t, &how)?;
-                self.sh.metrics.logits_to_host.inc_by(rows.iter().map(|r| r.moved() as u64).sum());
+                let mut how: Vec<Option<&crate::SamplingParams>> = Vec::new();
+                // Rows whose `logit_bias` and penalties are applied where
+                // the logits are.
+                let mut adjust = Vec::new();
+                for (row, &(i, ..)) in plan.iter().filter(|p| p.3).enumerate() {
+                    let s = &self.running[i];
+                    let whole = s.req.constraint.is_some() || s.req.sampling.logprobs.is_some();
+                    if !whole && sampler::adjusts(&s.req.sampling) {
+                        adjust.push((row, &s.req.sampling, &s.history));
+                    }
+                    how.push((!whole).then_some(&s.req.sampling));
+                }
+                let fetched = device_pick::adjust(&t, &adjust)?;
+                let mut rows = device_pick::rows(&t, &how)?;
+                for &(r, ..) in &adjust {
+                    if let Row::Full(v) = &mut rows[r] {
+                        let v = std::mem::take(v);
+                        rows[r] = Row::Adjusted(v);
+                    }
+                }
+                let moved = fetched + rows.iter().map(Row::moved).sum::<usize>();
+                self.sh.metrics.logits_to_host.inc_by(moved as u64);
                 rows
             }
             Some(t) => t.to_vec2::<f32>()?.into_iter().map(Row::Full).collect(),
@@ -573,6 +582,7 @@ impl StepLoop {
             }
             let tok = match &mut picked {
                 Row::Full(row) => sampler::sample(row, &s.req.sampling, &s.history, &mut s.rng),
+                Row::Adjusted(row) => sampler::choose(row, &s.req.sampling, &mut s.rng),
                 Row::Token(t) => *t,
                 Row::Among { max, cand, .. } => {
                     sampler::choose_among(std::mem::take(cand), *max, &s.req.sampling, &mut s.rng)
