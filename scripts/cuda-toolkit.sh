@@ -54,4 +54,30 @@ if [ ! -f "$cuda_marker" ]; then
   ln -sf libcuda.so "$CUDA_ROOT/lib/stubs/libcuda.so.1"
   touch "$cuda_marker"
 fi
+# cuobjdump, to list the machine code a build holds (scripts/test.sh).
+[ -x "$CUDA_ROOT/bin/cuobjdump" ] || cuda_py -m pip install -q 'nvidia-cuda-cuobjdump==13.4.92'
 nvcc --version | tail -n 2 | head -n 1
+
+# cuda_caps "80 90": the next `cargo build --features cuda` makes one binary
+# for every compute capability listed. candle compiles its kernels for one,
+# CUDA_COMPUTE_CAP: that is the lowest here, whose PTX the driver compiles
+# for later generations too; the others' machine code is added to candle's
+# static kernel library by scripts/nvcc-archs. Cargo reruns candle's kernel
+# build only when CUDA_COMPUTE_CAP changes, so a list other than the one
+# the last cuda_caps build was made for cleans that build first (after a
+# build with CUDA_COMPUTE_CAP alone, `cargo clean -p candle-kernels`).
+cuda_caps() {
+  local sorted
+  sorted=$(tr ' ' '\n' <<<"$1" | grep . | sort -n -u | tr '\n' ' ')
+  sorted=${sorted% }
+  [ -n "$sorted" ] || { echo "cuda_caps: no compute capability given" >&2; return 1; }
+  export CUDA_COMPUTE_CAP=${sorted%% *}
+  export GRANARY_CUDA_EXTRA_CAPS=""
+  [ "$sorted" = "$CUDA_COMPUTE_CAP" ] || GRANARY_CUDA_EXTRA_CAPS=${sorted#* }
+  export GRANARY_NVCC="$CUDA_ROOT/bin/nvcc" NVCC="$PWD/scripts/nvcc-archs"
+  local stamp=target/.cuda-caps
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$sorted" ]; then
+    cargo clean -q -p candle-kernels
+  fi
+  mkdir -p target && echo "$sorted" >"$stamp"
+}

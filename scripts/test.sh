@@ -10,7 +10,7 @@
 #   scripts/test.sh            everything
 #   FUZZ_SECONDS=0 scripts/test.sh   skip fuzzing
 #   GRANARY_CUDA_BUILD=0 scripts/test.sh   skip the CUDA build
-#   GRANARY_CUDA_CAPS="80 90" scripts/test.sh   the CUDA build for A100 and H100
+#   GRANARY_CUDA_CAPS="90" scripts/test.sh   the CUDA build for H100/H200 only (default "80 90")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -186,25 +186,29 @@ if [ "${FUZZ_SECONDS:-15}" != 0 ] && [ -d fuzz ]; then
   done
 fi
 # The CUDA build (docs/engine.md, "Building it"): the CUDA 13 toolkit from
-# PyPI, the binary built with `--features cuda` for each compute capability
-# in GRANARY_CUDA_CAPS (candle compiles its kernels for one per build, about
-# 10 minutes each here, so CI builds 90 only, H100/H200; `80 90` builds A100
-# too), and the engine's device tests for the last. No GPU
-# is here, so nothing runs on one (scripts/gpu-check.sh does, on a GPU
-# machine); against the stub driver the binary must load and refuse
-# `--device cuda` in one line, and the device tests must say they skipped
-# CUDA. The plain binary is put back afterwards (cargo keeps both builds).
+# PyPI, and one binary built with `--features cuda` for every compute
+# capability in GRANARY_CUDA_CAPS (default 80 and 90: A100, H100/H200;
+# `cuda_caps` in scripts/cuda-toolkit.sh), checked to hold machine code for
+# each, then the engine's device tests. No GPU is here, so nothing runs on
+# one (scripts/gpu-check.sh does, on a GPU machine); against the stub driver
+# the binary must load and refuse `--device cuda` in one line, and the
+# device tests must say they skipped CUDA. The plain binary is put back
+# afterwards (cargo keeps both builds).
 if [ "${GRANARY_CUDA_BUILD:-1}" = 1 ] && [ "$(uname -m)" = x86_64 ]; then
-  caps=${GRANARY_CUDA_CAPS:-90}
-  echo "== CUDA build (granary --features cuda, compute capability: $caps)"
+  caps=${GRANARY_CUDA_CAPS:-80 90}
+  echo "== CUDA build (granary --features cuda, compute capabilities: $caps)"
   (
     # shellcheck source=scripts/cuda-toolkit.sh
     source scripts/cuda-toolkit.sh
+    cuda_caps "$caps"
+    cargo build -q -p granary --features cuda
+    elf=$(cuobjdump --list-elf target/debug/granary | grep -oE 'sm_[0-9]+a?' | sort -u | tr '\n' ' ')
+    ptx=$(cuobjdump --list-ptx target/debug/granary | grep -oE 'sm_[0-9]+a?' | sort -u | tr '\n' ' ')
+    own=$(grep -h '^\.target' target/debug/build/granary-engine-*/out/paged_attention.ptx | sort -u | tr '\n' ' ')
+    echo "machine code: ${elf}; PTX in the binary: ${ptx}; the engine's PTX kernels: ${own}(the driver compiles PTX for the GPU it runs on)"
     for cap in $caps; do
-      echo "-- compute capability $cap"
-      CUDA_COMPUTE_CAP=$cap cargo build -q -p granary --features cuda
+      grep -qE "(^| )sm_${cap}a?( |$)" <<<"$elf" || { echo "the CUDA build has no machine code for compute capability $cap" >&2; exit 1; }
     done
-    export CUDA_COMPUTE_CAP=$cap
     stub="$CUDA_ROOT/lib/stubs:$CUDA_ROOT/lib"
     out=$(LD_LIBRARY_PATH=$stub target/debug/granary engine --device cuda --model /nonexistent/model.gguf 2>&1 || true)
     echo "$out"
