@@ -83,15 +83,13 @@ fn cpu<'s, T: candle_core::WithDType>(s: &'s CpuStorage, l: &Layout, what: &str)
     }
 }
 
-/// Runs `f` on a tensor's CPU elements.
-fn with_cpu<T: candle_core::WithDType, R>(
-    t: &Tensor,
+/// A tensor's elements, when it is on the CPU and contiguous.
+fn cpu_of<'s, T: candle_core::WithDType>(
+    (s, l): &'s (candle_core::StorageRef<'_>, &Layout),
     what: &str,
-    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
-) -> candle_core::Result<R> {
-    let (s, l) = t.storage_and_layout();
-    match &*s {
-        Storage::Cpu(s) => f(cpu::<T>(s, l, what)?),
+) -> candle_core::Result<&'s [T]> {
+    match &**s {
+        Storage::Cpu(s) => cpu::<T>(s, l, what),
         _ => candle_core::bail!("paged attention: {what} is not on the CPU"),
     }
 }
@@ -104,18 +102,16 @@ impl CustomOp1 for PagedAttention<'_> {
     fn cpu_fwd(&self, q: &CpuStorage, q_l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let dm = self.dims(q_l)?;
         let q = cpu::<f32>(q, q_l, "the queries")?;
-        let out = with_cpu::<f16, _>(self.k, "the keys", |k| {
-            with_cpu::<f16, _>(self.v, "the values", |v| {
-                with_cpu::<u32, _>(self.tables, "the block tables", |tables| {
-                    with_cpu::<u32, _>(self.row_seq, "the row sequences", |row_seq| {
-                        with_cpu::<u32, _>(self.row_pos, "the row positions", |row_pos| {
-                            let pool = Pool { k, v, tables, dims: dm };
-                            attend_cpu(self, &pool, q, row_seq, row_pos)
-                        })
-                    })
-                })
-            })
-        })?;
+        let storage = [self.k, self.v, self.tables, self.row_seq, self.row_pos].map(Tensor::storage_and_layout);
+        let [k, v, tables, row_seq, row_pos] = &storage;
+        let pool = Pool {
+            k: cpu_of(k, "the keys")?,
+            v: cpu_of(v, "the values")?,
+            tables: cpu_of(tables, "the block tables")?,
+            dims: dm,
+        };
+        let out =
+            attend_cpu(self, &pool, q, cpu_of(row_seq, "the row sequences")?, cpu_of(row_pos, "the row positions")?)?;
         Ok((CpuStorage::F32(out), Shape::from((dm.rows, dm.heads, dm.head_dim))))
     }
 
