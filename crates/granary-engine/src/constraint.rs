@@ -116,23 +116,39 @@ impl Constraint {
     /// Sets the logits of every token the grammar forbids next to -inf
     /// (ids past the tokenizer's vocabulary included).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let allowed = self.matcher.compute_mask_or_eos()?;
-        let n = allowed.len().min(logits.len());
+        let allowed = self.allowed(logits.len())?;
         let mut any = false;
-        for (id, l) in logits[..n].iter_mut().enumerate() {
-            if allowed.is_allowed(id as u32) {
+        for (l, &ok) in logits.iter_mut().zip(&allowed) {
+            if ok == 1 {
                 any |= *l != f32::NEG_INFINITY;
             } else {
                 *l = f32::NEG_INFINITY;
             }
         }
-        for l in &mut logits[n..] {
-            *l = f32::NEG_INFINITY;
-        }
         if !any {
             return Err(anyhow!("the grammar allows no token here"));
         }
         Ok(())
+    }
+
+    /// The tokens the grammar allows next, as one byte per id of a `vocab`
+    /// long row (1 allowed, 0 forbidden; ids past the tokenizer's
+    /// vocabulary forbidden). An error when it allows none.
+    pub fn allowed(&mut self, vocab: usize) -> Result<Vec<u8>> {
+        let vob = self.matcher.compute_mask_or_eos()?;
+        let n = vob.len().min(vocab);
+        let mut out = vec![0u8; vocab];
+        let mut any = false;
+        for (id, o) in out[..n].iter_mut().enumerate() {
+            if vob.is_allowed(id as u32) {
+                *o = 1;
+                any = true;
+            }
+        }
+        if !any {
+            return Err(anyhow!("the grammar allows no token here"));
+        }
+        Ok(out)
     }
 
     /// Advances past `token` (one the last mask allowed).

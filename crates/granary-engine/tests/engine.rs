@@ -31,13 +31,23 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     }
 }
 
-async fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Event) {
+async fn collect(rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Event) {
+    let (toks, _, end) = collect_logprobs(rx).await;
+    (toks, end)
+}
+
+/// The tokens, the log-probabilities that came with them, and the end.
+async fn collect_logprobs(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> (Vec<u32>, Vec<granary_engine::TokenLogprobs>, Event) {
     let mut toks = Vec::new();
+    let mut lps = Vec::new();
     loop {
         match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await.expect("engine stalled") {
             Some(Event::Token(t)) => toks.push(t),
+            Some(Event::Logprobs(l)) => lps.push(*l),
             Some(Event::Started { .. }) => assert!(toks.is_empty(), "Started after tokens"),
-            Some(end) => return (toks, end),
+            Some(end) => return (toks, lps, end),
             None => panic!("stream closed without a final event"),
         }
     }
@@ -99,7 +109,7 @@ async fn batches_and_samples_as_alone(path: &std::path::Path, name: &str, device
     let model = Arc::new(Model::load(path, &opts).unwrap());
     let tok = Arc::new(Tokenizer::from_gguf_path(path).unwrap());
     let cfg = EngineConfig { max_batch_tokens: 64, block_tokens: 16, ..Default::default() };
-    let engine = Engine::start(cfg, model.clone(), tok, None).unwrap();
+    let engine = Engine::start(cfg, model.clone(), tok.clone(), None).unwrap();
     let fx = common::fixture();
     let requests: Vec<GenerateRequest> = fx
         .generate
@@ -137,6 +147,71 @@ async fn batches_and_samples_as_alone(path: &std::path::Path, name: &str, device
     let whole = (2 * requests.len() * 10 * model.config().vocab_size) as f64;
     eprintln!("{name}: logits brought to the host: {moved} ({:.2}% of whole rows)", 100.0 * moved / whole);
     assert!(moved > 0.0 && moved < whole / 20.0, "{name}: {moved} logits crossed for {whole} in whole rows");
+    // A grammar, `logprobs`, a draw with no cut and `top_p` alone, batched
+    // together, each decided on the device.
+    let before = metric(&engine, "granary_engine_logits_to_host_total");
+    let grammars = granary_engine::constraint::Grammars::new(tok.clone()).unwrap();
+    let pattern = "[0-9]{3}-[a-z]{2,6}";
+    let regex = || grammars.compile(llguidance::api::TopLevelGrammar::from_regex(pattern)).unwrap();
+    let sampled = |t: f32, top_p: f32, logprobs: Option<usize>, seed: u64| SamplingParams {
+        temperature: t,
+        top_p,
+        logprobs,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let prompt = fx.generate[0].prompt_ids.clone();
+    let kinds = [
+        GenerateRequest { constraint: Some(regex()), ..greedy(prompt.clone(), 12) },
+        GenerateRequest {
+            constraint: Some(regex()),
+            sampling: sampled(0.9, 1.0, None, 1),
+            ..greedy(prompt.clone(), 12)
+        },
+        GenerateRequest { sampling: sampled(0.0, 1.0, Some(3), 2), ..greedy(prompt.clone(), 8) },
+        GenerateRequest { sampling: sampled(1.0, 1.0, Some(0), 3), ..greedy(prompt.clone(), 8) },
+        GenerateRequest { sampling: sampled(0.7, 0.9, Some(5), 4), ..greedy(prompt.clone(), 8) },
+    ];
+    let rxs: Vec<_> = kinds.iter().map(|r| engine.generate(r.clone()).unwrap()).collect();
+    let outs = futures::future::join_all(rxs.into_iter().map(collect_logprobs)).await;
+    let matches = |t: &str| {
+        t.split_once('-').is_some_and(|(d, w)| {
+            d.len() == 3
+                && d.bytes().all(|b| b.is_ascii_digit())
+                && (2..=6).contains(&w.len())
+                && w.bytes().all(|b| b.is_ascii_lowercase())
+        })
+    };
+    let mut choices = 0;
+    for (i, ((toks, lps, end), r)) in outs.into_iter().zip(&kinds).enumerate() {
+        assert!(matches!(end, Event::Finished { .. }), "{name}, kind {i}: {end:?}");
+        choices += toks.len();
+        if r.constraint.is_some() {
+            let text = tok.decode(&toks, true).unwrap();
+            assert!(matches(&text), "{name}, kind {i}: {text:?} does not match {pattern}");
+        }
+        match r.sampling.logprobs {
+            None => assert!(lps.is_empty(), "{name}, kind {i}: logprobs nobody asked for"),
+            Some(top) => {
+                assert_eq!(lps.len(), toks.len(), "{name}, kind {i}: a logprob per token");
+                for (l, t) in lps.iter().zip(&toks) {
+                    assert!(l.logprob <= 1e-4 && l.logprob.is_finite(), "{name}, kind {i}: {l:?}");
+                    assert_eq!(l.top.len(), top, "{name}, kind {i}");
+                    assert!(l.top.windows(2).all(|w| w[0].1 >= w[1].1), "{name}, kind {i}: {l:?}");
+                    if r.sampling.temperature == 0.0 {
+                        assert_eq!(l.top[0].0, *t, "{name}, kind {i}: the greedy token is the most likely");
+                    }
+                }
+            }
+        }
+    }
+    let moved = metric(&engine, "granary_engine_logits_to_host_total") - before;
+    let whole = (choices * model.config().vocab_size) as f64;
+    eprintln!(
+        "{name}: grammar, logprobs, no cut, top_p alone: {moved} logits crossed ({:.2}% of whole rows)",
+        100.0 * moved / whole
+    );
+    assert!(moved < whole / 10.0, "{name}: {moved} logits crossed for {whole} in whole rows");
     drop(engine);
 }
 

@@ -100,6 +100,13 @@ pub fn sample(logits: &[f32], p: &SamplingParams, h: &History, rng: &mut StdRng)
 /// Chooses the next token from logits `logit_bias` and the penalties were
 /// already applied to.
 pub fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
+    choose_with(logits, p, || rng.random::<f32>())
+}
+
+/// [`choose`], with `draw` giving the one uniform number in [0, 1) the
+/// choice uses (called only when it draws: `temperature > 0` and a finite
+/// logit).
+pub fn choose_with(logits: &[f32], p: &SamplingParams, draw: impl FnOnce() -> f32) -> u32 {
     if p.temperature <= 0.0 {
         return argmax(logits);
     }
@@ -112,20 +119,26 @@ pub fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
         // No cut: draw from the whole distribution.
         let inv_t = 1.0 / t;
         let total: f32 = logits.iter().map(|&l| ((l - max) * inv_t).exp()).sum();
-        let mut r = rng.random::<f32>() * total;
-        for (i, &l) in logits.iter().enumerate() {
-            let w = ((l - max) * inv_t).exp();
-            if r < w {
-                return i as u32;
-            }
-            r -= w;
-        }
-        return argmax(logits);
+        let weights = logits.iter().enumerate().map(|(i, &l)| (i as u32, ((l - max) * inv_t).exp()));
+        return walk(draw() * total, weights).unwrap_or_else(|| argmax(logits));
     }
     let threshold = min_p_threshold(p, max);
     let cand: Vec<(u32, f32)> =
         logits.iter().enumerate().filter(|(_, &l)| l >= threshold).map(|(i, &l)| (i as u32, l)).collect();
-    choose_among(cand, max, p, rng)
+    choose_among(cand, max, p, None, draw())
+}
+
+/// The token at `r` along `weights` (`r` a uniform draw times their sum):
+/// the first whose weight exceeds what is left of `r`. `None` when
+/// rounding leaves `r` past the end.
+pub fn walk(mut r: f32, weights: impl IntoIterator<Item = (u32, f32)>) -> Option<u32> {
+    for (id, w) in weights {
+        if r < w {
+            return Some(id);
+        }
+        r -= w;
+    }
+    None
 }
 
 /// Whether `p` cuts the distribution (`top_k`, `top_p` or `min_p`).
@@ -149,8 +162,10 @@ pub fn min_p_threshold(p: &SamplingParams, max: f32) -> f32 {
 /// among the `top_k` best may be left out. The result depends only on
 /// that, not on how the set was found: the host passes a whole row's
 /// survivors, the device path ([`super::device_pick`]) those of the blocks
-/// that can hold one.
-pub fn choose_among(mut cand: Vec<(u32, f32)>, max: f32, p: &SamplingParams, rng: &mut StdRng) -> u32 {
+/// that can hold one. With `top_p` alone, `cand` may leave out tokens the
+/// nucleus cannot hold if `mass` is then the whole row's (the sum of
+/// `exp((l - max) / T)` over every token). `u`: the uniform draw.
+pub fn choose_among(mut cand: Vec<(u32, f32)>, max: f32, p: &SamplingParams, mass: Option<f32>, u: f32) -> u32 {
     let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     if p.top_k > 0 && cand.len() > p.top_k {
         cand.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
@@ -158,7 +173,7 @@ pub fn choose_among(mut cand: Vec<(u32, f32)>, max: f32, p: &SamplingParams, rng
     }
     let inv_t = 1.0 / p.temperature;
     if p.top_p < 1.0 {
-        let total: f32 = cand.iter().map(|&(_, l)| ((l - max) * inv_t).exp()).sum();
+        let total: f32 = mass.unwrap_or_else(|| cand.iter().map(|&(_, l)| ((l - max) * inv_t).exp()).sum());
         let want = p.top_p * total;
         // Grow a sorted prefix until it holds `top_p` of the mass.
         let mut k = cand.len().min(64);
@@ -193,14 +208,8 @@ pub fn choose_among(mut cand: Vec<(u32, f32)>, max: f32, p: &SamplingParams, rng
     }
     let weights: Vec<f32> = cand.iter().map(|&(_, l)| ((l - max) * inv_t).exp()).collect();
     let total: f32 = weights.iter().sum();
-    let mut r = rng.random::<f32>() * total;
-    for (&(id, _), &w) in cand.iter().zip(&weights) {
-        if r < w {
-            return id;
-        }
-        r -= w;
-    }
-    cand.iter().max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0))).map_or(0, |c| c.0)
+    walk(u * total, cand.iter().zip(&weights).map(|(&(id, _), &w)| (id, w)))
+        .unwrap_or_else(|| cand.iter().max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0))).map_or(0, |c| c.0))
 }
 
 /// Log probabilities of `chosen` and the `top` most likely tokens, from the
@@ -208,20 +217,24 @@ pub fn choose_among(mut cand: Vec<(u32, f32)>, max: f32, p: &SamplingParams, rng
 pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> TokenLogprobs {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
-    let lp = |id: u32| logits.get(id as usize).map_or(f32::NEG_INFINITY, |&l| l - lse);
-    let mut best: Vec<(u32, f32)> = Vec::new();
-    if top > 0 {
-        let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-        let by = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        let k = top.min(all.len());
-        if k < all.len() {
-            all.select_nth_unstable_by(k - 1, by);
-            all.truncate(k);
+    let at = logits.get(chosen as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    let all = if top > 0 { logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect() } else { Vec::new() };
+    logprobs_among(lse, at, all, top)
+}
+
+/// [`logprobs`] from the row's log-sum-exp `lse`, the chosen token's logit
+/// and `cand`: tokens that hold the `top` most likely (ties included).
+pub fn logprobs_among(lse: f32, chosen: f32, mut cand: Vec<(u32, f32)>, top: usize) -> TokenLogprobs {
+    let by = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let k = top.min(cand.len());
+    if k < cand.len() {
+        if k > 0 {
+            cand.select_nth_unstable_by(k - 1, by);
         }
-        all.sort_unstable_by(by);
-        best = all.into_iter().map(|(i, l)| (i, l - lse)).collect();
+        cand.truncate(k);
     }
-    TokenLogprobs { logprob: lp(chosen), top: best }
+    cand.sort_unstable_by(by);
+    TokenLogprobs { logprob: chosen - lse, top: cand.into_iter().map(|(i, l)| (i, l - lse)).collect() }
 }
 
 pub fn argmax(logits: &[f32]) -> u32 {

@@ -12,12 +12,12 @@ use anyhow::Result;
 use bytes::Bytes;
 use granary_core::hash::{BlockHash, HashChain};
 use rand::rngs::StdRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc;
 
 use tracing::Instrument;
 
-use super::device_pick::{self, Row};
+use super::device_pick::{self, Outcome, Want};
 use super::{preempt, sampler, Admitted, Fault, KvEvent, Role, SaveJob, Shared, Source};
 use crate::model::{Chunk, KvCache};
 use crate::{Event, FinishReason, GenerateRequest, Usage};
@@ -499,35 +499,42 @@ impl StepLoop {
             }
             self.sh.model.forward(&mut chunks)?
         };
-        let rows: Vec<Row> = match logits {
-            // The tensor path: the vocabulary-wide part of each choice is
-            // made where the logits are.
+        let outcomes: Vec<Outcome> = match logits {
+            // The tensor path: the choice is made where the logits are.
             Some(t) if !self.sh.model.host_kernels() => {
-                let mut how: Vec<Option<&crate::SamplingParams>> = Vec::new();
-                // Rows whose `logit_bias` and penalties are applied where
-                // the logits are.
-                let mut adjust = Vec::new();
-                for (row, &(i, ..)) in plan.iter().filter(|p| p.3).enumerate() {
-                    let s = &self.running[i];
-                    let whole = s.req.constraint.is_some() || s.req.sampling.logprobs.is_some();
-                    if !whole && sampler::adjusts(&s.req.sampling) {
-                        adjust.push((row, &s.req.sampling, &s.history));
-                    }
-                    how.push((!whole).then_some(&s.req.sampling));
+                let vocab = t.dim(1)?;
+                // Grammar masks and draws change the sequences; the choice
+                // then reads them.
+                let mut prep = Vec::new();
+                for &(i, ..) in plan.iter().filter(|p| p.3) {
+                    let s = &mut self.running[i];
+                    let allowed = s.req.constraint.as_mut().map(|c| c.allowed(vocab)).transpose();
+                    let uniform = if s.req.sampling.temperature > 0.0 { s.rng.random::<f32>() } else { 0.0 };
+                    prep.push((i, allowed, uniform));
                 }
-                let fetched = device_pick::adjust(&t, &adjust)?;
-                let mut rows = device_pick::rows(&t, &how)?;
-                for &(r, ..) in &adjust {
-                    if let Row::Full(v) = &mut rows[r] {
-                        let v = std::mem::take(v);
-                        rows[r] = Row::Adjusted(v);
+                let mut out: Vec<Option<Outcome>> = prep.iter().map(|_| None).collect();
+                let mut wants = Vec::new();
+                for (row, (i, allowed, uniform)) in prep.into_iter().enumerate() {
+                    match allowed {
+                        Err(e) => out[row] = Some(Outcome::Failed(e.to_string())),
+                        Ok(allowed) => {
+                            let s = &self.running[i];
+                            wants.push(Want { row, sampling: &s.req.sampling, history: &s.history, allowed, uniform });
+                        }
                     }
                 }
-                let moved = fetched + rows.iter().map(Row::moved).sum::<usize>();
+                let (chosen, moved) = device_pick::choose(&t, &wants)?;
                 self.sh.metrics.logits_to_host.inc_by(moved as u64);
-                rows
+                for (w, o) in wants.iter().zip(chosen) {
+                    out[w.row] = Some(o);
+                }
+                out.into_iter().map(|o| o.expect("an outcome per row")).collect()
             }
-            Some(t) => t.to_vec2::<f32>()?.into_iter().map(Row::Full).collect(),
+            Some(t) => {
+                let rows = t.to_vec2::<f32>()?;
+                let seqs = plan.iter().filter(|p| p.3).map(|p| p.0);
+                seqs.zip(rows).map(|(i, row)| choose_on_host(&mut self.running[i], row)).collect()
+            }
             None => Vec::new(),
         };
         let elapsed = started.elapsed().as_secs_f64().max(1e-9);
@@ -546,7 +553,7 @@ impl StepLoop {
                 .set(decode_tokens as f64 / elapsed);
         }
         // Apply results; remember which sequences end.
-        let mut rows = rows.into_iter();
+        let mut outcomes = outcomes.into_iter();
         let mut finished: Vec<usize> = Vec::new();
         // Sent once the finished sequences' blocks are kept, so that a
         // request sent on their answer finds them.
@@ -567,25 +574,14 @@ impl StepLoop {
             if !want {
                 continue;
             }
-            let mut picked = rows.next().expect("a logits row per chunk that asked");
+            let picked = outcomes.next().expect("an outcome per chunk that asked");
             let now = Instant::now();
-            if let Some(c) = s.req.constraint.as_mut() {
-                let masked = match &mut picked {
-                    Row::Full(row) => c.mask(row),
-                    _ => Err(anyhow::anyhow!("the logits row was not brought to the host")),
-                };
-                if let Err(e) = masked {
+            let (tok, logprobs) = match picked {
+                Outcome::Token { token, logprobs } => (token, logprobs),
+                Outcome::Failed(e) => {
                     let _ = s.tx.send(Event::Failed(format!("the output grammar failed: {e}")));
                     failed.push(i);
                     continue;
-                }
-            }
-            let tok = match &mut picked {
-                Row::Full(row) => sampler::sample(row, &s.req.sampling, &s.history, &mut s.rng),
-                Row::Adjusted(row) => sampler::choose(row, &s.req.sampling, &mut s.rng),
-                Row::Token(t) => *t,
-                Row::Among { max, cand, .. } => {
-                    sampler::choose_among(std::mem::take(cand), *max, &s.req.sampling, &mut s.rng)
                 }
             };
             if s.last_token.is_none() {
@@ -616,8 +612,8 @@ impl StepLoop {
             s.output.push(tok);
             s.history.push(tok);
             self.sh.metrics.generated.inc();
-            if let (Some(top), Row::Full(row)) = (s.req.sampling.logprobs, &picked) {
-                let _ = s.tx.send(Event::Logprobs(Box::new(sampler::logprobs(row, tok, top))));
+            if let Some(l) = logprobs {
+                let _ = s.tx.send(Event::Logprobs(Box::new(l)));
             }
             let _ = s.tx.send(Event::Token(tok));
             s.input = [tok];
@@ -682,6 +678,19 @@ impl StepLoop {
         }
         Ok(())
     }
+}
+
+/// The next token of `s` from its whole row of logits, on the host: the
+/// grammar masks the row, `logprobs` read it, then the sampler chooses.
+fn choose_on_host(s: &mut Seq, mut row: Vec<f32>) -> Outcome {
+    if let Some(c) = s.req.constraint.as_mut() {
+        if let Err(e) = c.mask(&mut row) {
+            return Outcome::Failed(e.to_string());
+        }
+    }
+    let token = sampler::sample(&row, &s.req.sampling, &s.history, &mut s.rng);
+    let logprobs = s.req.sampling.logprobs.map(|top| sampler::logprobs(&row, token, top));
+    Outcome::Token { token, logprobs }
 }
 
 /// Fails (or panics) a step whose chunk holds a test's fault token.
