@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use super::*;
-use crate::model::Chunk;
+use crate::model::{Chunk, Model};
 
 /// The default model copied into `dir` (its stamps are then this test's own).
 fn model_copy(test: &str, dir: &Path) -> Option<PathBuf> {
