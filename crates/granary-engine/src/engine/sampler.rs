@@ -100,13 +100,6 @@ pub fn sample(logits: &[f32], p: &SamplingParams, h: &History, rng: &mut StdRng)
 /// Chooses the next token from logits `logit_bias` and the penalties were
 /// already applied to.
 pub fn choose(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
-    choose_with(logits, p, || rng.random::<f32>())
-}
-
-/// [`choose`], with `draw` giving the one uniform number in [0, 1) the
-/// choice uses (called only when it draws: `temperature > 0` and a finite
-/// logit).
-pub fn choose_with(logits: &[f32], p: &SamplingParams, draw: impl FnOnce() -> f32) -> u32 {
     if p.temperature <= 0.0 {
         return argmax(logits);
     }
@@ -120,12 +113,12 @@ pub fn choose_with(logits: &[f32], p: &SamplingParams, draw: impl FnOnce() -> f3
         let inv_t = 1.0 / t;
         let total: f32 = logits.iter().map(|&l| ((l - max) * inv_t).exp()).sum();
         let weights = logits.iter().enumerate().map(|(i, &l)| (i as u32, ((l - max) * inv_t).exp()));
-        return walk(draw() * total, weights).unwrap_or_else(|| argmax(logits));
+        return walk(rng.random::<f32>() * total, weights).unwrap_or_else(|| argmax(logits));
     }
     let threshold = min_p_threshold(p, max);
     let cand: Vec<(u32, f32)> =
         logits.iter().enumerate().filter(|(_, &l)| l >= threshold).map(|(i, &l)| (i as u32, l)).collect();
-    choose_among(cand, max, p, None, draw())
+    choose_among(cand, max, p, None, rng.random::<f32>())
 }
 
 /// The token at `r` along `weights` (`r` a uniform draw times their sum):
