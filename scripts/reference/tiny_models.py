@@ -301,6 +301,35 @@ def write_safetensors(path, tensors):
             f.write(blob)
 
 
+# transformers' Gemma3TextConfig defaults: a multimodal Gemma 3 checkpoint
+# writes its text_config as its differences from these.
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0, attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+    sliding_window_pattern=6, rope_local_base_freq=10000.0, tie_word_embeddings=True,
+)
+
+
+def write_hf_multimodal(dir_, text, tensors):
+    """A Gemma 3 model (the `config.json` and tensors `write_hf` wrote) in
+    the layout of a multimodal Gemma 3 checkpoint (google/gemma-3-4b-it and
+    up): `model_type` gemma3 with the text model's configuration nested as
+    its differences from the defaults, tensors under `language_model.`, and
+    a vision tower beside them."""
+    os.makedirs(dir_, exist_ok=True)
+    diff = {k: v for k, v in text.items() if GEMMA3_TEXT_DEFAULTS.get(k, object()) != v}
+    cfg = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", text_config=diff,
+               vision_config=dict(model_type="siglip_vision_model", hidden_size=8, num_hidden_layers=1))
+    with open(os.path.join(dir_, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    s = {("language_model." + k): v for k, v in tensors.items()}
+    rng = np.random.default_rng(3)
+    s["vision_tower.vision_model.post_layernorm.weight"] = rng.standard_normal(8).astype(np.float32)
+    s["multi_modal_projector.mm_input_projection_weight"] = rng.standard_normal((8, HIDDEN)).astype(np.float32)
+    write_safetensors(os.path.join(dir_, "model.safetensors"), s)
+
+
 def write_hf(dir_, arch, feat, t, vocab):
     os.makedirs(dir_, exist_ok=True)
     model_type = {"gemma3": "gemma3_text"}.get(arch, arch)
@@ -354,6 +383,7 @@ def write_hf(dir_, arch, feat, t, vocab):
             s[b + "self_attn.q_norm.weight"] = t[p + "q_norm"] - off
             s[b + "self_attn.k_norm.weight"] = t[p + "k_norm"] - off
     write_safetensors(os.path.join(dir_, "model.safetensors"), s)
+    return cfg, s
 
 
 def quantize(src, dst, ftype):
@@ -397,8 +427,11 @@ def main():
         t = weights(arch, feat, np.random.default_rng(1000 + seed), len(tokens))
         path = os.path.join(args.out, f"{arch}.gguf")
         write_gguf(path, arch, feat, t, tokens, types, merges)
-        write_hf(os.path.join(args.out, f"{arch}-hf"), arch, feat, t, len(tokens))
+        hf_cfg, hf_tensors = write_hf(os.path.join(args.out, f"{arch}-hf"), arch, feat, t, len(tokens))
         out["models"][f"{arch}.gguf"] = dict(arch=arch, hf=f"{arch}-hf", **reference(path, prompt))
+        if arch == "gemma3":
+            write_hf_multimodal(os.path.join(args.out, "gemma3-mm-hf"), hf_cfg, hf_tensors)
+            out["models"][f"{arch}.gguf"]["hf_more"] = ["gemma3-mm-hf"]
         print(f"{arch}: written and run", file=sys.stderr)
         if arch == "llama":
             for name, ftype in QUANT_TYPES.items():

@@ -68,6 +68,10 @@ struct RefModel {
     quant: Option<String>,
     #[serde(default)]
     hf: Option<String>,
+    /// The same weights in other Hugging Face layouts (a multimodal
+    /// checkpoint's, for Gemma 3).
+    #[serde(default)]
+    hf_more: Vec<String>,
     logits: Vec<Vec<f32>>,
     greedy: Vec<u32>,
 }
@@ -196,7 +200,7 @@ fn every_architecture_and_weight_type_matches_llama_cpp() {
         if sorted[0] - sorted[1] > 2.0 * worst && greedy[0] != r.greedy[0] {
             failures.push(format!("{file}: first greedy token {} vs llama.cpp's {}", greedy[0], r.greedy[0]));
         }
-        if let Some(hf) = &r.hf {
+        for hf in r.hf.iter().chain(&r.hf_more) {
             let st = Model::load(&dir.path().join(hf), &LoadOptions::default())
                 .unwrap_or_else(|e| panic!("loading {hf}: {e:#}"));
             let (st_rows, _) = run(&st, prompt, 0);
@@ -308,7 +312,7 @@ fn every_architecture_round_trips_through_a_checkpoint() {
     let mut sources: Vec<String> = Vec::new();
     for (file, r) in &reference.models {
         sources.push(file.clone());
-        sources.extend(r.hf.clone());
+        sources.extend(r.hf.iter().chain(&r.hf_more).cloned());
     }
     let variants: [(&str, LoadOptions); 3] = [
         ("default", LoadOptions::default()),

@@ -365,7 +365,8 @@ impl ModelConfig {
             #[serde(flatten)]
             _rest: HashMap<String, serde_json::Value>,
         }
-        let hf: Hf = serde_json::from_str(text).context("config.json")?;
+        let root: serde_json::Value = serde_json::from_str(text).context("config.json")?;
+        let hf: Hf = serde_json::from_value(language_model_config(root)?).context("config.json")?;
         let model_type = hf.model_type.clone().unwrap_or_else(|| "llama".into());
         let mut spec = spec_by_hf(&model_type)?;
         if hf.partial_rotary_factor.is_some_and(|p| p != 1.0) {
@@ -414,6 +415,38 @@ impl ModelConfig {
         Ok(cfg)
     }
 }
+
+/// The language model's part of a `config.json`. A multimodal checkpoint
+/// (Gemma 3 from 4B up: `model_type` `gemma3`) nests it as `text_config`,
+/// written as its differences from the text model's defaults, so those
+/// defaults are filled in here; its vision tower is not used.
+fn language_model_config(root: serde_json::Value) -> Result<serde_json::Value> {
+    let model_type = root.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
+    let Some((text_type, defaults)) = COMPOSITE.iter().find(|(outer, ..)| *outer == model_type).map(|(_, t, d)| (t, d))
+    else {
+        return Ok(root);
+    };
+    let text = root
+        .get("text_config")
+        .and_then(|v| v.as_object())
+        .with_context(|| format!("config.json: model_type {model_type:?} without a text_config object"))?;
+    let mut merged: serde_json::Map<String, serde_json::Value> = serde_json::from_str(defaults)?;
+    merged.extend(text.iter().map(|(k, v)| (k.clone(), v.clone())));
+    merged.insert("model_type".into(), (*text_type).into());
+    Ok(serde_json::Value::Object(merged))
+}
+
+/// Multimodal `model_type`s served as their language model: the text
+/// model's `model_type` and its configuration class's defaults
+/// (transformers' `Gemma3TextConfig`).
+const COMPOSITE: &[(&str, &str, &str)] = &[(
+    "gemma3",
+    "gemma3_text",
+    r#"{"vocab_size":262208,"hidden_size":2304,"intermediate_size":9216,"num_hidden_layers":26,
+        "num_attention_heads":8,"num_key_value_heads":4,"head_dim":256,"max_position_embeddings":131072,
+        "rms_norm_eps":1e-6,"rope_theta":1000000.0,"attention_bias":false,"query_pre_attn_scalar":256,
+        "sliding_window":4096,"sliding_window_pattern":6,"rope_local_base_freq":10000.0}"#,
+)];
 
 /// `rope_scaling` of a `config.json`: `linear`, or `llama3` turned into
 /// per-frequency factors the way transformers computes them.
@@ -489,6 +522,28 @@ mod tests {
         assert_eq!(base.rope_of(0), (10_000.0, 1.0));
         assert_eq!(base.rope_of(5), (1_000_000.0, 0.125));
         assert_eq!(base.attn_scale, 0.5);
+    }
+
+    #[test]
+    fn a_multimodal_gemma3_config_is_read_as_its_text_model_with_its_defaults() {
+        // The shape of google/gemma-3-4b-it's config.json: the text model
+        // nested, with only what differs from Gemma3TextConfig's defaults.
+        let cfg = ModelConfig::from_hf_json(
+            r#"{"architectures":["Gemma3ForConditionalGeneration"],"model_type":"gemma3",
+                "text_config":{"hidden_size":2560,"intermediate_size":10240,"model_type":"gemma3_text",
+                    "num_hidden_layers":34,"rope_scaling":{"factor":8.0,"rope_type":"linear"},"sliding_window":1024},
+                "vision_config":{"model_type":"siglip_vision_model","hidden_size":1152}}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.architecture, "gemma3");
+        assert_eq!((cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size), (262208, 2560, 10240));
+        assert_eq!((cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim), (34, 8, 4, 256));
+        assert_eq!((cfg.sliding_window, cfg.context_len, cfg.rms_eps), (Some(1024), 131072, 1e-6));
+        assert_eq!(cfg.rope_of(0), (10_000.0, 1.0));
+        assert_eq!(cfg.rope_of(5), (1_000_000.0, 0.125));
+        assert_eq!(cfg.attn_scale, 1.0 / 16.0);
+        let e = ModelConfig::from_hf_json(r#"{"model_type":"gemma3"}"#).unwrap_err().to_string();
+        assert!(e.contains("text_config"), "{e}");
     }
 
     #[test]

@@ -89,6 +89,43 @@ impl TensorSource for SafetensorsSource {
     }
 }
 
+/// Where a checkpoint keeps its language model, as (prefix of
+/// `embed_tokens` and the layers, name of the output head): a causal LM's
+/// own layout, then a multimodal checkpoint's as transformers saved it
+/// before 4.52 and since.
+const LANGUAGE_MODEL_LAYOUTS: [(&str, &str); 3] = [
+    ("model.", "lm_head.weight"),
+    ("language_model.model.", "language_model.lm_head.weight"),
+    ("model.language_model.", "lm_head.weight"),
+];
+
+/// The language model's tensors under the names of a causal LM's layout
+/// (`model.…`, `lm_head.weight`); anything else in the checkpoint (a
+/// multimodal model's vision tower and projector) is dropped.
+fn language_model_tensors(mut tensors: HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    let (prefix, head) = LANGUAGE_MODEL_LAYOUTS
+        .iter()
+        .find(|(prefix, _)| tensors.contains_key(&format!("{prefix}embed_tokens.weight")))
+        .with_context(|| {
+            let tried: Vec<String> =
+                LANGUAGE_MODEL_LAYOUTS.iter().map(|(p, _)| format!("{p}embed_tokens.weight")).collect();
+            format!("the safetensors hold no token embedding (looked for {})", tried.join(", "))
+        })?;
+    if *prefix == "model." {
+        return Ok(tensors);
+    }
+    let mut out = HashMap::new();
+    if let Some(t) = tensors.remove(*head) {
+        out.insert("lm_head.weight".to_string(), t);
+    }
+    for (name, t) in tensors {
+        if let Some(rest) = name.strip_prefix(prefix) {
+            out.insert(format!("model.{rest}"), t);
+        }
+    }
+    Ok(out)
+}
+
 impl Model {
     /// Loads a GGUF file.
     pub fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<Self> {
@@ -163,7 +200,7 @@ impl Model {
         };
         let fingerprint = w.stats.fingerprint.clone().context("the loader computed no fingerprint")?;
         let started = Instant::now();
-        let mut src = SafetensorsSource { tensors: w.tensors };
+        let mut src = SafetensorsSource { tensors: language_model_tensors(w.tensors)? };
         let names = |i: usize, n: &str| format!("model.layers.{i}.{n}");
         let post_norms = cfg.arch.post_norms;
         if cfg.arch.hf_norm_offset {
