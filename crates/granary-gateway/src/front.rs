@@ -3,13 +3,84 @@
 //! within `header_timeout_s` (a slowloris, or a kept-alive connection left
 //! idle) is closed instead of holding its socket and task for good.
 
+use std::convert::Infallible;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
+use axum::http::{HeaderValue, Method};
+use axum::response::Response;
 use axum::Router;
+use futures::future::Either;
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tower::ServiceExt;
+
+use crate::proxy::{handle, Endpoint, Gateway, REQUEST_ID_HEADER};
+
+/// What a connection serves: the router, and the gateway whose two
+/// generation routes (`POST /v1/chat/completions`, `POST /v1/completions`,
+/// the path nearly every request takes) are handed to the proxy directly,
+/// without the router's matching, layers and extractors in between.
+#[derive(Clone)]
+pub struct App {
+    router: Router,
+    generation: Option<Arc<Gateway>>,
+}
+
+impl App {
+    /// `router` for every request, but the generation routes go to `gw`
+    /// (the same handler `router` has for them, see [`crate::server::app`]).
+    pub fn new(router: Router, gw: Option<Arc<Gateway>>) -> App {
+        App { router, generation: gw }
+    }
+
+    /// Serves one request.
+    pub(crate) fn call(
+        &self,
+        req: hyper::Request<Incoming>,
+    ) -> impl Future<Output = Result<Response, Infallible>> + Send + 'static {
+        match (&self.generation, generation_route(&req)) {
+            (Some(gw), Some(endpoint)) => Either::Left(generation(gw.clone(), endpoint, req)),
+            _ => Either::Right(self.router.clone().oneshot(req.map(Body::new))),
+        }
+    }
+}
+
+impl From<Router> for App {
+    fn from(router: Router) -> App {
+        App { router, generation: None }
+    }
+}
+
+fn generation_route(req: &hyper::Request<Incoming>) -> Option<Endpoint> {
+    if req.method() != Method::POST {
+        return None;
+    }
+    match req.uri().path() {
+        "/v1/chat/completions" => Some(Endpoint::Chat),
+        "/v1/completions" => Some(Endpoint::Completions),
+        _ => None,
+    }
+}
+
+/// A generation request, as the router's handler and request-id layer
+/// would serve it.
+async fn generation(
+    gw: Arc<Gateway>,
+    endpoint: Endpoint,
+    req: hyper::Request<Incoming>,
+) -> Result<Response, Infallible> {
+    let id = crate::server::new_request_id();
+    let (parts, body) = req.into_parts();
+    let mut resp = handle(gw, endpoint, id.clone(), parts.headers, Body::new(body)).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert(REQUEST_ID_HEADER, v);
+    }
+    Ok(resp)
+}
 
 /// The connection builder (HTTP/1.1), with the header timeout. (hyper's
 /// protocol-detecting builder waits for a first byte with no timer, so a
@@ -24,10 +95,11 @@ pub(crate) fn builder(header_timeout: Option<Duration>) -> hyper::server::conn::
 /// requests in flight finish.
 pub async fn serve_plain(
     listener: TcpListener,
-    app: Router,
+    app: impl Into<App>,
     header_timeout: Option<Duration>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
+    let app: App = app.into();
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -46,9 +118,7 @@ pub async fn serve_plain(
         let _ = tcp.set_nodelay(true);
         let (app, watcher) = (app.clone(), graceful.watcher());
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                app.clone().oneshot(req.map(axum::body::Body::new))
-            });
+            let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| app.call(req));
             let b = builder(header_timeout);
             if let Err(e) = watcher.watch(b.serve_connection(TokioIo::new(tcp), service)).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");

@@ -7,9 +7,9 @@
 //! are HTTP codes, upstreams come from the configuration or from agents'
 //! reports (admin-authenticated), and leave the exposition with the upstream.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use granary_core::metrics::gateway as names;
 use granary_core::metrics::warehouse::counter_base as base;
@@ -81,6 +81,79 @@ pub struct GatewayMetrics {
     tenants: RwLock<HashSet<String>>,
     max_tenants: usize,
     models: RwLock<HashSet<String>>,
+    /// Per tenant label, then model label: the series a finished request
+    /// adds to ([`GatewayMetrics::request_series`]).
+    request_series: RwLock<HashMap<String, HashMap<String, Arc<RequestSeries>>>>,
+    /// Counts removals of series: a handle to a series kept since an
+    /// earlier count may point at one no longer exported, and is looked up
+    /// again ([`GatewayMetrics::removals`]).
+    removals: AtomicU64,
+}
+
+/// What a finished request adds to, for one tenant and model label pair:
+/// each series looked up in its family the first time it is used.
+pub struct RequestSeries {
+    tenant: String,
+    model: String,
+    latency: OnceLock<Histogram>,
+    ttft: OnceLock<Histogram>,
+    /// Tokens by kind: prompt, completion, cached.
+    tokens: [OnceLock<Counter>; 3],
+    /// Requests by status, as statuses come.
+    statuses: RwLock<Vec<(u16, Counter)>>,
+}
+
+/// The kinds of [`RequestSeries::tokens`], in order.
+pub const TOKEN_KINDS: [&str; 3] = ["prompt", "completion", "cached"];
+
+impl RequestSeries {
+    fn new(tenant: &str, model: &str) -> RequestSeries {
+        RequestSeries {
+            tenant: tenant.to_string(),
+            model: model.to_string(),
+            latency: OnceLock::new(),
+            ttft: OnceLock::new(),
+            tokens: Default::default(),
+            statuses: RwLock::new(Vec::new()),
+        }
+    }
+
+    /// The requests counter of `status`.
+    pub fn requests(&self, metrics: &GatewayMetrics, status: u16) -> Counter {
+        if let Some((_, c)) = self.statuses.read().iter().find(|(s, _)| *s == status) {
+            return c.clone();
+        }
+        let c = metrics
+            .requests
+            .get_or_create(&vec![
+                ("tenant", self.tenant.clone()),
+                ("model", self.model.clone()),
+                ("status", status.to_string()),
+            ])
+            .clone();
+        self.statuses.write().push((status, c.clone()));
+        c
+    }
+
+    pub fn latency(&self, metrics: &GatewayMetrics) -> &Histogram {
+        self.latency.get_or_init(|| metrics.latency.get_or_create(&vec![("model", self.model.clone())]).clone())
+    }
+
+    pub fn ttft(&self, metrics: &GatewayMetrics) -> &Histogram {
+        self.ttft.get_or_init(|| metrics.ttft.get_or_create(&vec![("model", self.model.clone())]).clone())
+    }
+
+    /// The token counter of [`TOKEN_KINDS`]`[kind]`.
+    pub fn tokens(&self, metrics: &GatewayMetrics, kind: usize) -> &Counter {
+        self.tokens[kind].get_or_init(|| {
+            let labels = vec![
+                ("tenant", self.tenant.clone()),
+                ("model", self.model.clone()),
+                ("kind", TOKEN_KINDS[kind].to_string()),
+            ];
+            metrics.tokens.get_or_create(&labels).clone()
+        })
+    }
 }
 
 fn latency_buckets() -> Histogram {
@@ -130,6 +203,8 @@ impl GatewayMetrics {
             tenants: RwLock::new(HashSet::new()),
             max_tenants,
             models: RwLock::new(HashSet::new()),
+            removals: AtomicU64::new(0),
+            request_series: RwLock::new(HashMap::new()),
             registry: Registry::default(),
         };
         registry.register(
@@ -230,6 +305,18 @@ impl GatewayMetrics {
         Arc::new(GatewayMetrics { registry, ..m })
     }
 
+    /// How many times series were removed so far; handles kept from
+    /// `get_or_create` are current while this stays the same.
+    pub fn removals(&self) -> u64 {
+        self.removals.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// To call after removing series (after, so that a handle looked up
+    /// meanwhile is looked up again).
+    pub fn removed(&self) {
+        self.removals.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
     /// Declares a model as a label value (configured or served models).
     pub fn know_model(&self, model: &str) {
         if !self.models.read().contains(model) {
@@ -239,25 +326,46 @@ impl GatewayMetrics {
 
     /// The label value for a model: itself when known, else `unknown`.
     pub fn model_label(&self, model: Option<&str>) -> String {
+        self.model_label_of(model).to_string()
+    }
+
+    fn model_label_of<'a>(&self, model: Option<&'a str>) -> &'a str {
         match model {
-            Some(m) if self.models.read().contains(m) => m.to_string(),
-            _ => "unknown".into(),
+            Some(m) if self.models.read().contains(m) => m,
+            _ => "unknown",
         }
     }
 
     /// The label value for a tenant: itself while the table has room, else
     /// `other`; `none` for requests without a verified key.
     pub fn tenant_label(&self, tenant: Option<&str>) -> String {
-        let Some(t) = tenant else { return "none".into() };
+        self.tenant_label_of(tenant).to_string()
+    }
+
+    fn tenant_label_of<'a>(&self, tenant: Option<&'a str>) -> &'a str {
+        let Some(t) = tenant else { return "none" };
         if self.tenants.read().contains(t) {
-            return t.to_string();
+            return t;
         }
         let mut w = self.tenants.write();
-        if w.len() < self.max_tenants {
+        if w.contains(t) || w.len() < self.max_tenants {
             w.insert(t.to_string());
-            return t.to_string();
+            return t;
         }
-        "other".into()
+        "other"
+    }
+
+    /// The series a finished request of `tenant` for `model` adds to (their
+    /// label values as [`Self::tenant_label`] and [`Self::model_label`] give
+    /// them), looked up in the families once per label pair.
+    pub fn request_series(&self, tenant: Option<&str>, model: Option<&str>) -> Arc<RequestSeries> {
+        let (tenant, model) = (self.tenant_label_of(tenant), self.model_label_of(model));
+        if let Some(s) = self.request_series.read().get(tenant).and_then(|m| m.get(model)) {
+            return s.clone();
+        }
+        let series = Arc::new(RequestSeries::new(tenant, model));
+        let mut w = self.request_series.write();
+        w.entry(tenant.to_string()).or_default().entry(model.to_string()).or_insert(series).clone()
     }
 
     /// The text exposition format.

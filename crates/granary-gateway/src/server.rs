@@ -20,7 +20,7 @@ use crate::proxy::{handle, Endpoint, Gateway, REQUEST_ID_HEADER};
 #[derive(Clone, Debug)]
 pub struct RequestId(pub String);
 
-fn new_request_id() -> String {
+pub(crate) fn new_request_id() -> String {
     let n: u128 = rand::random();
     format!("req_{:024x}", n & ((1u128 << 96) - 1))
 }
@@ -67,6 +67,12 @@ pub fn router(gw: Arc<Gateway>, admin: Option<AdminToken>) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(Extension(AdminGuard(metrics_token)))
         .layer(middleware::from_fn(request_id))
+}
+
+/// [`router`], with the generation routes served by the proxy directly
+/// ([`crate::front::App`]): what the gateway's listener serves.
+pub fn app(gw: Arc<Gateway>, admin: Option<AdminToken>) -> crate::front::App {
+    crate::front::App::new(router(gw.clone(), admin), Some(gw))
 }
 
 #[derive(Clone)]

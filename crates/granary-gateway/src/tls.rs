@@ -6,14 +6,12 @@ use std::future::Future;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use axum::Router;
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
-use tower::ServiceExt;
 
 use crate::config::ServerTls;
 
@@ -63,11 +61,12 @@ pub fn server_config(tls: &ServerTls) -> Result<Arc<rustls::ServerConfig>> {
 /// closes that connection only.
 pub async fn serve(
     listener: TcpListener,
-    app: Router,
+    app: impl Into<crate::front::App>,
     config: Arc<rustls::ServerConfig>,
     header_timeout: Option<std::time::Duration>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<()> {
+    let app: crate::front::App = app.into();
     let acceptor = TlsAcceptor::from(config);
     tokio::pin!(shutdown);
     loop {
@@ -105,9 +104,7 @@ pub async fn serve(
                     return;
                 }
             };
-            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                app.clone().oneshot(req.map(axum::body::Body::new))
-            });
+            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| app.call(req));
             if let Err(e) = crate::front::builder(header_timeout).serve_connection(TokioIo::new(stream), service).await
             {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");

@@ -146,7 +146,7 @@ async fn serve(cfg: GatewayConfig) -> Result<()> {
     let stop = CancellationToken::new();
     gw.upstreams.spawn_watchers(g, stop.clone());
     let agents_on = g.agents.enabled && admin.is_some();
-    let app = granary_gateway::server::router(gw.clone(), admin);
+    let app = granary_gateway::server::app(gw.clone(), admin);
     let listener = tokio::net::TcpListener::bind(g.listen).await.with_context(|| format!("binding {}", g.listen))?;
     let addr = listener.local_addr()?;
     let scheme = if g.tls.is_some() { "https" } else { "http" };

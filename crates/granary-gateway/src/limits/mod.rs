@@ -464,6 +464,27 @@ impl Check {
 
 /// The limited windows a principal's request meets at `now_ms`, key first;
 /// `kinds` selects which limits.
+/// What settling a reservation changes: for tokens and for spend, the
+/// windows to adjust and by how much (used minus reserved; nothing where
+/// they are equal or no limit applies).
+fn settlement(who: &Principal, reservation: &Reservation, used_tokens: u64, spent: Money) -> Vec<(Vec<Check>, i64)> {
+    if who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited() {
+        return Vec::new();
+    }
+    let delta = |used: u64, reserved: u64| {
+        i64::try_from(used).unwrap_or(i64::MAX).saturating_sub(i64::try_from(reserved).unwrap_or(i64::MAX))
+    };
+    [
+        (&LimitKind::TOKENS[..], delta(used_tokens, reservation.tokens)),
+        (&LimitKind::SPEND[..], delta(spent.0, reservation.spend.0)),
+    ]
+    .into_iter()
+    .filter(|&(_, delta)| delta != 0)
+    .map(|(kinds, delta)| (checks(who, reservation.at_ms, kinds), delta))
+    .filter(|(checks, _)| !checks.is_empty())
+    .collect()
+}
+
 fn checks(who: &Principal, now_ms: i64, kinds: &[LimitKind]) -> Vec<Check> {
     let mut out = Vec::new();
     for (scope, id, limits) in
@@ -638,31 +659,26 @@ impl Limiter {
     /// [`settle`](Self::settle) for the tokens and the spend windows alike:
     /// the spend reserved is replaced by `spent`, the cost of what was used.
     pub async fn settle_spend(&self, who: &Principal, reservation: &Reservation, used_tokens: u64, spent: Money) {
-        if who.key_limits.is_unlimited() && who.tenant_limits.is_unlimited() {
-            return;
-        }
-        let delta = |used: u64, reserved: u64| {
-            i64::try_from(used).unwrap_or(i64::MAX).saturating_sub(i64::try_from(reserved).unwrap_or(i64::MAX))
-        };
-        for (kinds, delta) in [
-            (&LimitKind::TOKENS[..], delta(used_tokens, reservation.tokens)),
-            (&LimitKind::SPEND[..], delta(spent.0, reservation.spend.0)),
-        ] {
-            if delta == 0 {
-                continue;
-            }
-            let checks = checks(who, reservation.at_ms, kinds);
-            if checks.is_empty() {
-                continue;
-            }
-            // The windows are those of the admission; so is the clock used
-            // to prune and to set expiries (at worst a little generous).
-            let at = reservation.at_ms;
+        // The windows are those of the admission; so is the clock used to
+        // prune and to set expiries (at worst a little generous).
+        let at = reservation.at_ms;
+        for (checks, delta) in settlement(who, reservation, used_tokens, spent) {
             match &*self.backend {
                 Backend::Memory(m) => m.adjust(who.tenant_id, &checks, delta, at),
                 Backend::Redis(r) => r.adjust(&checks, delta, at).await,
             }
         }
+    }
+
+    /// [`Limiter::settle_spend`] done at once where it needs no I/O (the
+    /// in-process store), so a finished request spawns no task for it;
+    /// `false` (nothing done) where it must be awaited (Redis).
+    pub fn settle_spend_now(&self, who: &Principal, reservation: &Reservation, used_tokens: u64, spent: Money) -> bool {
+        let Backend::Memory(m) = &*self.backend else { return false };
+        for (checks, delta) in settlement(who, reservation, used_tokens, spent) {
+            m.adjust(who.tenant_id, &checks, delta, reservation.at_ms);
+        }
+        true
     }
 
     /// Adds the tokens a request really used (prompt plus completion) to

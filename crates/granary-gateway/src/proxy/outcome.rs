@@ -167,28 +167,17 @@ impl Drop for Outcome {
         let elapsed = self.start.elapsed();
         self.rec.latency_ms = elapsed.as_secs_f64() * 1e3;
         self.rec.ttft_ms = self.ttft.map(|t| t.as_secs_f64() * 1e3);
-        let tenant = m.tenant_label(self.rec.tenant.as_deref());
-        let model = m.model_label(self.rec.model.as_deref());
-        m.requests
-            .get_or_create(&vec![
-                ("tenant", tenant.clone()),
-                ("model", model.clone()),
-                ("status", self.rec.status.to_string()),
-            ])
-            .inc();
-        m.latency.get_or_create(&vec![("model", model.clone())]).observe(elapsed.as_secs_f64());
+        let series = m.request_series(self.rec.tenant.as_deref(), self.rec.model.as_deref());
+        series.requests(m, self.rec.status).inc();
+        series.latency(m).observe(elapsed.as_secs_f64());
         if let Some(t) = self.ttft {
-            m.ttft.get_or_create(&vec![("model", model.clone())]).observe(t.as_secs_f64());
+            series.ttft(m).observe(t.as_secs_f64());
         }
-        for (kind, n) in [
-            ("prompt", self.rec.prompt_tokens),
-            ("completion", self.rec.completion_tokens),
-            ("cached", self.rec.cached_tokens),
-        ] {
+        for (kind, n) in
+            [self.rec.prompt_tokens, self.rec.completion_tokens, self.rec.cached_tokens].into_iter().enumerate()
+        {
             if n > 0 {
-                m.tokens
-                    .get_or_create(&vec![("tenant", tenant.clone()), ("model", model.clone()), ("kind", kind.into())])
-                    .inc_by(n);
+                series.tokens(m, kind).inc_by(n);
             }
         }
         let spent = self.rec.prompt_tokens + self.rec.completion_tokens;
@@ -208,15 +197,17 @@ impl Drop for Outcome {
             if cost.0 > 0 {
                 m.cost
                     .get_or_create(&vec![
-                        ("tenant", tenant.clone()),
-                        ("model", model.clone()),
+                        ("tenant", m.tenant_label(self.rec.tenant.as_deref())),
+                        ("model", m.model_label(self.rec.model.as_deref())),
                         ("currency", self.gw.cfg.prices.currency.clone()),
                     ])
                     .inc_by(cost.units());
             }
             // Settling releases what was reserved and not used, so it runs
             // also when nothing was spent.
-            if spent != reservation.tokens || cost != reservation.spend {
+            if (spent != reservation.tokens || cost != reservation.spend)
+                && !limiter.settle_spend_now(&p, &reservation, spent, cost)
+            {
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
                     rt.spawn(async move { limiter.settle_spend(&p, &reservation, spent, cost).await });
                 }

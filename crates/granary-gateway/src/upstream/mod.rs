@@ -188,6 +188,18 @@ pub struct Upstream {
     auth_header: Option<axum::http::HeaderValue>,
     /// The plain HTTP pool for generation requests (`http://` upstreams).
     plain: Option<wire::PlainWire>,
+    /// Its metric series, looked up once (and again after any series was
+    /// removed: one of the same name may have gone with another upstream).
+    series: Mutex<Option<(u64, Arc<Series>)>>,
+}
+
+/// An upstream's metric series (labelled with its name).
+struct Series {
+    up: prometheus_client::metrics::gauge::Gauge,
+    breaker: prometheus_client::metrics::gauge::Gauge,
+    active: prometheus_client::metrics::gauge::Gauge,
+    /// One per [`OUTCOMES`] entry, in that order, made at its first use.
+    attempts: [std::sync::OnceLock<prometheus_client::metrics::counter::Counter>; OUTCOMES.len()],
 }
 
 /// Attempt outcomes, as counted in `granary_gateway_upstream_attempts_total`.
@@ -233,6 +245,7 @@ impl Upstream {
             generation_urls,
             auth_header,
             plain,
+            series: Mutex::new(None),
             id,
             client,
             auth,
@@ -382,15 +395,37 @@ impl Upstream {
         vec![("upstream", self.cfg.name.clone())]
     }
 
+    /// Its metric series (see [`Upstream::series`]'s field).
+    fn series(&self) -> Arc<Series> {
+        let now = self.metrics.removals();
+        let mut kept = self.series.lock();
+        if let Some((at, series)) = &*kept {
+            if *at == now {
+                return series.clone();
+            }
+        }
+        let m = &self.metrics;
+        let labels = self.labels();
+        let series = Arc::new(Series {
+            up: m.upstream_up.get_or_create(&labels).clone(),
+            breaker: m.breaker_state.get_or_create(&labels).clone(),
+            active: m.upstream_active.get_or_create(&labels).clone(),
+            attempts: Default::default(),
+        });
+        *kept = Some((now, series.clone()));
+        series
+    }
+
     /// Publishes health, breaker and load gauges (nothing once removed, so
     /// a request finishing late does not bring its series back).
     pub fn export(&self) {
         if self.is_removed() {
             return;
         }
-        self.metrics.upstream_up.get_or_create(&self.labels()).set(i64::from(self.up.load(Ordering::Relaxed)));
-        self.metrics.breaker_state.get_or_create(&self.labels()).set(self.breaker.view() as i64);
-        self.metrics.upstream_active.get_or_create(&self.labels()).set(self.active.load(Ordering::Relaxed) as i64);
+        let s = self.series();
+        s.up.set(i64::from(self.up.load(Ordering::Relaxed)));
+        s.breaker.set(self.breaker.view() as i64);
+        s.active.set(self.active.load(Ordering::Relaxed) as i64);
     }
 
     /// Counts an attempt's outcome (`ok`, `connect_error`, `timeout`, `status_5xx`, `status_4xx`, `bad_response`).
@@ -398,10 +433,18 @@ impl Upstream {
         if self.is_removed() {
             return;
         }
-        self.metrics
-            .attempts
-            .get_or_create(&vec![("upstream", self.cfg.name.clone()), ("outcome", outcome.into())])
-            .inc();
+        match OUTCOMES.iter().position(|o| *o == outcome) {
+            Some(i) => {
+                let labels = || vec![("upstream", self.cfg.name.clone()), ("outcome", outcome.to_string())];
+                self.series().attempts[i].get_or_init(|| self.metrics.attempts.get_or_create(&labels()).clone()).inc();
+            }
+            None => {
+                self.metrics
+                    .attempts
+                    .get_or_create(&vec![("upstream", self.cfg.name.clone()), ("outcome", outcome.into())])
+                    .inc();
+            }
+        }
     }
 
     /// Drops its metric series (it left the set).
@@ -413,6 +456,7 @@ impl Upstream {
         for outcome in OUTCOMES {
             self.metrics.attempts.remove(&vec![("upstream", self.cfg.name.clone()), ("outcome", outcome.to_string())]);
         }
+        self.metrics.removed();
     }
 
     /// Takes a slot if the upstream has room (`max_active` 0: unbounded).
