@@ -238,8 +238,8 @@ fn row<'a>(stdout: &'a str, name: &str) -> Vec<&'a str> {
 
 /// `granary bench gateway` with a few requests over two rounds: the
 /// upstream and the gateway as processes of their own, direct, gateway and
-/// nginx rows, positive figures for every path in every round, the goal
-/// lines and the chart.
+/// nginx rows, positive figures for every path in every round, the
+/// proxies' CPU per request, the goal lines and the chart.
 #[test]
 fn gateway_quick_run_measures_every_path() {
     let nginx = have("nginx", "gateway_quick_run_measures_every_path");
@@ -267,6 +267,12 @@ fn gateway_quick_run_measures_every_path() {
     for round in rounds {
         for (m, p) in round.as_array().unwrap().iter().zip(&paths) {
             assert!(m["p50_ms"].as_f64().unwrap() > 0.0 && m["rps"].as_f64().unwrap() > 0.0, "{p}: {m}");
+            // The proxies' CPU per request, read from /proc (none for the
+            // direct path); a 10 ms clock tick may round a short run to 0.
+            match *p {
+                "direct" => assert!(m["proxy_cpu_us"].is_null(), "{p}: {m}"),
+                _ => assert!(m["proxy_cpu_us"].as_f64().is_some_and(|us| us >= 0.0), "{p}: {m}"),
+            }
         }
     }
     for goal in ["added p50 <= 0.1 ms", "added p99 <= 2 ms", "throughput >= 1.0x nginx"] {

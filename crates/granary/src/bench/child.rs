@@ -14,7 +14,25 @@ pub(crate) struct Proc {
     name: String,
 }
 
+/// CPU time (user + system, all threads) process `pid` has used, in
+/// seconds (NaN when it cannot be read).
+pub(crate) fn process_cpu_s(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return f64::NAN };
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { return f64::NAN };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(f64::NAN);
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (ticks(11) + ticks(12)) / hz
+}
+
 impl Proc {
+    /// The process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts `granary ARGS`, takes the URL from the line starting with
     /// `addr_prefix` and waits for the line `ready`.
     pub(crate) fn start(

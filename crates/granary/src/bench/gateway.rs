@@ -31,7 +31,7 @@ use clap::Args as ClapArgs;
 use hdrhistogram::Histogram;
 use serde_json::{json, Value};
 
-use super::child::Proc;
+use super::child::{process_cpu_s, Proc};
 use super::llm::median;
 use super::warehouse::report::{bar, command_line, utc_timestamp, Goal, Host, Table};
 
@@ -73,6 +73,9 @@ struct Path {
     name: &'static str,
     url: String,
     key: Option<String>,
+    /// The proxy's processes (nginx: its master and workers), whose CPU
+    /// time is read around the throughput run; none for the direct path.
+    pids: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, serde::Serialize)]
@@ -80,6 +83,14 @@ struct Measured {
     p50_ms: f64,
     p99_ms: f64,
     rps: f64,
+    /// The proxy's CPU time (user + system) per request of the throughput
+    /// run, in microseconds.
+    proxy_cpu_us: Option<f64>,
+}
+
+/// CPU seconds the processes have used so far.
+fn cpu_s(pids: &[u32]) -> f64 {
+    pids.iter().map(|&p| process_cpu_s(p)).sum()
 }
 
 const BODY: &str = r#"{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#;
@@ -259,8 +270,11 @@ async fn measure(p: &Path, args: &Args, round: usize) -> Result<Measured> {
     let pb = bar(args.seconds, &format!("{what} throughput"));
     let tasks: Vec<_> = (0..args.connections)
         .map(|_| {
-            let (http, done, path) =
-                (http.clone(), done.clone(), Path { name: p.name, url: p.url.clone(), key: p.key.clone() });
+            let (http, done, path) = (
+                http.clone(),
+                done.clone(),
+                Path { name: p.name, url: p.url.clone(), key: p.key.clone(), pids: Vec::new() },
+            );
             tokio::spawn(async move {
                 while Instant::now() < end {
                     one(&http, &path).await?;
@@ -270,7 +284,7 @@ async fn measure(p: &Path, args: &Args, round: usize) -> Result<Measured> {
             })
         })
         .collect();
-    let t0 = Instant::now();
+    let (t0, cpu0) = (Instant::now(), cpu_s(&p.pids));
     while Instant::now() < end {
         tokio::time::sleep(Duration::from_secs(1)).await;
         pb.inc(1);
@@ -280,10 +294,13 @@ async fn measure(p: &Path, args: &Args, round: usize) -> Result<Measured> {
     }
     pb.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();
+    let n = done.load(Ordering::Relaxed) as f64;
+    let cpu = cpu_s(&p.pids) - cpu0;
     Ok(Measured {
         p50_ms: h.value_at_quantile(0.5) as f64 / 1e6,
         p99_ms: h.value_at_quantile(0.99) as f64 / 1e6,
-        rps: done.load(Ordering::Relaxed) as f64 / secs,
+        rps: n / secs,
+        proxy_cpu_us: (!p.pids.is_empty() && cpu.is_finite() && n > 0.0).then(|| cpu / n * 1e6),
     })
 }
 
@@ -320,13 +337,23 @@ pub async fn run(args: Args) -> Result<()> {
     let (up_proc, up) = upstream()?;
     let (gw_proc, gw, key) = gateway(up, dir.path(), args.workers).await?;
     let mut paths = vec![
-        Path { name: "direct", url: format!("http://{up}/v1/chat/completions"), key: None },
-        Path { name: "granary gateway", url: format!("http://{gw}/v1/chat/completions"), key: Some(key) },
+        Path { name: "direct", url: format!("http://{up}/v1/chat/completions"), key: None, pids: Vec::new() },
+        Path {
+            name: "granary gateway",
+            url: format!("http://{gw}/v1/chat/completions"),
+            key: Some(key),
+            pids: vec![gw_proc.pid()],
+        },
     ];
     let nginx_dir = tempfile::tempdir()?;
     let nginx = match nginx(&args.nginx, up, nginx_dir.path(), args.workers) {
         Ok((n, addr)) => {
-            paths.push(Path { name: "nginx proxy_pass", url: format!("http://{addr}/v1/chat/completions"), key: None });
+            paths.push(Path {
+                name: "nginx proxy_pass",
+                url: format!("http://{addr}/v1/chat/completions"),
+                key: None,
+                pids: super::soak::procs::with_descendants(&[n.0.id()]),
+            });
             Some(n)
         }
         Err(e) => {
@@ -355,7 +382,7 @@ pub async fn run(args: Args) -> Result<()> {
     let nginx_at = paths.iter().position(|p| p.name == "nginx proxy_pass");
     let mut table = Table::new(
         format!("Gateway overhead: one fixed upstream (chat completion, ~300-byte answer); median (lowest-highest) over {} rounds", args.rounds),
-        &["path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "req/s", "vs nginx"],
+        &["path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "req/s", "vs nginx", "proxy CPU µs/req"],
     );
     for (i, p) in paths.iter().enumerate() {
         let vs = match nginx_at {
@@ -374,6 +401,10 @@ pub async fn run(args: Args) -> Result<()> {
             if i == 0 { "-".into() } else { Spread::of(&added(i, |m| m.p99_ms)).show(3) },
             Spread::of(&per_path(i, |m| m.rps)).show(0),
             vs,
+            match rounds.iter().map(|r| r[i].proxy_cpu_us).collect::<Option<Vec<f64>>>() {
+                Some(us) => Spread::of(&us).show(1),
+                None => "-".into(),
+            },
         ]);
     }
     println!("granary bench gateway — {}", utc_timestamp(started));
@@ -382,7 +413,8 @@ pub async fn run(args: Args) -> Result<()> {
     println!(
         "{} sequential requests per path and round for latency; {} clients for {} s for throughput; {} alternating rounds; \
          gateway ({} runtime thread(s)) with key check (SQLite), limits, metrics, audit; nginx with {} worker process(es); \
-         the upstream and this client are processes of their own",
+         the upstream and this client are processes of their own; proxy CPU: the proxy's processes' user and \
+         system time during the throughput run, per request",
         args.requests, args.connections, args.seconds, args.rounds, args.workers, args.workers
     );
     println!();

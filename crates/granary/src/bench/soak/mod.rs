@@ -31,7 +31,7 @@ use super::warehouse::report::{bar, command_line, utc_timestamp, Goal, Host, Tab
 
 mod chart;
 mod judge;
-mod procs;
+pub(super) mod procs;
 
 fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e} (e.g. 60s, 10m)"))

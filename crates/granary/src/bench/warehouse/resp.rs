@@ -24,6 +24,7 @@ use serde::Serialize;
 
 use super::report::{bar, size_label, Goal, Table};
 use super::{Ctx, Unavailable};
+use crate::bench::child::process_cpu_s;
 
 const CLIENTS: u32 = 16;
 /// Rounds per server and size (one with `--quick`).
@@ -366,18 +367,6 @@ fn children_cpu_s() -> f64 {
     }
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     tv(ru.ru_utime) + tv(ru.ru_stime)
-}
-
-/// CPU time (user + system, all threads) process `pid` has used, in seconds.
-fn process_cpu_s(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return f64::NAN };
-    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
-    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { return f64::NAN };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(f64::NAN);
-    // SAFETY: sysconf reads a constant.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    (ticks(11) + ticks(12)) / hz
 }
 
 /// One `redis-benchmark` run of one test, with its CPU figures.
