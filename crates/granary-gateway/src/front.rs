@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderValue, Method};
+use axum::http::Method;
 use axum::response::Response;
 use axum::Router;
 use futures::future::Either;
@@ -18,7 +18,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tower::ServiceExt;
 
-use crate::proxy::{handle, Endpoint, Gateway, REQUEST_ID_HEADER};
+use crate::proxy::{handle, Endpoint, Gateway};
 
 /// What a connection serves: the router, and the gateway whose two
 /// generation routes (`POST /v1/chat/completions`, `POST /v1/completions`,
@@ -76,9 +76,7 @@ async fn generation(
     let id = crate::server::new_request_id();
     let (parts, body) = req.into_parts();
     let mut resp = handle(gw, endpoint, id.clone(), parts.headers, Body::new(body)).await;
-    if let Ok(v) = HeaderValue::from_str(&id) {
-        resp.headers_mut().insert(REQUEST_ID_HEADER, v);
-    }
+    crate::server::set_request_id(&mut resp, &id);
     Ok(resp)
 }
 

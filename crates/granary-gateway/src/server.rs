@@ -29,10 +29,15 @@ async fn request_id(mut req: Request, next: Next) -> Response {
     let id = new_request_id();
     req.extensions_mut().insert(RequestId(id.clone()));
     let mut resp = next.run(req).await;
-    if let Ok(v) = HeaderValue::from_str(&id) {
+    set_request_id(&mut resp, &id);
+    resp
+}
+
+/// Names the request's id in its response's `x-request-id` header.
+pub(crate) fn set_request_id(resp: &mut Response, id: &str) {
+    if let Ok(v) = HeaderValue::from_str(id) {
         resp.headers_mut().insert(REQUEST_ID_HEADER, v);
     }
-    resp
 }
 
 /// The public API, the admin API (when an admin token is set), `/health`,

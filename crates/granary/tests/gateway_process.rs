@@ -244,7 +244,12 @@ fn the_openai_client_works_through_the_gateway_and_kv_aware_routing_finds_the_bl
     // KV-aware: a long prompt, then the same prompt again: the second time
     // the gateway sends it where its blocks are, and the engine reuses them.
     let prompt = "The history of the lighthouse keepers of the northern coast, told season by season. ".repeat(8);
-    let first: Value = gw.completion(&key, &prompt, 1).json().unwrap();
+    let first = gw.completion(&key, &prompt, 1);
+    // Generation routes skip the router (front::App): the request id is
+    // still set on the answer.
+    let rid = first.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    assert!(rid.starts_with("req_") && rid.len() == 28, "x-request-id {rid:?}");
+    let first: Value = first.json().unwrap();
     assert!(first["usage"]["prompt_tokens"].as_u64().unwrap() > 64, "{first}");
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut cached = 0;

@@ -12,9 +12,10 @@
 //! upstream when the environment names an HTTP proxy, go through the
 //! upstream's reqwest client.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,7 @@ use http_body_util::Full;
 use hyper::body::{Body, Incoming};
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
 /// An error while reading an answer's body.
@@ -74,8 +76,9 @@ struct Conn {
     driver: Pin<Box<http1::Connection<TokioIo<TcpStream>, Full<Bytes>>>>,
 }
 
-/// Idle connections, the most recently used last.
-type Idle = Arc<Mutex<Vec<(Conn, Instant)>>>;
+/// Idle connections in the order they came back, the most recently used
+/// last (taken first); the oldest, first, are the ones to expire.
+type Idle = Arc<Mutex<VecDeque<(Conn, Instant)>>>;
 
 /// The plain HTTP/1.1 pool of one upstream and its generation paths.
 pub(super) struct PlainWire {
@@ -142,7 +145,7 @@ impl PlainWire {
     /// An idle connection ready for a request, closing stale ones.
     async fn checkout(&self) -> Option<Conn> {
         loop {
-            let (mut conn, since) = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
+            let (mut conn, since) = self.idle.lock().pop_back()?;
             if since.elapsed() < IDLE_TIMEOUT && ready(&mut conn).await {
                 return Some(conn);
             }
@@ -269,10 +272,12 @@ fn release(idle: &Idle, conn: Conn) {
         return;
     }
     let now = Instant::now();
-    let mut idle = idle.lock().unwrap_or_else(|e| e.into_inner());
-    idle.retain(|(_, since)| now.duration_since(*since) < IDLE_TIMEOUT);
+    let mut idle = idle.lock();
+    while idle.front().is_some_and(|(_, since)| now.duration_since(*since) >= IDLE_TIMEOUT) {
+        idle.pop_front();
+    }
     if idle.len() < MAX_IDLE {
-        idle.push((conn, now));
+        idle.push_back((conn, now));
     }
 }
 
@@ -413,11 +418,11 @@ mod tests {
         let (a, b) = (a.unwrap(), b.unwrap());
         assert!(read(b).await.ends_with("|b") && read(a).await.ends_with("|a"));
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
-        assert_eq!(w.idle.lock().unwrap().len(), 2);
+        assert_eq!(w.idle.lock().len(), 2);
         // An answer dropped before its end closes its connection.
         let a = w.post(uri, h.clone(), Bytes::from("c")).await.unwrap();
         drop(a);
-        assert_eq!(w.idle.lock().unwrap().len(), 1);
+        assert_eq!(w.idle.lock().len(), 1);
 
         let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
         let w = PlainWire::new(&format!("http://{free}"), &PATHS, Duration::from_secs(2)).unwrap();
