@@ -247,15 +247,6 @@ pub(super) async fn attempt_all(
     Err(ApiError::bad_gateway("The upstream engines failed to answer this request; try again."))
 }
 
-/// The members of a whole answer the gateway reads (any others are skipped).
-#[derive(serde::Deserialize)]
-struct AnswerHead {
-    #[serde(default)]
-    usage: Option<Value>,
-    #[serde(default)]
-    error: Option<Value>,
-}
-
 pub(super) async fn attempt_one(
     gw: &Arc<Gateway>,
     out: &mut Outcome,
@@ -327,9 +318,9 @@ pub(super) async fn attempt_one(
         }
     }
     let buf: Bytes = more.map_or(first, Bytes::from);
-    // Only what metering and the audit need is read; the rest is checked to
-    // be JSON and relayed as it came.
-    let json: Option<AnswerHead> = serde_json::from_slice(&buf).ok();
+    // Only what metering and the audit need is read (usage from the tail
+    // when it is there); the answer is relayed as it came.
+    let json = super::answer::read_answer(&buf, code.is_success());
     if code.is_success() && json.is_none() {
         return Err(AttemptError::Retryable("bad_response", "the upstream's answer is not a JSON object".into()));
     }

@@ -29,6 +29,7 @@ use crate::sse::EventFilter;
 use crate::types::{now_ms, Principal};
 use crate::upstream::{Origin, Slot, Upstream, Upstreams};
 
+mod answer;
 mod attempt;
 mod outcome;
 mod plan;
