@@ -18,6 +18,7 @@ use anyhow::{Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 use serde::Serialize;
 
+mod ceiling;
 pub(super) mod disk;
 mod hitratio;
 mod inproc;
@@ -73,11 +74,20 @@ pub struct Args {
     /// Seed of every random choice (values, access orders).
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Threads of the `resp` part's client (`redis-benchmark --threads`);
+    /// more than one needs the cores for them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    client_threads: u16,
+    /// Serve the `resp` part's zero-work RESP server on `127.0.0.1:0` and
+    /// print its address (the benchmark starts itself this way).
+    #[arg(long, hide = true)]
+    serve_ceiling: bool,
 }
 
 /// What the parts read from the command line.
 pub struct Ctx {
     pub quick: bool,
+    pub client_threads: usize,
     pub seed: u64,
     pub dir: Option<PathBuf>,
     pub out: PathBuf,
@@ -143,6 +153,12 @@ fn part_goals(p: Part) -> &'static [&'static str] {
 }
 
 pub async fn run(args: Args) -> Result<()> {
+    if args.serve_ceiling {
+        // A runtime of its own (one thread, as Redis serves), outside this one.
+        return std::thread::spawn(ceiling::serve)
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the zero-work server panicked")));
+    }
     let host = Host::probe();
     let date = utc_timestamp(SystemTime::now());
     let run_with = command_line();
@@ -163,7 +179,14 @@ pub async fn run(args: Args) -> Result<()> {
     } else {
         Part::ALL.into_iter().filter(|p| args.only.contains(p)).collect()
     };
-    let ctx = Ctx { quick: args.quick, seed: args.seed, dir: args.dir, out: args.out, trace: args.trace };
+    let ctx = Ctx {
+        quick: args.quick,
+        client_threads: args.client_threads as usize,
+        seed: args.seed,
+        dir: args.dir,
+        out: args.out,
+        trace: args.trace,
+    };
     let mut report = Report {
         run_with,
         date,
@@ -186,6 +209,9 @@ pub async fn run(args: Args) -> Result<()> {
                 if let Some(e) = &r.granary_error {
                     d.notes.push(format!("resp: FAILED for granary (Redis rows stand alone): {e}"));
                     d.failed = true;
+                }
+                if let Some(e) = &r.ceiling_error {
+                    d.notes.push(format!("resp: the zero-work server (the client's ceiling) not measured: {e}"));
                 }
                 Ok(d)
             }),

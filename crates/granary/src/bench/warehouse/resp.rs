@@ -11,6 +11,12 @@
 //! are separate `redis-benchmark` runs, so that each has its own CPU
 //! figures: the client's share of a core (near 100 % the client, not the
 //! server, sets the pace) and the server's CPU time per request.
+//!
+//! A third server, the ceiling (`ceiling.rs`: a RESP server that does no
+//! work), takes the same runs in the same rotation. Its req/s is the most
+//! this client reaches on this host; each goal's line gives it beside the
+//! goal's ratio, so a goal no server could meet with this client here reads
+//! as such.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -32,7 +38,8 @@ const ROUNDS: usize = 3;
 /// Bytes of values the random keys of one run cover.
 const KEYSPACE_BYTES: u64 = 1 << 30;
 const GOAL_SIZE: u64 = 1 << 20;
-/// A client using this share of a core or more is what limits the rate.
+/// A client using this share of a core (of each of its threads) or more is
+/// what limits the rate.
 const CLIENT_BOUND: f64 = 0.95;
 
 #[derive(Debug, Clone, Serialize)]
@@ -64,9 +71,13 @@ pub struct RespRow {
 pub struct RespReport {
     pub redis_version: String,
     pub clients: u32,
+    /// `redis-benchmark --threads` (1: its default single thread).
+    pub client_threads: usize,
     pub rows: Vec<RespRow>,
     /// Why granary's server could not be measured (the Redis rows stand alone).
     pub granary_error: Option<String>,
+    /// Why the zero-work server could not be measured (no ceiling rows).
+    pub ceiling_error: Option<String>,
 }
 
 /// A child process stopped (SIGTERM, then SIGKILL) when dropped.
@@ -154,34 +165,39 @@ pub fn run(ctx: &Ctx) -> Result<RespReport> {
         eprintln!("resp: granary not measured: {e}");
     }
 
+    let ceiling = start_ceiling();
+    let ceiling_error = ceiling.as_ref().err().map(|e| format!("{e:#}"));
+    if let Some(e) = &ceiling_error {
+        eprintln!("resp: the zero-work server not measured: {e}");
+    }
+
     let cases = cases(ctx.quick);
     let rounds = if ctx.quick { 1 } else { ROUNDS };
-    let servers = if granary.is_ok() { 2 } else { 1 };
-    let pb = bar((cases.len() * servers * rounds) as u64, "resp");
+    // (name, process and port), in the order of the first round.
+    let mut servers: Vec<(&'static str, &Proc, u16)> = vec![("redis", &redis, redis_port)];
+    for (name, s) in [("granary", &granary), ("ceiling", &ceiling)] {
+        if let Ok((proc, port)) = s {
+            servers.push((name, proc, *port));
+        }
+    }
+    let pb = bar((cases.len() * servers.len() * rounds) as u64, "resp");
     let mut rows = Vec::new();
     for (size, n) in cases {
-        let (mut anchor_runs, mut granary_runs) = (Vec::new(), Vec::new());
+        let mut runs: Vec<Vec<Vec<Measured>>> = vec![Vec::new(); servers.len()];
         for round in 0..rounds {
-            // Alternating who goes first, so neither always gets the warmer machine.
-            let redis_first = round % 2 == 0;
-            for which in [redis_first, !redis_first] {
-                if which {
-                    pb.set_message(format!("{} x{n} against redis, round {}", size_label(size), round + 1));
-                    let m = redis_benchmark(redis_port, redis.child.id(), size, n)
-                        .with_context(|| format!("redis: {}", redis.stderr_tail()))?;
-                    anchor_runs.push(m);
-                    pb.inc(1);
-                } else if let Ok((proc, port)) = &granary {
-                    pb.set_message(format!("{} x{n} against granary, round {}", size_label(size), round + 1));
-                    let m = redis_benchmark(*port, proc.child.id(), size, n)
-                        .with_context(|| format!("granary: {}", proc.stderr_tail()))?;
-                    granary_runs.push(m);
-                    pb.inc(1);
-                }
+            // Each round starts with the next server, so none always gets the warmer machine.
+            for k in 0..servers.len() {
+                let at = (k + round) % servers.len();
+                let (name, proc, port) = servers[at];
+                pb.set_message(format!("{} x{n} against {name}, round {}", size_label(size), round + 1));
+                let m = redis_benchmark(port, proc.child.id(), size, n, ctx.client_threads)
+                    .with_context(|| format!("{name}: {}", proc.stderr_tail()))?;
+                runs[at].push(m);
+                pb.inc(1);
             }
         }
-        let anchor = medians(&anchor_runs);
-        let measured = medians(&granary_runs);
+        let summaries: Vec<Vec<Summary>> = runs.iter().map(|r| medians(r)).collect();
+        let anchor = &summaries[0];
         let row = |server, m: &Summary, anchor: Option<&Summary>| RespRow {
             value_bytes: size,
             op: m.op.clone(),
@@ -200,18 +216,29 @@ pub fn run(ctx: &Ctx) -> Result<RespReport> {
             rps_ratio: anchor.map(|a| m.rps / a.rps),
             p99_ratio: anchor.map(|a| m.p99 / a.p99),
         };
-        // Each redis row, then granary's row for the same op.
-        for r in &anchor {
+        // Each redis row, then the others' rows for the same op.
+        for r in anchor {
             rows.push(row("redis", r, None));
-            if let Some(g) = measured.iter().find(|g| g.op == r.op) {
-                rows.push(row("granary", g, Some(r)));
+            for ((name, _, _), of) in servers.iter().zip(&summaries).skip(1) {
+                if let Some(g) = of.iter().find(|g| g.op == r.op) {
+                    rows.push(row(*name, g, Some(r)));
+                }
             }
         }
     }
     pb.finish_and_clear();
+    drop(servers);
+    drop(ceiling);
     drop(granary);
     drop(redis);
-    Ok(RespReport { redis_version, clients: CLIENTS, rows, granary_error })
+    Ok(RespReport {
+        redis_version,
+        clients: CLIENTS,
+        client_threads: ctx.client_threads,
+        rows,
+        granary_error,
+        ceiling_error,
+    })
 }
 
 fn tool_version(program: &str, flag: &str) -> Result<String> {
@@ -244,6 +271,21 @@ fn start_granary() -> Result<(Proc, u16)> {
     let addr = addr.context("granary warehouse printed no `resp listening on` line")?;
     ping(&addr, Duration::from_secs(5)).with_context(|| format!("granary's RESP server at {addr}"))?;
     let port = addr.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).context("granary's RESP port")?;
+    Ok((proc, port))
+}
+
+/// Starts this executable's zero-work RESP server (`ceiling.rs`) and waits
+/// for its address.
+fn start_ceiling() -> Result<(Proc, u16)> {
+    let mut cmd = Command::new(std::env::current_exe().context("locating the granary executable")?);
+    cmd.args(["bench", "warehouse", "--serve-ceiling"]);
+    let (proc, lines) = Proc::spawn(cmd)?;
+    let line = lines
+        .recv_timeout(Duration::from_secs(30))
+        .map_err(|_| anyhow::anyhow!("the zero-work server printed no address: {}", proc.stderr_tail()))?;
+    let addr = line.strip_prefix(super::ceiling::LISTENING).context("the zero-work server's first line")?.trim();
+    ping(addr, Duration::from_secs(5)).with_context(|| format!("the zero-work server at {addr}"))?;
+    let port = addr.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).context("the zero-work server's port")?;
     Ok((proc, port))
 }
 
@@ -354,8 +396,8 @@ fn medians(runs: &[Vec<Measured>]) -> Vec<Summary> {
 
 /// SET then GET, one `redis-benchmark` run each, against the server on
 /// `port` whose process is `server_pid`.
-fn redis_benchmark(port: u16, server_pid: u32, size: u64, n: u64) -> Result<Vec<Measured>> {
-    ["set", "get"].into_iter().map(|test| redis_benchmark_one(port, server_pid, test, size, n)).collect()
+fn redis_benchmark(port: u16, server_pid: u32, size: u64, n: u64, threads: usize) -> Result<Vec<Measured>> {
+    ["set", "get"].into_iter().map(|test| redis_benchmark_one(port, server_pid, test, size, n, threads)).collect()
 }
 
 /// CPU time this process's waited-for children have used, in seconds.
@@ -370,11 +412,13 @@ fn children_cpu_s() -> f64 {
 }
 
 /// One `redis-benchmark` run of one test, with its CPU figures.
-fn redis_benchmark_one(port: u16, server_pid: u32, test: &str, size: u64, n: u64) -> Result<Measured> {
+fn redis_benchmark_one(port: u16, server_pid: u32, test: &str, size: u64, n: u64, threads: usize) -> Result<Measured> {
     let (client0, server0, t0) = (children_cpu_s(), process_cpu_s(server_pid), Instant::now());
+    let threads = if threads > 1 { vec!["--threads".to_string(), threads.to_string()] } else { Vec::new() };
     let mut child = Command::new("redis-benchmark")
         .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-t", test, "-d", &size.to_string()])
         .args(["-c", &CLIENTS.to_string(), "-n", &n.to_string(), "-r", &keyspace(size).to_string(), "--csv"])
+        .args(threads)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -441,8 +485,9 @@ fn parse_csv(out: &str) -> Result<Vec<Measured>> {
 pub fn tables(r: &RespReport) -> Vec<Table> {
     let mut t = Table::new(
         format!(
-            "resp: redis-benchmark -t set, then -t get, -c {} -r <keys> against granary and {} (persistence off); medians of alternating rounds",
+            "resp: redis-benchmark -t set, then -t get, -c {}{} -r <keys> against granary, {} (persistence off) and a zero-work server (ceiling: the most this client reaches here); medians of rotating rounds",
             r.clients,
+            if r.client_threads > 1 { format!(" --threads {}", r.client_threads) } else { String::new() },
             r.redis_version.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
         ),
         &[
@@ -501,13 +546,21 @@ pub fn goals(r: &RespReport) -> Vec<Goal> {
             match (find("granary"), find("redis")) {
                 (Some(g), Some(a)) => {
                     let ratio = g.rps / a.rps;
+                    let ceiling = find("ceiling").map_or_else(String::new, |c| {
+                        let most = c.rps / a.rps;
+                        format!(
+                            "; a zero-work server {:.0} req/s ({most:.2}x){}",
+                            c.rps,
+                            if most < want && ratio < want { ": beyond this client on this host" } else { "" }
+                        )
+                    });
                     Goal::new(
                         "resp",
                         goal,
                         ratio >= want && (!p99 || g.p99_ms <= a.p99_ms),
                         format!(
                             "{:.0} vs {:.0} req/s ({ratio:.2}x), p99 {:.2} vs {:.2} ms; server CPU {:.0} vs {:.0} µs/req, \
-                             client CPU {:.0}% / {:.0}% of a core{}",
+                             client CPU {:.0}% / {:.0}% of a core{}{ceiling}",
                             g.rps,
                             a.rps,
                             g.p99_ms,
@@ -516,7 +569,7 @@ pub fn goals(r: &RespReport) -> Vec<Goal> {
                             a.server_us_per_req,
                             g.client_cpu * 100.0,
                             a.client_cpu * 100.0,
-                            if g.client_cpu.min(a.client_cpu) >= CLIENT_BOUND { " (client-bound)" } else { "" }
+                            if g.client_cpu.min(a.client_cpu) >= CLIENT_BOUND * r.client_threads as f64 { " (client-bound)" } else { "" }
                         ),
                     )
                 }
