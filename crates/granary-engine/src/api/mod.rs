@@ -29,6 +29,9 @@
 //!   llama.cpp server's); vLLM's `top_k`, `min_p` and `repetition_penalty`
 //!   are accepted too;
 //! - `echo` puts the prompt's text before the answer (not with `logprobs`);
+//! - a completions `prompt` may batch up to 64 prompts (strings or token
+//!   arrays), not streamed: each runs as its own request, and the choices
+//!   come in prompt order (see `batch`);
 //! - `n` up to 8, streamed or not, and completions' `best_of` up to 8, not
 //!   streamed (see `answer::generate_n`); `suffix` is refused; a field the server does
 //!   not know is refused with a 400 naming it (`unknown_parameter`), as
@@ -46,6 +49,7 @@
 //!   answer first (the backend reports it only at the end).
 
 mod answer;
+mod batch;
 mod body;
 mod embeddings;
 pub mod error;
@@ -238,7 +242,11 @@ async fn completions(
     JsonBody(req): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let span = request_span(&headers, "text_completion", &req.model);
-    answer::generate(&st, ns, req.validate()?, Endpoint::Completion).instrument(span).await
+    let v = req.validate()?;
+    if !v.batch.is_empty() {
+        return batch::generate_batch(&st, ns, v).instrument(span).await;
+    }
+    answer::generate(&st, ns, v, Endpoint::Completion).instrument(span).await
 }
 
 /// The `request` span of a generation, continuing the caller's trace. It

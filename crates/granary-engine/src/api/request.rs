@@ -250,7 +250,7 @@ pub(crate) struct StreamOptions {
 }
 
 /// What the request asks to run on, before tokenizing.
-#[derive(Debug, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Input {
     Chat(Vec<ChatMessage>),
     Text(String),
@@ -298,7 +298,7 @@ impl SamplingRequest {
 }
 
 /// A request that passed validation.
-#[derive(Debug, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Validated {
     pub model: String,
     pub input: Input,
@@ -321,6 +321,9 @@ pub(crate) struct Validated {
     pub tools: Option<ToolsSpec>,
     /// Scheduling priority (vLLM's `priority`): lower is more important.
     pub priority: i32,
+    /// Completions: the prompts batched after `input`, each answered as
+    /// `n` choices of its own after those of the prompts before it.
+    pub batch: Vec<Input>,
 }
 
 /// Most choices one request may ask for.
@@ -511,16 +514,27 @@ impl CompletionRequest {
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(unsupported("suffix", "`suffix` is not supported: there is no insertion mode."));
         }
-        let input = match self.prompt {
-            Prompt::Text(s) => Input::Text(s),
+        let one = |p: Prompt| match p {
+            Prompt::Text(s) => Ok(Input::Text(s)),
             Prompt::Tokens(ids) if ids.is_empty() => {
-                return Err(ApiError::invalid(
-                    "prompt",
-                    "invalid_value",
-                    "Invalid value for `prompt`: the token array is empty.",
-                ))
+                Err(ApiError::invalid("prompt", "invalid_value", "Invalid value for `prompt`: a token array is empty."))
             }
-            Prompt::Tokens(ids) => Input::Tokens(ids),
+            Prompt::Tokens(ids) => Ok(Input::Tokens(ids)),
+            Prompt::Batch(_) => Err(ApiError::invalid("prompt", "invalid_value", "Invalid value for `prompt`.")),
+        };
+        let (input, batch) = match self.prompt {
+            Prompt::Batch(prompts) => {
+                if self.stream == Some(true) {
+                    return Err(unsupported(
+                        "stream",
+                        "`stream` with batched prompts is not supported: send one prompt per streamed request.",
+                    ));
+                }
+                let mut inputs = prompts.into_iter().map(one).collect::<Result<Vec<_>, _>>()?;
+                let first = inputs.remove(0);
+                (first, inputs)
+            }
+            p => (one(p)?, Vec::new()),
         };
         let extra = extra_of!(self);
         let max_tokens = match self.max_tokens {
@@ -543,6 +557,7 @@ impl CompletionRequest {
         };
         let mut v = shared.validate(self.model, input)?;
         v.echo = echo;
+        v.batch = batch;
         if let Some(b) = self.best_of {
             if !(1..=MAX_N).contains(&b) {
                 return Err(out_of_range("best_of", b as f64, "between 1 and 8"));
@@ -656,6 +671,7 @@ impl Shared {
             stream: self.stream.unwrap_or(false),
             include_usage: self.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
             echo: false,
+            batch: Vec::new(),
             n: n as usize,
             best_of: n as usize,
             grammar,

@@ -261,8 +261,11 @@ async fn field_errors_name_the_field() {
         let e = assert_error(status, &body, StatusCode::BAD_REQUEST, Some(param));
         assert!(e["message"].as_str().unwrap().contains(param), "{e}");
     }
-    let (status, body) = send_json(&app, post("/v1/completions", r#"{"model":"m","prompt":["a","b"]}"#)).await;
+    let (status, body) = send_json(&app, post("/v1/completions", r#"{"model":"m","prompt":["a",[1]]}"#)).await;
     assert_error(status, &body, StatusCode::BAD_REQUEST, Some("prompt"));
+    let (status, body) =
+        send_json(&app, post("/v1/completions", r#"{"model":"m","prompt":["a","b"],"stream":true}"#)).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("stream"));
 }
 
 #[tokio::test]
@@ -762,4 +765,36 @@ async fn n_choices_in_one_body() {
         assert_eq!(mine.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null()).count(), 1, "choice {i}");
     }
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 2 * n);
+}
+
+#[tokio::test]
+async fn batched_prompts_answer_each_prompt_in_order() {
+    let Some((backend, app)) = scripted() else { return };
+    let prompts = ["First:", "Second one:", "Third, longer prompt:"];
+    let req = json!({"model": MODEL, "prompt": prompts, "echo": true, "n": 2, "max_tokens": 50});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        // Echo shows which prompt each choice answers: prompt i / n.
+        assert_eq!(c["text"], format!("{}{REPLY}", prompts[i / 2]), "choice {i}");
+    }
+    let submitted: Vec<GenerateRequest> = backend.submitted.lock().clone();
+    assert_eq!(submitted.len(), 6);
+    let prompt_tokens: usize = prompts.iter().map(|p| backend.models[0].tokenizer.encode(p, true).unwrap().len()).sum();
+    assert_eq!(body["usage"]["prompt_tokens"], prompt_tokens, "every prompt counted once");
+    assert_eq!(body["usage"]["completion_tokens"], 6 * backend.reply.len());
+    // Token-id prompts batch the same way.
+    let req = json!({"model": MODEL, "prompt": [[1, 2], [3]], "max_tokens": 4});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(body["usage"]["prompt_tokens"], 3);
+    // One prompt too long refuses the whole request, naming the prompt.
+    let long = "word ".repeat(CONTEXT);
+    let req = json!({"model": MODEL, "prompt": ["short", long], "max_tokens": 4});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("prompt"));
 }

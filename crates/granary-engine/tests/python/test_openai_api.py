@@ -325,6 +325,22 @@ def check_best_of():
     assert best.usage.completion_tokens == four.usage.completion_tokens, (best.usage, four.usage)
 
 
+def check_batched_prompts():
+    """Several prompts in one completions request: each answered as alone, in order."""
+    prompts = ["The capital of France is", "2 + 2 =", STORY]
+    kw = dict(model=model_id(), max_tokens=6, temperature=0)
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in batch.choices] == list(range(6)), batch
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    for c in batch.choices:
+        want = alone[c.index // 2].choices[0].text
+        assert c.text == want, (c.index, c.text, want)
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone), (batch.usage, [a.usage for a in alone])
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone), batch.usage
+    tokens = client.completions.create(prompt=[[1, 2, 3], [4, 5]], **kw)
+    assert len(tokens.choices) == 2 and tokens.usage.prompt_tokens == 5, tokens
+
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -552,6 +568,7 @@ CHECKS = [
     check_n_choices,
     check_n_choices_streamed,
     check_best_of,
+    check_batched_prompts,
     check_unsupported_fields_are_refused,
     check_structured_parse,
     check_json_schema_always_parses,

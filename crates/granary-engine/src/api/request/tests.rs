@@ -249,10 +249,25 @@ fn completion_prompt_forms() {
     assert_eq!(prompt(json!([[1, 2, 3]])).unwrap(), Input::Tokens(vec![1, 2, 3]));
     assert_eq!(prompt(json!("")).unwrap(), Input::Text(String::new()));
 
-    assert_field_error(prompt(json!(["a", "b"])), "prompt", "batched prompts are not supported");
-    assert_field_error(prompt(json!([[1], [2]])), "prompt", "batched prompts are not supported");
+    // Batches: the first prompt as the input, the others after it.
+    let batch = |p: Value| completion(json!({"model": "m", "prompt": p})).map(|v| (v.input, v.batch));
+    assert_eq!(
+        batch(json!(["a", "b", "c"])).unwrap(),
+        (Input::Text("a".into()), vec![Input::Text("b".into()), Input::Text("c".into())])
+    );
+    assert_eq!(batch(json!([[1], [2, 3]])).unwrap(), (Input::Tokens(vec![1]), vec![Input::Tokens(vec![2, 3])]));
+    assert_eq!(batch(json!("a")).unwrap().1, Vec::<Input>::new());
+    let many: Vec<String> = (0..65).map(|i| i.to_string()).collect();
+    assert_field_error(prompt(json!(many)), "prompt", "at most 64 prompts");
+    assert_field_error(prompt(json!([[1], []])), "prompt", "empty");
+    assert_field_error(
+        completion(json!({"model": "m", "prompt": ["a", "b"], "stream": true})),
+        "stream",
+        "batched prompts",
+    );
     assert_field_error(prompt(json!([1, "a"])), "prompt", "not a mix");
-    assert_field_error(prompt(json!([])), "prompt", "array of one string");
+    assert_field_error(prompt(json!(["a", [1]])), "prompt", "not a mix");
+    assert_field_error(prompt(json!([])), "prompt", "an array of strings");
     assert_field_error(prompt(json!([[]])), "prompt", "empty");
     assert_field_error(prompt(json!(5)), "prompt", "array of token ids");
     assert_field_error(prompt(json!([1, -2])), "prompt[1]", "-2");

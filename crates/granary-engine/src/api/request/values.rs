@@ -1,5 +1,5 @@
 //! Fields that take more than one JSON shape: a completions `prompt`
-//! (text, token ids, or a one-element array of either), `stop` (a string or
+//! (text, token ids, or an array of either: a batch), `stop` (a string or
 //! an array) and `seed` (signed or not).
 
 use std::fmt;
@@ -7,12 +7,18 @@ use std::fmt;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
-/// A completions prompt, already reduced to the one prompt it may hold.
+/// A completions prompt: one (a one-element array reduced to it), or a
+/// batch of several, each answered as its own choices.
 #[derive(Debug, PartialEq)]
 pub(crate) enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
+    /// Two or more prompts, each `Text` or `Tokens`.
+    Batch(Vec<Prompt>),
 }
+
+/// Most prompts one completions request may batch.
+pub(crate) const MAX_BATCH: usize = 64;
 
 /// One element of an array `prompt`.
 enum PromptItem {
@@ -59,7 +65,7 @@ impl<'de> Deserialize<'de> for Prompt {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
         const EXPECTED: &str =
-            "a string, an array of one string, an array of token ids or an array of one array of token ids";
+            "a string, an array of token ids, an array of strings or an array of arrays of token ids";
         impl<'de> Visitor<'de> for V {
             type Value = Prompt;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -94,7 +100,18 @@ impl<'de> Deserialize<'de> for Prompt {
                 if items.iter().all(|i| matches!(i, PromptItem::Text(_)))
                     || items.iter().all(|i| matches!(i, PromptItem::Tokens(_)))
                 {
-                    return Err(de::Error::custom("batched prompts are not supported; send one prompt per request"));
+                    if items.len() > MAX_BATCH {
+                        return Err(de::Error::custom(format!(
+                            "at most {MAX_BATCH} prompts may be batched in one request, got {}",
+                            items.len()
+                        )));
+                    }
+                    let one = |i: PromptItem| match i {
+                        PromptItem::Text(s) => Prompt::Text(s),
+                        PromptItem::Tokens(ids) => Prompt::Tokens(ids),
+                        PromptItem::Token(t) => Prompt::Tokens(vec![t]),
+                    };
+                    return Ok(Prompt::Batch(items.into_iter().map(one).collect()));
                 }
                 Err(de::Error::custom(format!("expected {EXPECTED}, not a mix of them")))
             }
