@@ -270,4 +270,16 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, _model: &str, _tokens: &[u32]) -> Option<anyhow::Result<Vec<f32>>> {
         None
     }
+    /// The log probability of each of `tokens` after the first given those
+    /// before it, with the `top` most likely at each position (blocking CPU
+    /// work, like [`Backend::embed`]); `None` when this backend does not
+    /// compute them.
+    fn prompt_logprobs(
+        &self,
+        _model: &str,
+        _tokens: &[u32],
+        _top: usize,
+    ) -> Option<anyhow::Result<Vec<TokenLogprobs>>> {
+        None
+    }
 }

@@ -21,7 +21,7 @@ use super::structured::{ToolChoice, ToolsSpec};
 use super::tools::{parse_output, ToolFormat, ToolParser};
 use super::AppState;
 use crate::constraint::{Constraint, Grammars};
-use crate::types::{FinishReason, GenerateRequest, ModelInfo, SubmitError};
+use crate::types::{FinishReason, GenerateRequest, ModelInfo, SubmitError, TokenLogprobs};
 
 /// Grammar compilers by model (id and tokenizer instance).
 #[derive(Default)]
@@ -128,6 +128,23 @@ pub(crate) async fn generate(
             format!("Invalid value for `logit_bias`: token id {id} is outside the vocabulary of {vocab} tokens."),
         ));
     }
+    // `echo` with `logprobs`: the prompt's own log probabilities.
+    let echo_lps = match (v.echo, v.sampling.logprobs) {
+        (true, Some(top)) => Some((prompt.clone(), prompt_logprobs(st, &model.id, &prompt, top).await?)),
+        _ => None,
+    };
+    if max_tokens == 0 {
+        // `echo` with `max_tokens: 0`: the prompt alone, nothing generated.
+        let header = Header::new(endpoint, model.id.clone());
+        let name = |id: u32| generate::DecoderSource::token_text(&tokenizer, id);
+        let answers = (0..v.n)
+            .map(|_| {
+                let logprobs = echo_lps.as_ref().map(|(p, lps)| response::echoed_logprobs_json(p, lps, &[], &name, 0));
+                response::Answer::text(echoed.clone().unwrap_or_default(), FinishReason::Length, logprobs)
+            })
+            .collect();
+        return Ok(Json(header.complete_choices(answers, UsageBody::new(prompt_tokens, 0, 0))).into_response());
+    }
     let constraint = constraint(st, &model, &v, tools.as_ref()).await?;
     let sampling = v.sampling.resolve(&model.sampling);
     let req =
@@ -141,6 +158,7 @@ pub(crate) async fn generate(
             prompt_param,
             endpoint,
             echoed,
+            echo_lps,
             prompt_tokens,
             tools,
         };
@@ -176,8 +194,20 @@ pub(crate) async fn generate(
     let span = tracing::Span::current();
     span.record("gen_ai.usage.output_tokens", out.completion_tokens);
     span.record("granary.cached_tokens", out.cached_tokens);
-    let answer = answer_of(out, &tokenizer, endpoint, v.sampling.logprobs.is_some(), echoed.as_deref(), parser);
+    let echo = Echo { text: echoed.as_deref(), logprobs: echo_lps.as_ref() };
+    let answer = answer_of(out, &tokenizer, endpoint, v.sampling.logprobs.is_some(), echo, parser);
     Ok(Json(header.complete_choices(vec![answer], usage)).into_response())
+}
+
+/// The prompt tokens and their log probabilities (`echo` with `logprobs`).
+type PromptLogprobs = (Vec<u32>, Vec<TokenLogprobs>);
+
+/// What an answer echoes: the prompt's text, and with `logprobs` the
+/// prompt's log probabilities.
+#[derive(Clone, Copy, Default)]
+struct Echo<'a> {
+    text: Option<&'a str>,
+    logprobs: Option<&'a PromptLogprobs>,
 }
 
 /// One finished generation as a choice: log probabilities, the echoed
@@ -187,12 +217,18 @@ fn answer_of(
     tokenizer: &Arc<Tokenizer>,
     endpoint: Endpoint,
     want_logprobs: bool,
-    echoed: Option<&str>,
+    echo: Echo<'_>,
     parser: Option<ToolParser>,
 ) -> Answer {
+    let echoed = echo.text;
     let logprobs = want_logprobs.then(|| {
         let name = |id: u32| generate::DecoderSource::token_text(tokenizer, id);
-        response::logprobs_json(endpoint, &out.logprobs, &name, 0)
+        match echo.logprobs {
+            Some((prompt, lps)) => {
+                response::echoed_logprobs_json(prompt, lps, &out.logprobs, &name, echoed.map_or(0, str::len))
+            }
+            None => response::logprobs_json(endpoint, &out.logprobs, &name, 0),
+        }
     });
     if let Some(mut p) = parser {
         let (content, calls) = parse_output(&mut p, &out.text);
@@ -216,6 +252,7 @@ struct Choices {
     prompt_param: &'static str,
     endpoint: Endpoint,
     echoed: Option<String>,
+    echo_lps: Option<PromptLogprobs>,
     prompt_tokens: usize,
     tools: Option<ToolUse>,
 }
@@ -229,8 +266,18 @@ struct Choices {
 /// run and the `n` with the highest mean token log probability are
 /// returned, best first (usage counts every generated token).
 async fn generate_n(st: &AppState, model: &str, mut req: GenerateRequest, how: Choices) -> Result<Response, ApiError> {
-    let Choices { n, best_of, stop, logprobs: want_logprobs, prompt_param, endpoint, echoed, prompt_tokens, tools } =
-        how;
+    let Choices {
+        n,
+        best_of,
+        stop,
+        logprobs: want_logprobs,
+        prompt_param,
+        endpoint,
+        echoed,
+        echo_lps,
+        prompt_tokens,
+        tools,
+    } = how;
     let tokenizer = st.model(model)?.tokenizer;
     let ranked = best_of > n;
     if ranked && req.sampling.logprobs.is_none() {
@@ -276,11 +323,37 @@ async fn generate_n(st: &AppState, model: &str, mut req: GenerateRequest, how: C
     }
     for out in finished {
         let parser = tools.as_ref().and_then(ToolUse::parser);
-        answers.push(answer_of(out, &tokenizer, endpoint, want_logprobs, echoed.as_deref(), parser));
+        let echo = Echo { text: echoed.as_deref(), logprobs: echo_lps.as_ref() };
+        answers.push(answer_of(out, &tokenizer, endpoint, want_logprobs, echo, parser));
     }
     // The prompt is counted once, as OpenAI counts it.
     let usage = UsageBody::new(prompt_tokens, completion, cached);
     Ok(Json(header.complete_choices(answers, usage)).into_response())
+}
+
+/// The prompt's log probabilities from the backend, off the async threads.
+async fn prompt_logprobs(
+    st: &AppState,
+    model: &str,
+    prompt: &[u32],
+    top: usize,
+) -> Result<Vec<TokenLogprobs>, ApiError> {
+    let (backend, model, tokens) = (Arc::clone(&st.backend), model.to_string(), prompt.to_vec());
+    let got = tokio::task::spawn_blocking(move || backend.prompt_logprobs(&model, &tokens, top))
+        .await
+        .map_err(|e| ApiError::internal(&e))?;
+    match got {
+        None => Err(ApiError::invalid(
+            "echo",
+            "unsupported_parameter",
+            "`echo` with `logprobs` is not supported by this backend: it does not compute the prompt's log probabilities.",
+        )),
+        Some(Err(e)) => {
+            tracing::warn!(error = %e, "prompt log probabilities failed");
+            Err(ApiError::generation_failed(&e.to_string()))
+        }
+        Some(Ok(lps)) => Ok(lps),
+    }
 }
 
 /// Submits `count` choices of one request: the first alone until its first

@@ -28,7 +28,9 @@
 //!   ([`crate::SamplingDefaults`]: its `generation_config.json`, else
 //!   llama.cpp server's); vLLM's `top_k`, `min_p` and `repetition_penalty`
 //!   are accepted too;
-//! - `echo` puts the prompt's text before the answer (not with `logprobs`);
+//! - `echo` puts the prompt's text before the answer; with `logprobs` (not
+//!   streamed) the prompt is scored too, every token given those before it
+//!   (the first `null`), and `max_tokens: 0` scores without generating;
 //! - a completions `prompt` may batch up to 64 prompts (strings or token
 //!   arrays), not streamed: each runs as its own request, and the choices
 //!   come in prompt order (see `batch`);

@@ -505,10 +505,10 @@ impl CompletionRequest {
             other => other.map(|n| n as usize),
         };
         let echo = self.echo == Some(true);
-        if echo && logprobs.is_some() {
+        if echo && logprobs.is_some() && self.stream == Some(true) {
             return Err(unsupported(
                 "echo",
-                "`echo` with `logprobs` is not supported: log probabilities of the prompt are not computed.",
+                "`echo` with `logprobs` is not supported with `stream`: the prompt's log probabilities come in one body.",
             ));
         }
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
@@ -538,6 +538,9 @@ impl CompletionRequest {
         };
         let extra = extra_of!(self);
         let max_tokens = match self.max_tokens {
+            // With `echo`, no completion at all: the prompt (and its log
+            // probabilities) alone.
+            Some(0) if echo => MaxTokens { value: 0, param: "max_tokens" },
             Some(v) => max_tokens_value("max_tokens", v)?,
             None => MaxTokens { value: COMPLETION_DEFAULT_MAX_TOKENS, param: "max_tokens" },
         };

@@ -344,6 +344,33 @@ pub(crate) fn logprobs_json(
     }
 }
 
+/// Completions' `logprobs` for an echoed prompt and its completion: every
+/// prompt token (the first with `null`, as it has no context), then the
+/// generated ones, offsets running on from the echoed text's length.
+pub(crate) fn echoed_logprobs_json(
+    prompt: &[u32],
+    prompt_lps: &[crate::TokenLogprobs],
+    generated: &[(u32, crate::TokenLogprobs)],
+    name: &dyn Fn(u32) -> String,
+    echoed_len: usize,
+) -> serde_json::Value {
+    let none = crate::TokenLogprobs { logprob: 0.0, top: Vec::new() };
+    let entries: Vec<(u32, crate::TokenLogprobs)> =
+        prompt.iter().copied().zip(std::iter::once(none).chain(prompt_lps.iter().cloned())).collect();
+    let mut v = logprobs_json(Endpoint::Completion, &entries, name, 0);
+    if !entries.is_empty() {
+        v["token_logprobs"][0] = serde_json::Value::Null;
+        v["top_logprobs"][0] = serde_json::Value::Null;
+    }
+    let g = logprobs_json(Endpoint::Completion, generated, name, echoed_len);
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(all), Some(more)) = (v[key].as_array_mut(), g[key].as_array()) {
+            all.extend(more.iter().cloned());
+        }
+    }
+    v
+}
+
 pub(crate) fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }

@@ -125,6 +125,25 @@ impl Backend for ScriptedBackend {
     fn metrics_text(&self) -> String {
         "# TYPE granary_requests counter\ngranary_requests_total 3\n".into()
     }
+
+    /// Prompt token `i` (from 1) at `-i`, its alternatives below it.
+    fn prompt_logprobs(
+        &self,
+        _model: &str,
+        tokens: &[u32],
+        top: usize,
+    ) -> Option<anyhow::Result<Vec<crate::TokenLogprobs>>> {
+        let lp = |i: usize| -(i as f32);
+        Some(Ok(tokens
+            .iter()
+            .enumerate()
+            .skip(1)
+            .map(|(i, &id)| crate::TokenLogprobs {
+                logprob: lp(i),
+                top: (0..top as u32).map(|k| (id + k, lp(i) - k as f32)).collect(),
+            })
+            .collect()))
+    }
 }
 
 fn make_app(backend: &Arc<ScriptedBackend>, opts: ApiOptions) -> Router {
@@ -797,4 +816,56 @@ async fn batched_prompts_answer_each_prompt_in_order() {
     let req = json!({"model": MODEL, "prompt": ["short", long], "max_tokens": 4});
     let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
     assert_error(status, &body, StatusCode::BAD_REQUEST, Some("prompt"));
+}
+
+#[tokio::test]
+async fn echo_with_logprobs_scores_the_prompt_then_the_answer() {
+    let Some((backend, app)) = scripted() else { return };
+    let prompt = "Say hi:";
+    let ids = backend.models[0].tokenizer.encode(prompt, true).unwrap();
+    assert!(ids.len() >= 2, "{ids:?}");
+    // max_tokens 0: the prompt alone, scored, nothing generated.
+    let req = json!({"model": MODEL, "prompt": prompt, "echo": true, "logprobs": 1, "max_tokens": 0});
+    let submitted = backend.submitted.lock().len();
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(backend.submitted.lock().len(), submitted, "nothing generated");
+    let c = &body["choices"][0];
+    assert_eq!(c["text"], prompt);
+    assert_eq!(c["finish_reason"], "length");
+    let lp = &c["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), ids.len());
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(), "{lp}");
+    for i in 1..ids.len() {
+        assert_eq!(lp["token_logprobs"][i], -(i as f64), "{lp}");
+        assert_eq!(lp["top_logprobs"][i].as_object().unwrap().len(), 1, "{lp}");
+    }
+    assert_eq!(body["usage"]["completion_tokens"], 0);
+    assert_eq!(body["usage"]["prompt_tokens"], ids.len());
+    // With a completion: the prompt's entries, then the answer's, offsets
+    // running on from the prompt's text.
+    let req = json!({"model": MODEL, "prompt": prompt, "echo": true, "logprobs": 2, "max_tokens": 50});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let c = &body["choices"][0];
+    assert_eq!(c["text"], format!("{prompt}{REPLY}"));
+    let lp = &c["logprobs"];
+    let n = backend.reply.len();
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), ids.len() + n);
+    assert_eq!(lp["text_offset"][ids.len()], prompt.len());
+    assert_eq!(lp["token_logprobs"][ids.len()], -(std::f64::consts::LN_2 as f32) as f64);
+    assert_eq!(lp["top_logprobs"][1].as_object().unwrap().len(), 2);
+    // n choices each carry the prompt's scores.
+    let req = json!({"model": MODEL, "prompt": prompt, "echo": true, "logprobs": 0, "max_tokens": 3, "n": 2});
+    let (_, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    for c in body["choices"].as_array().unwrap() {
+        assert_eq!(c["logprobs"]["tokens"].as_array().unwrap().len(), ids.len() + 3, "{c}");
+    }
+    // Not streamed; and max_tokens 0 only with echo.
+    let req = json!({"model": MODEL, "prompt": prompt, "echo": true, "logprobs": 1, "stream": true});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("echo"));
+    let req = json!({"model": MODEL, "prompt": prompt, "max_tokens": 0});
+    let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("max_tokens"));
 }

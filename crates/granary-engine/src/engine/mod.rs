@@ -37,7 +37,7 @@ pub use health::STALL_AFTER;
 pub use metrics::{EngineMetrics, Source};
 
 use crate::model::Model;
-use crate::{Backend, Event, GenerateRequest, ModelInfo, SubmitError};
+use crate::{Backend, Event, GenerateRequest, ModelInfo, SubmitError, TokenLogprobs};
 
 /// What this engine does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -486,6 +486,10 @@ impl Backend for Engine {
 
     fn embed(&self, _model: &str, tokens: &[u32]) -> Option<anyhow::Result<Vec<f32>>> {
         Some(self.shared.model.embed(tokens, self.shared.cfg.max_batch_tokens))
+    }
+
+    fn prompt_logprobs(&self, _model: &str, tokens: &[u32], top: usize) -> Option<anyhow::Result<Vec<TokenLogprobs>>> {
+        Some(self.shared.model.prompt_logprobs(tokens, top, self.shared.cfg.max_batch_tokens))
     }
 }
 

@@ -335,6 +335,32 @@ impl Model {
         Ok(sum.iter().map(|v| (v / n / norm) as f32).collect())
     }
 
+    /// The log probability of each prompt token after the first, given the
+    /// tokens before it, with the `top` most likely tokens at that position
+    /// (most likely first): the model's distribution before any sampling
+    /// setting, as generation reports it. Runs on its own KV, `chunk`
+    /// tokens at a time, like [`Model::embed`].
+    pub fn prompt_logprobs(&self, tokens: &[u32], top: usize, chunk: usize) -> Result<Vec<crate::TokenLogprobs>> {
+        ensure!(!tokens.is_empty(), "no prompt tokens");
+        ensure!(tokens.len() <= self.context_len, "{} tokens exceed the context of {}", tokens.len(), self.context_len);
+        let chunk = chunk.clamp(1, 256);
+        let mut kv = self.new_kv(256);
+        let mut out = Vec::with_capacity(tokens.len() - 1);
+        for (ci, part) in tokens.chunks(chunk).enumerate() {
+            let x = self.hidden(&mut [Chunk { tokens: part, kv: &mut kv, logits: false }])?;
+            let h = candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_eps as f32)?;
+            let mut logits = self.lm_head.forward(&h)?.to_dtype(DType::F32)?;
+            if let Some((_, cap)) = self.cfg.arch.softcap.filter(|&(_, cap)| cap > 0.0) {
+                logits = ((logits / cap as f64)?.tanh()? * cap as f64)?;
+            }
+            for (ri, row) in logits.to_vec2::<f32>()?.iter().enumerate() {
+                let Some(&next) = tokens.get(ci * chunk + ri + 1) else { break };
+                out.push(row_logprobs(row, next, top));
+            }
+        }
+        Ok(out)
+    }
+
     /// The layers over every chunk's tokens: `[rows, hidden]` before the
     /// final norm; each chunk's KV grows by its tokens.
     fn hidden(&self, chunks: &mut [Chunk<'_>]) -> Result<Tensor> {
@@ -405,5 +431,45 @@ impl Model {
     /// The id with the highest logit (for greedy checks).
     pub fn argmax(logits: &Tensor) -> Result<Vec<u32>> {
         Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+    }
+}
+
+/// `token`'s log probability under one row of logits, and the `top` most
+/// likely tokens (most likely first).
+fn row_logprobs(row: &[f32], token: u32, top: usize) -> crate::TokenLogprobs {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + row.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln() as f32;
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (id, &v) in row.iter().enumerate() {
+            if best.len() < top || v > best[best.len() - 1].1 {
+                let at = best.partition_point(|&(_, b)| b >= v);
+                best.insert(at, (id as u32, v));
+                best.truncate(top);
+            }
+        }
+    }
+    crate::TokenLogprobs {
+        logprob: row.get(token as usize).map_or(f32::NEG_INFINITY, |&v| v - lse),
+        top: best.into_iter().map(|(id, v)| (id, v - lse)).collect(),
+    }
+}
+
+#[cfg(test)]
+mod prompt_logprob_tests {
+    use super::*;
+
+    #[test]
+    fn a_row_gives_the_tokens_log_softmax_and_the_most_likely() {
+        let row = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let lse = row.iter().map(|v| (*v as f64).exp()).sum::<f64>().ln() as f32;
+        let lp = row_logprobs(&row, 2, 3);
+        assert!((lp.logprob - (2.0 - lse)).abs() < 1e-6);
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 2], "most likely first, ties in id order");
+        assert!((lp.top[0].1 - (3.0 - lse)).abs() < 1e-6);
+        assert!(row_logprobs(&row, 0, 0).top.is_empty());
+        let total: f64 = row.iter().map(|v| ((*v - lse) as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
     }
 }

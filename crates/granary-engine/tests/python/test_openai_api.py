@@ -341,6 +341,37 @@ def check_batched_prompts():
     assert len(tokens.choices) == 2 and tokens.usage.prompt_tokens == 5, tokens
 
 
+def check_echo_with_logprobs():
+    """echo + logprobs scores the prompt: the scores of tokens the engine generated
+    equal those it reports when generating them; max_tokens 0 scores without
+    generating (what evaluation harnesses send, batched)."""
+    kw = dict(model=model_id(), temperature=0)
+    gen = client.completions.create(prompt=STORY, max_tokens=8, logprobs=2, **kw)
+    text = gen.choices[0].text
+    scored = client.completions.create(prompt=STORY + text, echo=True, logprobs=2, max_tokens=0, **kw)
+    c = scored.choices[0]
+    assert c.text == STORY + text and c.finish_reason == "length", c
+    lp = c.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+    assert len(lp.tokens) == scored.usage.prompt_tokens and scored.usage.completion_tokens == 0, scored.usage
+    want = gen.choices[0].logprobs
+    assert lp.tokens[-8:] == want.tokens, (lp.tokens[-8:], want.tokens)
+    for got, exp in zip(lp.token_logprobs[-8:], want.token_logprobs):
+        assert abs(got - exp) < 0.01, (lp.token_logprobs[-8:], want.token_logprobs)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:]), lp.top_logprobs
+    # Greedy: each generated token was the most likely at its position.
+    for tok, top in zip(lp.tokens[-8:], lp.top_logprobs[-8:]):
+        assert max(top, key=top.get) == tok, (tok, top)
+    # With a completion, the answer's entries follow the prompt's.
+    both = client.completions.create(prompt=STORY, echo=True, logprobs=1, max_tokens=3, **kw)
+    b = both.choices[0].logprobs
+    assert len(b.tokens) == both.usage.prompt_tokens + 3, (len(b.tokens), both.usage)
+    assert b.text_offset[-3] == len(STORY), b.text_offset
+    # Batched, as lm-evaluation-harness sends loglikelihood requests.
+    batch = client.completions.create(prompt=[STORY, STORY + text], echo=True, logprobs=1, max_tokens=0, **kw)
+    assert [len(x.logprobs.tokens) for x in batch.choices] == [len(lp.tokens) - 8, len(lp.tokens)], batch
+
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -569,6 +600,7 @@ CHECKS = [
     check_n_choices_streamed,
     check_best_of,
     check_batched_prompts,
+    check_echo_with_logprobs,
     check_unsupported_fields_are_refused,
     check_structured_parse,
     check_json_schema_always_parses,

@@ -299,7 +299,10 @@ fn completion_fields() {
     assert_eq!(with(json!({"logprobs": 2})).unwrap().sampling.logprobs, Some(2));
     assert_field_error(with(json!({"logprobs": 6})), "logprobs", "between 0 and 5");
     assert!(with(json!({"echo": true})).unwrap().echo);
-    assert_field_error(with(json!({"echo": true, "logprobs": 1})), "echo", "not supported");
+    assert!(with(json!({"echo": true, "logprobs": 1})).is_ok());
+    assert_field_error(with(json!({"echo": true, "logprobs": 1, "stream": true})), "echo", "not supported");
+    assert_eq!(with(json!({"echo": true, "max_tokens": 0})).unwrap().max_tokens.unwrap().value, 0);
+    assert_field_error(with(json!({"max_tokens": 0})), "max_tokens", "at least 1");
     assert_eq!(with(json!({"best_of": 3, "n": 2})).unwrap().best_of, 3);
     assert_field_error(with(json!({"best_of": 1, "n": 2})), "best_of", "at least `n`");
     assert_field_error(with(json!({"best_of": 9})), "best_of", "between 1 and 8");
