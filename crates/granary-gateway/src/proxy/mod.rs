@@ -489,14 +489,16 @@ async fn serve(
         // The worst case is reserved against the token and spend budgets now
         // and settled with the real usage when the request ends (`Outcome`'s
         // drop). Its cost is the prompt at the input price (none of it cached)
-        // and the completion at the output price of the model asked for.
-        let max_tokens = parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens);
+        // and every completion it may generate (`n`, batched prompts) at the
+        // output price of the model asked for.
+        let max_tokens = parsed.max_tokens.unwrap_or(gw.cfg.default_max_tokens).saturating_mul(parsed.completions);
         let worst = parsed.prompt_estimate + max_tokens;
         let prices = &gw.cfg.prices;
+        let asked = parsed.max_tokens.unwrap_or(0).saturating_mul(parsed.completions);
         let ask = Ask {
             estimate: parsed.estimate,
             tokens: worst,
-            spend_estimate: prices.spend(&parsed.model, parsed.prompt_estimate, 0, parsed.max_tokens.unwrap_or(0)),
+            spend_estimate: prices.spend(&parsed.model, parsed.prompt_estimate, 0, asked),
             spend: prices.spend(&parsed.model, parsed.prompt_estimate, 0, max_tokens),
         };
         match gw.limiter.reserve_ask(&principal, ask).await {

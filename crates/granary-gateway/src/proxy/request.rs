@@ -24,6 +24,9 @@ pub(super) struct Parsed {
     pub(super) prompt_estimate: u64,
     /// `max_tokens` (or `max_completion_tokens`) when the request sets it.
     pub(super) max_tokens: Option<u64>,
+    /// Completions the request may generate, each up to `max_tokens`: `n`
+    /// (or completions' `best_of`, when larger) for each batched prompt.
+    pub(super) completions: u64,
 }
 
 impl Parsed {
@@ -80,6 +83,10 @@ struct Head<'a> {
     temperature: Option<Value>,
     #[serde(default)]
     seed: Option<Value>,
+    #[serde(default)]
+    n: Option<Value>,
+    #[serde(default)]
+    best_of: Option<Value>,
     #[serde(default, borrow)]
     messages: Option<&'a serde_json::value::RawValue>,
     #[serde(default, borrow)]
@@ -186,10 +193,27 @@ pub(super) fn parse_body(endpoint: Endpoint, bytes: &Bytes) -> Result<Parsed, Ap
             ),
         });
     }
+    let mut choices = 1;
+    for (field, v) in [("n", &head.n), ("best_of", &head.best_of)] {
+        match v {
+            None | Some(Value::Null) => {}
+            Some(v) => match v.as_u64().filter(|&n| n >= 1) {
+                Some(n) => choices = choices.max(n),
+                None => {
+                    return Err(ApiError::invalid(
+                        field,
+                        "invalid_type",
+                        format!("Invalid type for `{field}`: expected a positive integer."),
+                    ))
+                }
+            },
+        }
+    }
+    let completions = choices.saturating_mul(batched_prompts(head.prompt));
     let deterministic = crate::cache::deterministic_fields(head.temperature.as_ref(), head.seed.as_ref());
     // A rough token estimate for token limits: ~4 bytes a token.
     let prompt_estimate = bytes.len() as u64 / 4;
-    let estimate = prompt_estimate + max_tokens.unwrap_or(0);
+    let estimate = prompt_estimate + max_tokens.unwrap_or(0).saturating_mul(completions);
     Ok(Parsed {
         raw: bytes.clone(),
         whole: std::sync::OnceLock::new(),
@@ -201,7 +225,18 @@ pub(super) fn parse_body(endpoint: Endpoint, bytes: &Bytes) -> Result<Parsed, Ap
         estimate,
         prompt_estimate,
         max_tokens,
+        completions,
     })
+}
+
+/// Prompts in a completions `prompt`: an array of strings or of token
+/// arrays is a batch, each prompt answered on its own; anything else is one.
+fn batched_prompts(prompt: Option<&serde_json::value::RawValue>) -> u64 {
+    let Some(raw) = prompt.filter(|r| r.get().starts_with('[')) else { return 1 };
+    match serde_json::from_str::<Vec<&serde_json::value::RawValue>>(raw.get()) {
+        Ok(items) if items.first().is_some_and(|i| i.get().starts_with(['"', '['])) => items.len().max(1) as u64,
+        _ => 1,
+    }
 }
 
 #[cfg(test)]
@@ -242,5 +277,24 @@ mod tests {
         assert!(ok.stream && !ok.include_usage);
         assert_eq!(ok.model, "m");
         assert!(ok.estimate >= 100);
+        assert_eq!(ok.completions, 1);
+        // Every completion the request may generate counts: n (or best_of)
+        // for each batched prompt.
+        let parse = |s: String| parse_body(Endpoint::Completions, &Bytes::from(s));
+        let three = parse(format!("{{{m}, \"n\": 3, \"max_tokens\": 100}}")).ok().unwrap();
+        assert_eq!(three.completions, 3);
+        assert_eq!(three.estimate, three.prompt_estimate + 300);
+        let batch = parse(r#"{"model": "m", "prompt": ["a", "b"], "n": 2, "best_of": 3, "max_tokens": 10}"#.into())
+            .ok()
+            .unwrap();
+        assert_eq!(batch.completions, 6);
+        let ids = parse(r#"{"model": "m", "prompt": [[1, 2], [3], [4]], "max_tokens": 10}"#.into()).ok().unwrap();
+        assert_eq!(ids.completions, 3);
+        assert_eq!(parse(r#"{"model": "m", "prompt": [1, 2, 3]}"#.into()).ok().unwrap().completions, 1);
+        assert_eq!(parse(r#"{"model": "m", "prompt": ["one"]}"#.into()).ok().unwrap().completions, 1);
+        for bad in [r#""n": 0"#, r#""n": "2""#, r#""best_of": -1"#] {
+            let e = parse(format!("{{{m}, {bad}}}")).err().unwrap();
+            assert!(e.message.contains("positive integer"), "{bad}: {}", e.message);
+        }
     }
 }

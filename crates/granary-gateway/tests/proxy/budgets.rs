@@ -48,6 +48,28 @@ async fn issue_14_responses_carry_openai_rate_limit_headers() {
     assert!(!r.headers().contains_key("x-ratelimit-limit-requests"));
 }
 
+/// Issue 14, point 1: the worst case counts every completion a request may
+/// generate: `n` choices reserve `n` times `max_tokens`, and a request whose
+/// worst case exceeds the budget is refused at admission.
+#[tokio::test]
+async fn issue_14_the_reservation_counts_every_choice() {
+    let up = start_upstream("a", Mode::Ok, &["m"]).await;
+    let g = Gw::start(&named(&[("a", up.addr)]), |_| {}).await;
+    let key = g.key("acme", json!({"limits": {"tokens_per_minute": 1000}})).await;
+    let mut body = chat_body(false);
+    body["max_tokens"] = json!(10);
+    body["n"] = json!(3);
+    let reserved = serde_json::to_vec(&body).unwrap().len() as u64 / 4 + 3 * 10;
+    let r = g.chat(&key, body.clone()).await;
+    assert_eq!(r.status(), 200);
+    let remaining = r.headers()["x-ratelimit-remaining-tokens"].to_str().unwrap().to_string();
+    assert_eq!(remaining, (1000 - reserved).to_string());
+    // 200 choices of 10 tokens cannot fit a budget of 1000.
+    body["n"] = json!(200);
+    let r = g.chat(&key, body).await;
+    assert_eq!(r.status(), 429);
+}
+
 /// An upstream that answers after `delay` with usage `prompt` + the
 /// request's `max_tokens` (a request that uses its whole allowance).
 pub(super) async fn start_spender(prompt: u64, delay: Duration) -> SocketAddr {
