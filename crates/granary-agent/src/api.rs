@@ -6,11 +6,13 @@
 //! | `POST /models/{name}/unload` | 200 `{"model","state":"unloaded"}`; 404 when not loaded |
 //! | `GET /status` | engines, tiers, downloads in progress |
 //! | `GET /models/{name}/logs?tail=N` | the end of the engine's log, as text |
+//! | `GET /metrics` | Prometheus text (see [`crate::metrics`]) |
 //! | `GET /health` | `{"status":"ok"}`, without a token |
 //!
 //! With an admin token configured every route but `/health` needs
-//! `Authorization: Bearer <token>` (compared in constant time). Without one
-//! the agent refuses to listen beyond loopback.
+//! `Authorization: Bearer <token>` (compared in constant time); a metrics
+//! token, when configured, reads `/metrics` and nothing else. Without an
+//! admin token the agent refuses to listen beyond loopback.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -41,13 +43,19 @@ struct Ctx {
     agent: Arc<Agent>,
     /// blake3 of the admin token; none: open.
     token: Option<[u8; 32]>,
+    /// blake3 of the metrics token (reads `/metrics` only).
+    metrics_token: Option<[u8; 32]>,
 }
 
 /// The control API, state applied.
 pub fn router(agent: Arc<Agent>) -> Router {
-    let token =
-        agent.config().admin_token.as_deref().filter(|t| !t.is_empty()).map(|t| *blake3::hash(t.as_bytes()).as_bytes());
-    let ctx = Ctx { agent, token };
+    let hashed = |t: Option<&str>| t.filter(|t| !t.is_empty()).map(|t| *blake3::hash(t.as_bytes()).as_bytes());
+    let token = hashed(agent.config().admin_token.as_deref());
+    let metrics_token = hashed(agent.config().metrics_token.as_deref());
+    let ctx = Ctx { agent, token, metrics_token };
+    let scraped = Router::new()
+        .route("/metrics", get(metrics))
+        .layer(axum::middleware::from_fn_with_state(ctx.clone(), require_metrics_token));
     let guarded = Router::new()
         .route("/models/{name}/load", post(load))
         .route("/models/{name}/unload", post(unload))
@@ -55,7 +63,7 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/status", get(status))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(ctx.clone(), require_token));
-    Router::new().route("/health", get(health)).merge(guarded).with_state(ctx)
+    Router::new().route("/health", get(health)).merge(scraped).merge(guarded).with_state(ctx)
 }
 
 /// Serves the control API on `listener` until `shutdown` resolves, then
@@ -71,22 +79,51 @@ pub async fn serve(
     r
 }
 
-async fn require_token(State(ctx): State<Ctx>, req: Request, next: Next) -> Response {
-    let Some(want) = ctx.token else { return next.run(req).await };
-    let presented = req
-        .headers()
+/// The bearer token of a request, if it has one.
+fn presented(req: &Request) -> Option<&str> {
+    req.headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, t)| t.trim());
-    match presented {
-        Some(t) if bool::from(blake3::hash(t.as_bytes()).as_bytes().ct_eq(&want)) => next.run(req).await,
+        .map(|(_, t)| t.trim())
+}
+
+/// Whether `token` hashes to one of `wanted` (each compared in constant time).
+fn matches(token: &str, wanted: &[Option<[u8; 32]>]) -> bool {
+    let h = blake3::hash(token.as_bytes());
+    wanted.iter().flatten().fold(false, |ok, w| ok | bool::from(h.as_bytes().ct_eq(w)))
+}
+
+/// `/metrics`: the metrics token or the admin token (open when there is
+/// neither, as the rest of the API is without an admin token).
+async fn require_metrics_token(State(ctx): State<Ctx>, req: Request, next: Next) -> Response {
+    let wanted = [ctx.token, ctx.metrics_token];
+    if wanted.iter().all(Option::is_none) {
+        return next.run(req).await;
+    }
+    match presented(&req) {
+        Some(t) if matches(t, &wanted) => next.run(req).await,
+        Some(_) => AgentError::Unauthorized("Incorrect metrics token provided.").into_response(),
+        None => AgentError::Unauthorized("`/metrics` needs `Authorization: Bearer <metrics or admin token>`.")
+            .into_response(),
+    }
+}
+
+async fn require_token(State(ctx): State<Ctx>, req: Request, next: Next) -> Response {
+    let Some(want) = ctx.token else { return next.run(req).await };
+    match presented(&req) {
+        Some(t) if matches(t, &[Some(want)]) => next.run(req).await,
         Some(_) => AgentError::Unauthorized("Incorrect admin token provided.").into_response(),
         None => {
             AgentError::Unauthorized("The control API needs `Authorization: Bearer <admin token>`.").into_response()
         }
     }
+}
+
+async fn metrics(State(ctx): State<Ctx>) -> Response {
+    let text = crate::metrics::render(&ctx.agent.status());
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
 }
 
 async fn health() -> Json<serde_json::Value> {

@@ -40,6 +40,9 @@ pub struct AgentConfig {
     /// Admin token of the control API (`Authorization: Bearer`); none: open
     /// (allowed on loopback only).
     pub admin_token: Option<String>,
+    /// A token that reads `GET /metrics` and nothing else (for a
+    /// Prometheus scraper); the admin token reads it too.
+    pub metrics_token: Option<String>,
     /// Gateways to heartbeat to (each replica of a gateway keeps its own
     /// upstream set, so each gets heartbeats).
     pub gateways: Vec<String>,
@@ -82,6 +85,7 @@ impl Default for AgentConfig {
             engines: SupervisorConfig::default(),
             resources: ResourceConfig::default(),
             admin_token: None,
+            metrics_token: None,
             gateways: Vec::new(),
             gateway_token: None,
             heartbeat_interval: Duration::from_secs(2),

@@ -30,6 +30,7 @@ pub mod drain;
 pub mod error;
 pub mod front;
 pub mod heartbeat;
+pub mod metrics;
 pub mod prefetch;
 pub mod profile;
 pub mod registry;

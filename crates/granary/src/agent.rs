@@ -153,6 +153,12 @@ pub struct AgentArgs {
     /// A file holding the control API's admin token.
     #[arg(long, conflicts_with = "admin_token")]
     pub admin_token_file: Option<PathBuf>,
+    /// A token that reads `GET /metrics` only (for a Prometheus scraper).
+    #[arg(long, env = "GRANARY_AGENT_METRICS_TOKEN", hide_env_values = true)]
+    pub metrics_token: Option<String>,
+    /// A file holding the metrics token.
+    #[arg(long, conflicts_with = "metrics_token")]
+    pub metrics_token_file: Option<PathBuf>,
 }
 
 /// A token from a file: its content, trimmed; an empty file is an error.
@@ -239,6 +245,7 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
         (&a.agent_id, &mut c.agent_id),
         (&a.engine_command, &mut c.engines.command),
         (&a.admin_token, &mut c.admin_token),
+        (&a.metrics_token, &mut c.metrics_token),
     ] {
         if flag.is_some() {
             *field = flag.clone();
@@ -248,6 +255,7 @@ pub fn config(a: &AgentArgs) -> Result<AgentConfig> {
         ("--registry-token-file", &a.registry_token_file, &mut c.registry_token),
         ("--gateway-token-file", &a.gateway_token_file, &mut c.gateway_token),
         ("--admin-token-file", &a.admin_token_file, &mut c.admin_token),
+        ("--metrics-token-file", &a.metrics_token_file, &mut c.metrics_token),
     ] {
         if let Some(p) = file {
             *field = Some(read_token(flag, p)?);

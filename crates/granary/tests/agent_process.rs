@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 use agent_support::*;
 use serde_json::{json, Value};
 
+/// The agent's metrics-only token.
+const METRICS_TOKEN: &str = "agent-metrics-token-for-tests";
+
 #[test]
 fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     let Some(model) = default_model() else { return };
@@ -54,6 +57,8 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
         "2",
         "--admin-token",
         TOKEN,
+        "--metrics-token",
+        METRICS_TOKEN,
         "--gateway",
         &gw.proc.base,
         "--gateway",
@@ -125,6 +130,21 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     let st = agent.status();
     let size = std::fs::metadata(&model).unwrap().len();
     assert!(st["tiers"]["disk"]["used"].as_u64().unwrap() >= size, "{st}");
+    // Metrics: the engine and the tiers, for the metrics or the admin token.
+    assert_eq!(agent.call("GET", "/metrics", None, None).0, 401, "metrics need a token");
+    assert_eq!(agent.call("GET", "/metrics", None, Some("wrong")).0, 401);
+    let (s, text) = agent.call("GET", "/metrics", None, Some(METRICS_TOKEN));
+    assert_eq!(s, 200, "{text}");
+    assert!(text.contains(&format!("granary_agent_engines{{model=\"{MODEL}\",state=\"ready\"}} 1")), "{text}");
+    let disk_used = text
+        .lines()
+        .find(|l| l.starts_with("granary_agent_tier_used_bytes{tier=\"disk\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no disk tier bytes: {text}"));
+    assert!(disk_used >= size, "{text}");
+    assert!(text.contains("granary_agent_prefetches_total{outcome=\"asked\"}"), "{text}");
+    assert_eq!(agent.call("GET", "/metrics", None, Some(TOKEN)).0, 200, "the admin token reads metrics too");
+    assert_eq!(agent.call("GET", "/status", None, Some(METRICS_TOKEN)).0, 401, "the metrics token reads nothing else");
     // The registry imported the model's whole directory.
     let weights_bytes: u64 =
         common::files_under(model.parent().unwrap()).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
