@@ -540,6 +540,12 @@ impl CompletionRequest {
         let max_tokens = match self.max_tokens {
             // With `echo`, no completion at all: the prompt (and its log
             // probabilities) alone.
+            Some(0) if echo && self.stream == Some(true) => {
+                return Err(unsupported(
+                    "max_tokens",
+                    "`max_tokens` 0 (the echoed prompt alone) is not supported with `stream`.",
+                ));
+            }
             Some(0) if echo => MaxTokens { value: 0, param: "max_tokens" },
             Some(v) => max_tokens_value("max_tokens", v)?,
             None => MaxTokens { value: COMPLETION_DEFAULT_MAX_TOKENS, param: "max_tokens" },

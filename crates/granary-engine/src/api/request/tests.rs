@@ -303,6 +303,7 @@ fn completion_fields() {
     assert_field_error(with(json!({"echo": true, "logprobs": 1, "stream": true})), "echo", "not supported");
     assert_eq!(with(json!({"echo": true, "max_tokens": 0})).unwrap().max_tokens.unwrap().value, 0);
     assert_field_error(with(json!({"max_tokens": 0})), "max_tokens", "at least 1");
+    assert_field_error(with(json!({"echo": true, "max_tokens": 0, "stream": true})), "max_tokens", "stream");
     assert_eq!(with(json!({"best_of": 3, "n": 2})).unwrap().best_of, 3);
     assert_field_error(with(json!({"best_of": 1, "n": 2})), "best_of", "at least `n`");
     assert_field_error(with(json!({"best_of": 9})), "best_of", "between 1 and 8");
@@ -311,6 +312,7 @@ fn completion_fields() {
     assert_field_error(with(json!({"n": 30})), "n", "between 1 and 8");
     assert_field_error(with(json!({"temperature": 5})), "temperature", "between 0 and 2");
     assert_field_error(with(json!({"max_tokens": 0})), "max_tokens", "at least 1");
+    assert_field_error(with(json!({"echo": true, "max_tokens": 0, "stream": true})), "max_tokens", "stream");
 }
 
 #[test]
