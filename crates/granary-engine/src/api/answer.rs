@@ -116,7 +116,10 @@ pub(crate) async fn generate(
     };
     let tools = v.tools.take().map(|spec| ToolUse { format: ToolFormat::of(&tokenizer), spec });
     let input = std::mem::replace(&mut v.input, Input::Tokens(Vec::new()));
-    let (prompt, stop_token_ids) = tokenize(tokenizer.clone(), input, tools.clone()).await?;
+    let (prompt, mut stop_token_ids) = tokenize(tokenizer.clone(), input, tools.clone()).await?;
+    if v.ignore_eos {
+        stop_token_ids.clear();
+    }
     let max_tokens = budget(prompt.len(), model.context_len, v.max_tokens, prompt_param)?;
     let prompt_tokens = prompt.len();
     tracing::Span::current().record("gen_ai.usage.input_tokens", prompt_tokens);

@@ -69,6 +69,10 @@ pub(crate) struct ChatRequest {
     /// vLLM's scheduling priority: lower is more important.
     #[serde(default)]
     pub priority: Option<i64>,
+    /// vLLM's `ignore_eos`: generate up to `max_tokens` past the model's
+    /// end-of-sequence tokens (what serving benchmarks send).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
     /// Token id (as a string) to a bias in [-100, 100].
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
@@ -133,6 +137,7 @@ struct ExtraSampling {
     repetition_penalty: Option<f64>,
     logit_bias: Option<std::collections::BTreeMap<String, f64>>,
     priority: Option<i64>,
+    ignore_eos: Option<bool>,
     /// Structured-output fields.
     format: FormatFields,
 }
@@ -145,6 +150,7 @@ macro_rules! extra_of {
             repetition_penalty: $r.repetition_penalty,
             logit_bias: $r.logit_bias,
             priority: $r.priority,
+            ignore_eos: $r.ignore_eos,
             format: FormatFields {
                 response_format: $r.response_format,
                 guided_json: $r.guided_json,
@@ -205,6 +211,10 @@ pub(crate) struct CompletionRequest {
     /// vLLM's scheduling priority: lower is more important.
     #[serde(default)]
     pub priority: Option<i64>,
+    /// vLLM's `ignore_eos`: generate up to `max_tokens` past the model's
+    /// end-of-sequence tokens (what serving benchmarks send).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
     /// Token id (as a string) to a bias in [-100, 100].
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
@@ -321,6 +331,8 @@ pub(crate) struct Validated {
     pub tools: Option<ToolsSpec>,
     /// Scheduling priority (vLLM's `priority`): lower is more important.
     pub priority: i32,
+    /// vLLM's `ignore_eos`: end-of-sequence tokens do not end generation.
+    pub ignore_eos: bool,
     /// Completions: the prompts batched after `input`, each answered as
     /// `n` choices of its own after those of the prompts before it.
     pub batch: Vec<Input>,
@@ -686,6 +698,7 @@ impl Shared {
             grammar,
             tools: None,
             priority,
+            ignore_eos: self.extra.ignore_eos.unwrap_or(false),
         })
     }
 }

@@ -869,3 +869,15 @@ async fn echo_with_logprobs_scores_the_prompt_then_the_answer() {
     let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
     assert_error(status, &body, StatusCode::BAD_REQUEST, Some("max_tokens"));
 }
+
+#[tokio::test]
+async fn ignore_eos_lets_generation_run_past_the_end_of_sequence() {
+    let Some((backend, app)) = scripted() else { return };
+    for (ignore, want_stops) in [(false, true), (true, false)] {
+        let req = json!({"model": MODEL, "prompt": "a", "max_tokens": 4, "ignore_eos": ignore, "best_of": 1});
+        let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let sent = backend.submitted.lock().last().cloned().unwrap();
+        assert_eq!(!sent.stop_token_ids.is_empty(), want_stops, "ignore_eos {ignore}: {:?}", sent.stop_token_ids);
+    }
+}

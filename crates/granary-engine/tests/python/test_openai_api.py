@@ -274,7 +274,7 @@ def check_unsupported_fields_are_refused():
     for kw, param in [
         ({"functions": [tool["function"]]}, "functions"),
         ({"extra_body": {"grammar": 'root ::= "a"'}}, "grammar"),
-        ({"extra_body": {"ignore_eos": True}}, "ignore_eos"),
+        ({"extra_body": {"min_tokens": 2}}, "min_tokens"),
         ({"store": True}, "store"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [tool], "response_format": {"type": "json_object"}}, "response_format"),
@@ -370,6 +370,20 @@ def check_echo_with_logprobs():
     # Batched, as lm-evaluation-harness sends loglikelihood requests.
     batch = client.completions.create(prompt=[STORY, STORY + text], echo=True, logprobs=1, max_tokens=0, **kw)
     assert [len(x.logprobs.tokens) for x in batch.choices] == [len(lp.tokens) - 8, len(lp.tokens)], batch
+
+
+def check_ignore_eos():
+    """vLLM's ignore_eos (sent by serving benchmarks): the answer runs to max_tokens."""
+    kw = dict(model=model_id(), messages=[{"role": "user", "content": "Say hi."}], max_tokens=48, temperature=0)
+    short = client.chat.completions.create(**kw, extra_body={"ignore_eos": False})
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 48, short
+    long = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == 48, long
+    # Streamed completions, as vllm bench serve sends them.
+    chunks = list(client.completions.create(model=model_id(), prompt=STORY, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True, "best_of": 1}))
+    assert chunks[-1].usage.completion_tokens == 8, chunks[-1]
 
 
 WEATHER_TOOL = {
@@ -601,6 +615,7 @@ CHECKS = [
     check_best_of,
     check_batched_prompts,
     check_echo_with_logprobs,
+    check_ignore_eos,
     check_unsupported_fields_are_refused,
     check_structured_parse,
     check_json_schema_always_parses,

@@ -330,8 +330,18 @@ fn a_field_this_server_does_not_know_is_refused_by_name() {
     let e = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "some_future_field": {"x": 1}}))
         .unwrap_err();
     assert_eq!((e.param.as_deref(), e.code), (Some("some_future_field"), Some("unknown_parameter")));
-    let e = completion(json!({"model": "m", "prompt": "a", "ignore_eos": true})).unwrap_err();
-    assert_eq!((e.param.as_deref(), e.code), (Some("ignore_eos"), Some("unknown_parameter")));
+    let e = completion(json!({"model": "m", "prompt": "a", "min_tokens": 3})).unwrap_err();
+    assert_eq!((e.param.as_deref(), e.code), (Some("min_tokens"), Some("unknown_parameter")));
+    // vLLM's `ignore_eos` is known, on both endpoints.
+    assert!(completion(json!({"model": "m", "prompt": "a", "ignore_eos": true})).unwrap().ignore_eos);
+    assert!(!completion(json!({"model": "m", "prompt": "a", "ignore_eos": false})).unwrap().ignore_eos);
+    assert!(
+        chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "ignore_eos": true}))
+            .unwrap()
+            .ignore_eos
+    );
+    let e = completion(json!({"model": "m", "prompt": "a", "ignore_eos": "yes"})).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("ignore_eos"));
 }
 
 #[test]
