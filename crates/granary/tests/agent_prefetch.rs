@@ -78,11 +78,24 @@ fn a_model_the_nodes_tenants_use_is_prefetched_and_its_next_load_reads_from_ram(
         gw.agent("node-a").is_some_and(|x| x["checkpoints"].as_array().unwrap().iter().any(|m| m == B))
     });
 
-    // B leaves node-b; its next load goes where its weights are in RAM.
+    // B leaves node-b, and node-b is rebuilt with an empty disk: B's next
+    // load goes where its weights are, node-a's RAM. (Left on node-b's
+    // disk, B would be a near tie here: on one host a "disk" read is a page
+    // cache read, as fast as the RAM tier's, and which node then wins turns
+    // on the engine start times each measured. The choice between RAM and
+    // disk by their rates is `agents::estimate`'s unit tests.)
     let (s, v) = b.json("POST", &format!("/models/{B}/unload"), None);
     assert_eq!(s, 200, "{v}");
-    wait_until("the gateway drops node-b's engine", Duration::from_secs(20), || {
-        gw.agent("node-b").is_some_and(|x| x["engines"].as_array().unwrap().is_empty())
+    let mut b = b;
+    b.kill9();
+    std::fs::remove_dir_all(dir.path().join("cache-node-b")).unwrap();
+    let b = agent(&registry.base, &gw.proc.base, dir.path(), "node-b", "0");
+    wait_until("the gateway hears from the rebuilt node-b", Duration::from_secs(20), || {
+        gw.agent("node-b").is_some_and(|x| {
+            x["url"] == b.base.as_str()
+                && x["engines"].as_array().unwrap().is_empty()
+                && x["weights"].get(B).is_none_or(|w| w == "none")
+        })
     });
     let r = gw.chat_model(B);
     let placement = r.headers().get("x-granary-placement").map(|v| v.to_str().unwrap().to_string());
