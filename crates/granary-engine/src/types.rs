@@ -164,6 +164,9 @@ pub struct GenerateRequest {
     /// Token ids that end generation (EOS, end of turn); the stop token is
     /// not returned.
     pub stop_token_ids: Vec<u32>,
+    /// Generated tokens before which `stop_token_ids` cannot end the answer
+    /// (vLLM's `min_tokens`): until then they are never sampled.
+    pub min_tokens: usize,
     /// A grammar the output must follow (structured outputs, tool calls).
     pub constraint: Option<crate::constraint::Constraint>,
     /// Scheduling priority, vLLM's convention: lower values are more

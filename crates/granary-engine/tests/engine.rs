@@ -26,6 +26,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         max_tokens,
         sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
+        min_tokens: 0,
         constraint: None,
         priority: 0,
     }
@@ -414,5 +415,45 @@ async fn requests_beyond_the_kv_memory_wait_their_turn() {
             assert!(needed > budget);
         }
         other => panic!("an oversized request was accepted: {:?}", other.map(|_| ())),
+    }
+}
+
+/// `min_tokens`: a stop token the model would choose first is never
+/// sampled before `min_tokens` tokens, and ends the answer again after
+/// them; on the default path and on the tensor path of every device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_tokens_wait_for_min_tokens() {
+    let Some(path) = common::default_model() else { return };
+    let mut engines = vec![("default".to_string(), start(EngineConfig::default()).unwrap())];
+    for (name, device) in common::tensor_devices() {
+        let opts = LoadOptions { device, tensor_ops: true, quantized_decode: false, ..LoadOptions::default() };
+        let model = Arc::new(Model::load(&path, &opts).unwrap());
+        let tok = Arc::new(Tokenizer::from_gguf_path(&path).unwrap());
+        engines.push((format!("tensor {name}"), Engine::start(EngineConfig::default(), model, tok, None).unwrap()));
+    }
+    let prompt = common::fixture().generate[0].prompt_ids.clone();
+    for (name, engine) in &engines {
+        let (free, _) = collect(engine.generate(greedy(prompt.clone(), 12)).unwrap()).await;
+        // The token greedy decoding picks first, as a stop token: alone it
+        // ends the answer before any token.
+        let stop = free[0];
+        let req = GenerateRequest { stop_token_ids: vec![stop], ..greedy(prompt.clone(), 12) };
+        let (toks, end) = collect(engine.generate(req.clone()).unwrap()).await;
+        assert!(toks.is_empty(), "{name}: {toks:?}");
+        assert!(matches!(end, Event::Finished { reason: FinishReason::Stop, .. }), "{name}: {end:?}");
+        // Held back for 6 tokens: never among them.
+        let (toks, end) = collect(engine.generate(GenerateRequest { min_tokens: 6, ..req.clone() }).unwrap()).await;
+        assert!(toks.len() >= 6, "{name}: {toks:?} {end:?}");
+        assert!(!toks[..6].contains(&stop), "{name}: the stop token was sampled early: {toks:?}");
+        assert_ne!(toks[0], free[0], "{name}");
+        // Afterwards it may end the answer again: if it comes, it ends it.
+        match end {
+            Event::Finished { reason: FinishReason::Stop, .. } => assert!(toks.len() < 12, "{name}"),
+            Event::Finished { reason: FinishReason::Length, .. } => {
+                assert_eq!(toks.len(), 12, "{name}");
+                assert!(!toks.contains(&stop), "{name}: {toks:?}");
+            }
+            other => panic!("{name}: unexpected end {other:?}"),
+        }
     }
 }

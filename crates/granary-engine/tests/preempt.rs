@@ -62,6 +62,7 @@ fn request(i: usize, priority: i32) -> GenerateRequest {
         max_tokens: MAX_TOKENS,
         sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
+        min_tokens: 0,
         constraint: None,
         priority,
     }

@@ -63,6 +63,7 @@ async fn run(engine: &Engine, prompt: Vec<u32>) -> (Vec<u32>, usize) {
         max_tokens: 8,
         sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
+        min_tokens: 0,
         constraint: None,
         priority: 0,
     };

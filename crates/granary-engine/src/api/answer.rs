@@ -17,6 +17,7 @@ use super::error::ApiError;
 use super::generate::{self, collect, sse_data, Outcome};
 use super::request::{Input, MaxTokens, Validated};
 use super::response::{self, Answer, Endpoint, Header, UsageBody};
+use super::stop::TextRules;
 use super::structured::{ToolChoice, ToolsSpec};
 use super::tools::{parse_output, ToolFormat, ToolParser};
 use super::AppState;
@@ -120,10 +121,18 @@ pub(crate) async fn generate(
     if v.ignore_eos {
         stop_token_ids.clear();
     }
+    let vocab = tokenizer.vocab_size();
+    if let Some(&id) = v.stop_token_ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(ApiError::invalid(
+            "stop_token_ids",
+            "invalid_value",
+            format!("Invalid value for `stop_token_ids`: token id {id} is outside the vocabulary of {vocab} tokens."),
+        ));
+    }
+    stop_token_ids.extend(v.stop_token_ids.iter().filter(|id| !stop_token_ids.contains(id)).collect::<Vec<_>>());
     let max_tokens = budget(prompt.len(), model.context_len, v.max_tokens, prompt_param)?;
     let prompt_tokens = prompt.len();
     tracing::Span::current().record("gen_ai.usage.input_tokens", prompt_tokens);
-    let vocab = tokenizer.vocab_size();
     if let Some(&(id, _)) = v.sampling.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
         return Err(ApiError::invalid(
             format!("logit_bias.{id}"),
@@ -150,13 +159,21 @@ pub(crate) async fn generate(
     }
     let constraint = constraint(st, &model, &v, tools.as_ref()).await?;
     let sampling = v.sampling.resolve(&model.sampling);
-    let req =
-        GenerateRequest { namespace, prompt, max_tokens, sampling, stop_token_ids, constraint, priority: v.priority };
+    let req = GenerateRequest {
+        namespace,
+        prompt,
+        max_tokens,
+        sampling,
+        stop_token_ids,
+        min_tokens: v.text.min_tokens,
+        constraint,
+        priority: v.priority,
+    };
     if v.best_of > 1 && !v.stream {
         let how = Choices {
             n: v.n,
             best_of: v.best_of,
-            stop: v.stop,
+            text: v.text,
             logprobs: v.sampling.logprobs.is_some(),
             prompt_param,
             endpoint,
@@ -176,7 +193,7 @@ pub(crate) async fn generate(
             None => Vec::new(),
         };
         let choices = receivers.into_iter().map(|rx| (rx, tools.as_ref().and_then(ToolUse::parser))).collect();
-        let data = sse_data(choices, tokenizer, v.stop, chunker, prompt_tokens);
+        let data = sse_data(choices, tokenizer, v.text, chunker, prompt_tokens);
         // The request span ends with the stream, not with these headers.
         let ends = granary_core::trace::EndOnDrop::new([tracing::Span::current()]);
         let events = futures::stream::iter(echo).chain(data).map(move |d| {
@@ -188,8 +205,8 @@ pub(crate) async fn generate(
     let rx = st.backend.submit(&model.id, req).map_err(|e| submit_error(e, prompt_param))?;
     let parser = tools.as_ref().and_then(ToolUse::parser);
     // Tool-call markers may be special tokens: keep them in the text.
-    let mut decoder = tokenizer.decode_stream(parser.is_none());
-    let out = collect(rx, &mut decoder, v.stop).await.map_err(|msg| {
+    let mut decoder = tokenizer.decode_stream(parser.is_none() && !v.text.keep_special);
+    let out = collect(rx, &mut decoder, &v.text).await.map_err(|msg| {
         tracing::warn!(error = %msg, "generation failed");
         ApiError::generation_failed(&msg)
     })?;
@@ -250,7 +267,7 @@ fn answer_of(
 struct Choices {
     n: usize,
     best_of: usize,
-    stop: Vec<String>,
+    text: TextRules,
     logprobs: bool,
     prompt_param: &'static str,
     endpoint: Endpoint,
@@ -272,7 +289,7 @@ async fn generate_n(st: &AppState, model: &str, mut req: GenerateRequest, how: C
     let Choices {
         n,
         best_of,
-        stop,
+        text,
         logprobs: want_logprobs,
         prompt_param,
         endpoint,
@@ -287,13 +304,13 @@ async fn generate_n(st: &AppState, model: &str, mut req: GenerateRequest, how: C
         req.sampling.logprobs = Some(0);
     }
     let receivers = submit_choices(st, model, req, best_of, prompt_param).await?;
-    let skip_special = tools.as_ref().and_then(ToolUse::parser).is_none();
+    let skip_special = tools.as_ref().and_then(ToolUse::parser).is_none() && !text.keep_special;
     let runs = receivers.into_iter().map(|rx| {
         let tokenizer = tokenizer.clone();
-        let stop = stop.clone();
+        let text = &text;
         async move {
             let mut decoder = tokenizer.decode_stream(skip_special);
-            collect(rx, &mut decoder, stop).await
+            collect(rx, &mut decoder, text).await
         }
     });
     let outcomes = futures::future::join_all(runs).await;

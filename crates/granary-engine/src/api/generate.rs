@@ -16,7 +16,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::error::ApiError;
 use super::response::{Chunker, UsageBody};
-use super::stop::{Matched, StopMatcher};
+use super::stop::{Matched, StopMatcher, TextRules};
 use super::tools::{ToolEvent, ToolParser};
 use crate::types::{Event, FinishReason, TokenLogprobs};
 
@@ -80,6 +80,8 @@ pub(crate) enum Step {
 /// The text side of one generation.
 pub(crate) struct Generation {
     stop: StopMatcher,
+    /// Tokens received before a stop string may end the answer.
+    min_tokens: usize,
     /// Tokens received so far.
     pub completion_tokens: usize,
     /// Prompt tokens loaded instead of computed, once the backend said.
@@ -91,9 +93,10 @@ pub(crate) struct Generation {
 }
 
 impl Generation {
-    pub fn new(stop: Vec<String>) -> Self {
+    pub fn new(rules: &TextRules) -> Self {
         Generation {
-            stop: StopMatcher::new(stop),
+            stop: StopMatcher::new(rules.stop.clone(), rules.include_stop),
+            min_tokens: rules.min_tokens,
             completion_tokens: 0,
             cached_tokens: 0,
             pending_logprobs: None,
@@ -128,7 +131,7 @@ impl Generation {
                     Ok(None) => return Step::Text(String::new()),
                     Err(e) => return Step::Failed(format!("detokenizing failed: {e}")),
                 };
-                match self.stop.push(&piece) {
+                match self.stop.push(&piece, self.completion_tokens >= self.min_tokens) {
                     Matched::Pending(text) => Step::Text(text),
                     Matched::Stop(text) => {
                         Step::Done { text, reason: FinishReason::Stop, cached_tokens: self.cached_tokens }
@@ -138,7 +141,7 @@ impl Generation {
             Some(Event::Finished { reason, usage }) => {
                 let mut text = String::new();
                 match decoder.finish() {
-                    Ok(Some(tail)) => match self.stop.push(&tail) {
+                    Ok(Some(tail)) => match self.stop.push(&tail, self.completion_tokens >= self.min_tokens) {
                         Matched::Pending(t) => text.push_str(&t),
                         Matched::Stop(t) => {
                             return Step::Done {
@@ -177,9 +180,9 @@ pub(crate) struct Outcome {
 pub(crate) async fn collect(
     mut rx: UnboundedReceiver<Event>,
     decoder: &mut dyn Detokenize,
-    stop: Vec<String>,
+    rules: &TextRules,
 ) -> Result<Outcome, String> {
-    let mut gen = Generation::new(stop);
+    let mut gen = Generation::new(rules);
     let mut out = String::new();
     loop {
         match gen.step(rx.recv().await, decoder) {
@@ -220,14 +223,16 @@ enum Piece {
 pub(crate) fn sse_data<S: DecoderSource + Clone>(
     choices: Vec<(UnboundedReceiver<Event>, Option<ToolParser>)>,
     source: S,
-    stop: Vec<String>,
+    rules: TextRules,
     chunker: Chunker,
     prompt_tokens: usize,
 ) -> impl Stream<Item = String> + Send {
     let streams: Vec<_> = choices
         .into_iter()
         .enumerate()
-        .map(|(i, (rx, tools))| Box::pin(choice_stream(rx, source.clone(), stop.clone(), chunker.for_choice(i), tools)))
+        .map(|(i, (rx, tools))| {
+            Box::pin(choice_stream(rx, source.clone(), rules.clone(), chunker.for_choice(i), tools))
+        })
         .collect();
     let mut merged = futures::stream::select_all(streams);
     async_stream::stream! {
@@ -260,14 +265,14 @@ pub(crate) fn sse_data<S: DecoderSource + Clone>(
 fn choice_stream<S: DecoderSource>(
     mut rx: UnboundedReceiver<Event>,
     source: S,
-    stop: Vec<String>,
+    rules: TextRules,
     chunker: Chunker,
     mut tools: Option<ToolParser>,
 ) -> impl Stream<Item = Piece> + Send {
     async_stream::stream! {
-        let mut decoder = if tools.is_some() { source.raw_decoder() } else { source.decoder() };
+        let mut decoder = if tools.is_some() || rules.keep_special { source.raw_decoder() } else { source.decoder() };
         let mut calls_sent = 0usize;
-        let mut gen = Generation::new(stop);
+        let mut gen = Generation::new(&rules);
         let mut offset = 0usize;
         let mut lp_json = |gen: &mut Generation, decoder: &S| {
             let lps = gen.take_logprobs();
@@ -423,7 +428,7 @@ pub(crate) mod tests {
             Event::Token(5),
             finished(FinishReason::Length, 4),
         ]);
-        let out = collect(rx, &mut BytesDecoder::new(VOCAB), vec![]).await.unwrap();
+        let out = collect(rx, &mut BytesDecoder::new(VOCAB), &TextRules::default()).await.unwrap();
         assert_eq!(
             out,
             Outcome {
@@ -445,7 +450,7 @@ pub(crate) mod tests {
             Event::Token(7),
             Event::Token(8),
         ]);
-        let out = collect(rx, &mut BytesDecoder::new(VOCAB), vec!["</s>".into()]).await.unwrap();
+        let out = collect(rx, &mut BytesDecoder::new(VOCAB), &TextRules::stop(&["</s>"])).await.unwrap();
         // Cached tokens come from `Started`: the backend never finishes.
         assert_eq!(
             out,
@@ -463,18 +468,20 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn collect_reports_failures() {
         let (_tx, rx) = scripted(vec![Event::Token(0), Event::Failed("out of memory".into())]);
-        assert_eq!(collect(rx, &mut BytesDecoder::new(VOCAB), vec![]).await, Err("out of memory".into()));
+        assert_eq!(
+            collect(rx, &mut BytesDecoder::new(VOCAB), &TextRules::default()).await,
+            Err("out of memory".into())
+        );
         let (tx, rx) = scripted(vec![Event::Token(0)]);
         drop(tx);
-        let err = collect(rx, &mut BytesDecoder::new(VOCAB), vec![]).await.unwrap_err();
+        let err = collect(rx, &mut BytesDecoder::new(VOCAB), &TextRules::default()).await.unwrap_err();
         assert!(err.contains("without a result"), "{err}");
     }
 
     async fn stream_all(events: Vec<Event>, stop: &[&str], endpoint: Endpoint, include_usage: bool) -> Vec<String> {
         let (_tx, rx) = scripted(events);
         let chunker = Header { endpoint, id: "x".into(), created: 1, model: "m".into() }.chunker(include_usage);
-        let stop = stop.iter().map(|s| s.to_string()).collect();
-        sse_data(vec![(rx, None)], BytesSource(VOCAB), stop, chunker, 3).collect().await
+        sse_data(vec![(rx, None)], BytesSource(VOCAB), TextRules::stop(stop), chunker, 3).collect().await
     }
 
     fn json_chunks(data: &[String]) -> Vec<Value> {
@@ -524,7 +531,7 @@ pub(crate) mod tests {
         let chunker =
             Header { endpoint: Endpoint::Completion, id: "x".into(), created: 1, model: "m".into() }.chunker(true);
         let data: Vec<String> =
-            sse_data(vec![(rx, None)], BytesSource(VOCAB), vec!["</s>".into()], chunker, 3).collect().await;
+            sse_data(vec![(rx, None)], BytesSource(VOCAB), TextRules::stop(&["</s>"]), chunker, 3).collect().await;
         assert!(tx.is_closed());
         let chunks = json_chunks(&data);
         let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?["text"].as_str()).collect();
@@ -558,7 +565,7 @@ pub(crate) mod tests {
     async fn dropping_the_stream_cancels_the_generation() {
         let (tx, rx) = mpsc::unbounded_channel();
         let chunker = Header { endpoint: Endpoint::Chat, id: "x".into(), created: 1, model: "m".into() }.chunker(false);
-        let mut stream = Box::pin(sse_data(vec![(rx, None)], BytesSource(VOCAB), vec![], chunker, 3));
+        let mut stream = Box::pin(sse_data(vec![(rx, None)], BytesSource(VOCAB), TextRules::default(), chunker, 3));
         tx.send(Event::Token(0)).unwrap();
         assert!(stream.next().await.is_some()); // role
         assert!(stream.next().await.is_some()); // "Hello"

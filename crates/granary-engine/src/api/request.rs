@@ -15,10 +15,12 @@ use granary_tokenizer::ChatMessage;
 use serde::Deserialize;
 
 use super::error::ApiError;
-use super::structured::{tools_spec, FormatFields, OutputGrammar, ToolsSpec};
+use super::stop::TextRules;
+use super::structured::{tools_spec, FormatFields, OutputGrammar, ToolChoice, ToolsSpec};
 use crate::types::{SamplingDefaults, SamplingParams};
 
 mod messages;
+mod shared;
 mod values;
 
 pub(crate) use messages::{chat_message, Message};
@@ -73,6 +75,22 @@ pub(crate) struct ChatRequest {
     /// end-of-sequence tokens (what serving benchmarks send).
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// vLLM's `min_tokens`: tokens generated before a stop token or stop
+    /// string may end the answer.
+    #[serde(default)]
+    pub min_tokens: Option<u64>,
+    /// vLLM's `stop_token_ids`: token ids that end the answer, as the
+    /// model's end-of-sequence tokens do.
+    #[serde(default)]
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's `include_stop_str_in_output`: the stop string found stays in
+    /// the answer.
+    #[serde(default)]
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's `skip_special_tokens` (true by default): false writes special
+    /// tokens out in the answer's text.
+    #[serde(default)]
+    pub skip_special_tokens: Option<bool>,
     /// Token id (as a string) to a bias in [-100, 100].
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
@@ -138,6 +156,10 @@ struct ExtraSampling {
     logit_bias: Option<std::collections::BTreeMap<String, f64>>,
     priority: Option<i64>,
     ignore_eos: Option<bool>,
+    min_tokens: Option<u64>,
+    stop_token_ids: Option<Vec<u32>>,
+    include_stop_str_in_output: Option<bool>,
+    skip_special_tokens: Option<bool>,
     /// Structured-output fields.
     format: FormatFields,
 }
@@ -151,6 +173,10 @@ macro_rules! extra_of {
             logit_bias: $r.logit_bias,
             priority: $r.priority,
             ignore_eos: $r.ignore_eos,
+            min_tokens: $r.min_tokens,
+            stop_token_ids: $r.stop_token_ids,
+            include_stop_str_in_output: $r.include_stop_str_in_output,
+            skip_special_tokens: $r.skip_special_tokens,
             format: FormatFields {
                 response_format: $r.response_format,
                 guided_json: $r.guided_json,
@@ -215,6 +241,22 @@ pub(crate) struct CompletionRequest {
     /// end-of-sequence tokens (what serving benchmarks send).
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// vLLM's `min_tokens`: tokens generated before a stop token or stop
+    /// string may end the answer.
+    #[serde(default)]
+    pub min_tokens: Option<u64>,
+    /// vLLM's `stop_token_ids`: token ids that end the answer, as the
+    /// model's end-of-sequence tokens do.
+    #[serde(default)]
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's `include_stop_str_in_output`: the stop string found stays in
+    /// the answer.
+    #[serde(default)]
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's `skip_special_tokens` (true by default): false writes special
+    /// tokens out in the answer's text.
+    #[serde(default)]
+    pub skip_special_tokens: Option<bool>,
     /// Token id (as a string) to a bias in [-100, 100].
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
@@ -314,8 +356,11 @@ pub(crate) struct Validated {
     pub input: Input,
     pub max_tokens: Option<MaxTokens>,
     pub sampling: SamplingRequest,
-    /// Non-empty stop strings.
-    pub stop: Vec<String>,
+    /// Stop strings, `min_tokens`, and how the text is written.
+    pub text: TextRules,
+    /// Token ids that end the answer beside the model's own (vLLM's
+    /// `stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
     pub stream: bool,
     pub include_usage: bool,
     /// Completions: the answer starts with the prompt (OpenAI's `echo`).
@@ -499,6 +544,12 @@ impl ChatRequest {
                 "`logprobs` with `tools` is not supported: log probabilities are not split between content and calls.",
             ));
         }
+        refuse_if(
+            v.text.min_tokens > 0
+                && tools.as_ref().is_some_and(|t| matches!(t.choice, ToolChoice::Required | ToolChoice::Named(_))),
+            "min_tokens",
+            "it cannot be combined with a forced tool call, whose grammar decides where the answer ends.",
+        )?;
         v.tools = tools;
         Ok(v)
     }
@@ -596,110 +647,6 @@ impl CompletionRequest {
             v.best_of = b as usize;
         }
         Ok(v)
-    }
-}
-
-impl Shared {
-    fn validate(self, model: String, input: Input) -> Result<Validated, ApiError> {
-        let grammar = self.extra.format.validate()?;
-        let n = self.n.unwrap_or(1);
-        if !(1..=MAX_N).contains(&n) {
-            return Err(out_of_range("n", n as f64, "between 1 and 8"));
-        }
-        if let Some(t) = self.temperature {
-            if !(0.0..=2.0).contains(&t) {
-                return Err(out_of_range("temperature", t, "between 0 and 2"));
-            }
-        }
-        if let Some(p) = self.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(out_of_range("top_p", p, "greater than 0 and at most 1"));
-            }
-        }
-        // vLLM's convention: -1 (or 0) disables top_k.
-        let top_k = match self.extra.top_k {
-            Some(k) if k < -1 => return Err(out_of_range("top_k", k as f64, "-1 (off), 0 (off) or a positive count")),
-            Some(k) => Some(k.max(0) as usize),
-            None => None,
-        };
-        if let Some(p) = self.extra.min_p {
-            if !(0.0..=1.0).contains(&p) {
-                return Err(out_of_range("min_p", p, "between 0 and 1"));
-            }
-        }
-        if let Some(r) = self.extra.repetition_penalty {
-            if !(r > 0.0 && r <= 2.0) {
-                return Err(out_of_range("repetition_penalty", r, "greater than 0 and at most 2"));
-            }
-        }
-        for (param, value) in
-            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
-        {
-            let Some(v) = value else { continue };
-            if !(-2.0..=2.0).contains(&v) {
-                return Err(out_of_range(param, v, "between -2 and 2"));
-            }
-        }
-        let mut logit_bias = Vec::new();
-        for (k, &v) in self.extra.logit_bias.iter().flatten() {
-            let param = format!("logit_bias.{k}");
-            let Ok(id) = k.parse::<u32>() else {
-                return Err(ApiError::invalid(
-                    &param,
-                    "invalid_value",
-                    format!("Invalid value for `{param}`: `{k}` is not a token id."),
-                ));
-            };
-            if !(-100.0..=100.0).contains(&v) {
-                return Err(out_of_range(&param, v, "between -100 and 100"));
-            }
-            logit_bias.push((id, v as f32));
-        }
-        let priority = match self.extra.priority {
-            Some(p) => i32::try_from(p)
-                .map_err(|_| out_of_range("priority", p as f64, "between -2147483648 and 2147483647"))?,
-            None => 0,
-        };
-        let stop = self.stop.map(|s| s.0).unwrap_or_default();
-        if stop.len() > MAX_STOP_SEQUENCES {
-            return Err(ApiError::invalid(
-                "stop",
-                "invalid_value",
-                format!(
-                    "Invalid value for `stop`: at most {MAX_STOP_SEQUENCES} sequences are allowed, got {}.",
-                    stop.len()
-                ),
-            ));
-        }
-        let stop = stop.into_iter().filter(|s| !s.is_empty()).collect();
-        Ok(Validated {
-            model,
-            input,
-            max_tokens: self.max_tokens,
-            sampling: SamplingRequest {
-                temperature: self.temperature.map(|t| t as f32),
-                top_p: self.top_p.map(|p| p as f32),
-                top_k,
-                min_p: self.extra.min_p.map(|p| p as f32),
-                presence_penalty: self.presence_penalty.unwrap_or(0.0) as f32,
-                frequency_penalty: self.frequency_penalty.unwrap_or(0.0) as f32,
-                repetition_penalty: self.extra.repetition_penalty.map(|r| r as f32),
-                logit_bias,
-                seed: self.seed.map(|s| s.0),
-                logprobs: self.logprobs,
-            },
-            stop,
-            stream: self.stream.unwrap_or(false),
-            include_usage: self.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
-            echo: false,
-            batch: Vec::new(),
-            n: n as usize,
-            best_of: n as usize,
-            grammar,
-            tools: None,
-            priority,
-            ignore_eos: self.extra.ignore_eos.unwrap_or(false),
-        })
     }
 }
 

@@ -5,10 +5,34 @@
 //! releases text only once it cannot be the start of a stop string, so
 //! nothing past a stop string is ever sent.
 
+/// How a request's generated text is cut and written: its stop strings,
+/// whether the one found stays in the answer (vLLM's
+/// `include_stop_str_in_output`), how many tokens come before a stop string
+/// may end the answer (vLLM's `min_tokens`), and whether special tokens are
+/// written out (vLLM's `skip_special_tokens: false`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct TextRules {
+    /// Non-empty stop strings.
+    pub stop: Vec<String>,
+    pub include_stop: bool,
+    pub min_tokens: usize,
+    pub keep_special: bool,
+}
+
+impl TextRules {
+    /// Stop strings alone, cut before the one found.
+    #[cfg(test)]
+    pub fn stop(stop: &[&str]) -> TextRules {
+        TextRules { stop: stop.iter().map(|s| s.to_string()).collect(), ..TextRules::default() }
+    }
+}
+
 /// Finds the first stop string in a stream of text pieces.
 #[derive(Debug)]
 pub(crate) struct StopMatcher {
     stops: Vec<String>,
+    /// The stop string found stays in the text.
+    include: bool,
     /// Text received but not released: a suffix that may begin a stop string.
     held: String,
 }
@@ -23,20 +47,25 @@ pub(crate) enum Matched {
 }
 
 impl StopMatcher {
-    /// Empty stop strings are ignored.
-    pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
+    /// Empty stop strings are ignored. With `include`, the text released
+    /// at a match ends with the stop string instead of before it.
+    pub fn new(stops: Vec<String>, include: bool) -> Self {
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), include, held: String::new() }
     }
 
-    pub fn push(&mut self, piece: &str) -> Matched {
+    /// Takes the next piece. Only an `armed` matcher stops; one not armed
+    /// yet (fewer than `min_tokens` generated) releases stop strings as
+    /// text, holding back only what may begin one.
+    pub fn push(&mut self, piece: &str, armed: bool) -> Matched {
         if self.stops.is_empty() {
             return Matched::Pending(piece.to_owned());
         }
         self.held.push_str(piece);
         // Held text never contains a whole stop string, so the earliest
         // match found now is the earliest in the whole output.
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
-            self.held.truncate(at);
+        let found = self.stops.iter().filter_map(|s| Some((self.held.find(s.as_str())?, s.len()))).min_by_key(|m| m.0);
+        if let Some((at, len)) = found.filter(|_| armed) {
+            self.held.truncate(if self.include { at + len } else { at });
             return Matched::Stop(std::mem::take(&mut self.held));
         }
         let keep = self.partial_suffix_len();
@@ -71,10 +100,16 @@ mod tests {
 
     /// Feeds `pieces` and returns (the text released, whether it stopped).
     fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
-        let mut m = StopMatcher::new(stops.iter().map(|s| s.to_string()).collect());
+        run_with(stops, false, 0, pieces)
+    }
+
+    /// As [`run`], keeping the stop string (`include`) and arming the
+    /// matcher at piece `min` (a piece per token).
+    fn run_with(stops: &[&str], include: bool, min: usize, pieces: &[&str]) -> (String, bool) {
+        let mut m = StopMatcher::new(stops.iter().map(|s| s.to_string()).collect(), include);
         let mut out = String::new();
-        for p in pieces {
-            match m.push(p) {
+        for (i, p) in pieces.iter().enumerate() {
+            match m.push(p, i + 1 >= min) {
                 Matched::Pending(t) => out.push_str(&t),
                 Matched::Stop(t) => {
                     out.push_str(&t);
@@ -88,8 +123,8 @@ mod tests {
 
     #[test]
     fn without_stop_strings_text_passes_through() {
-        let mut m = StopMatcher::new(vec![String::new()]);
-        assert_eq!(m.push("abc"), Matched::Pending("abc".into()));
+        let mut m = StopMatcher::new(vec![String::new()], false);
+        assert_eq!(m.push("abc", true), Matched::Pending("abc".into()));
         assert_eq!(m.finish(), "");
     }
 
@@ -108,12 +143,12 @@ mod tests {
 
     #[test]
     fn text_that_might_start_a_stop_string_is_held_back() {
-        let mut m = StopMatcher::new(vec!["STOP".into()]);
-        assert_eq!(m.push("go ST"), Matched::Pending("go ".into()));
-        assert_eq!(m.push("O"), Matched::Pending(String::new()));
+        let mut m = StopMatcher::new(vec!["STOP".into()], false);
+        assert_eq!(m.push("go ST", true), Matched::Pending("go ".into()));
+        assert_eq!(m.push("O", true), Matched::Pending(String::new()));
         // Not a stop string after all: everything held is released.
-        assert_eq!(m.push("NE"), Matched::Pending("STONE".into()));
-        assert_eq!(m.push("S"), Matched::Pending(String::new()));
+        assert_eq!(m.push("NE", true), Matched::Pending("STONE".into()));
+        assert_eq!(m.push("S", true), Matched::Pending(String::new()));
         assert_eq!(m.finish(), "S");
     }
 
@@ -141,9 +176,26 @@ mod tests {
     fn multi_byte_characters_are_never_split() {
         // A stop string sharing a first byte with the text must not cut a character.
         assert_eq!(run(&["é!"], &["caf", "é", "?", "é", "!"]), ("café?".into(), true));
-        let mut m = StopMatcher::new(vec!["日本語".into()]);
-        assert_eq!(m.push("x日"), Matched::Pending("x".into()));
-        assert_eq!(m.push("本"), Matched::Pending(String::new()));
-        assert_eq!(m.push("人"), Matched::Pending("日本人".into()));
+        let mut m = StopMatcher::new(vec!["日本語".into()], false);
+        assert_eq!(m.push("x日", true), Matched::Pending("x".into()));
+        assert_eq!(m.push("本", true), Matched::Pending(String::new()));
+        assert_eq!(m.push("人", true), Matched::Pending("日本人".into()));
+    }
+
+    #[test]
+    fn an_included_stop_string_ends_the_text() {
+        assert_eq!(run_with(&["END"], true, 0, &["hello EN", "D world"]), ("hello END".into(), true));
+        // The earliest match is kept whole, not the first stop string listed.
+        assert_eq!(run_with(&["world", "lo"], true, 0, &["hello world"]), ("hello".into(), true));
+    }
+
+    #[test]
+    fn before_min_tokens_a_stop_string_is_text() {
+        // Armed from the third piece: the first "." passes, the second stops.
+        assert_eq!(run_with(&["."], false, 3, &["a.", "b", "c.", "d"]), ("a.bc".into(), true));
+        // A stop string begun before arming and completed after it stops.
+        assert_eq!(run_with(&["xy"], false, 2, &["ax", "y", "z"]), ("a".into(), true));
+        // Never armed: everything is released.
+        assert_eq!(run_with(&["."], false, 9, &["a.", "b."]), ("a.b.".into(), false));
     }
 }

@@ -70,6 +70,23 @@ pub(super) struct Seq {
     first_token_span: Option<tracing::Span>,
     /// The request's span: saves of its blocks are traced under it.
     pub(super) request_span: tracing::Span,
+    /// While fewer than `min_tokens` are generated: the length of
+    /// `logit_bias` before the stop tokens' masks were appended to it.
+    stops_masked: Option<usize>,
+}
+
+/// Keeps the stop tokens from being sampled until `min_tokens` are
+/// generated, by appending a bias of minus infinity for each to the
+/// request's `logit_bias` (applied the same on the host and the device).
+/// Returns the length to cut `logit_bias` back to once they may end the
+/// answer; None when nothing was masked.
+fn mask_stop_tokens(req: &mut GenerateRequest) -> Option<usize> {
+    if req.min_tokens == 0 || req.stop_token_ids.is_empty() {
+        return None;
+    }
+    let len = req.sampling.logit_bias.len();
+    req.sampling.logit_bias.extend(req.stop_token_ids.iter().map(|&id| (id, f32::NEG_INFINITY)));
+    Some(len)
 }
 
 pub(super) struct StepLoop {
@@ -292,6 +309,8 @@ impl StepLoop {
             )
         });
         let seed = a.req.sampling.seed.unwrap_or_else(rand::random);
+        let mut req = a.req;
+        let stops_masked = mask_stop_tokens(&mut req);
         let seq = Seq {
             hashes: a.hashes,
             kv,
@@ -304,14 +323,15 @@ impl StepLoop {
             input: [0],
             output: Vec::new(),
             rng: StdRng::seed_from_u64(seed),
-            history: sampler::History::new(&a.req.sampling, &a.req.prompt),
+            history: sampler::History::new(&req.sampling, &req.prompt),
             arrived: a.arrived,
             last_token: None,
             prefill_span,
             first_token_span: Some(a.spans.first_token),
             request_span: a.spans.request,
             tx: a.tx,
-            req: a.req,
+            stops_masked,
+            req,
         };
         if role == Role::Prefill && seq.prompt_done >= seq.prompt_target {
             self.finish_prefill_role(seq);
@@ -609,6 +629,11 @@ impl StepLoop {
                 }
             }
             s.generated += 1;
+            if let Some(len) = s.stops_masked.filter(|_| s.generated >= s.req.min_tokens) {
+                // `min_tokens` reached: the stop tokens may end the answer.
+                s.req.sampling.logit_bias.truncate(len);
+                s.stops_masked = None;
+            }
             s.output.push(tok);
             s.history.push(tok);
             self.sh.metrics.generated.inc();

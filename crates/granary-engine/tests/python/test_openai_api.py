@@ -8,6 +8,7 @@ line per check and exits non-zero when any check fails. No test runner is
 needed.
 """
 
+import json
 import os
 import random
 import sys
@@ -275,7 +276,8 @@ def check_unsupported_fields_are_refused():
     for kw, param in [
         ({"functions": [tool["function"]]}, "functions"),
         ({"extra_body": {"grammar": 'root ::= "a"'}}, "grammar"),
-        ({"extra_body": {"min_tokens": 2}}, "min_tokens"),
+        ({"extra_body": {"spaces_between_special_tokens": False}}, "spaces_between_special_tokens"),
+        ({"extra_body": {"min_tokens": 5}}, "min_tokens"),  # more than max_tokens
         ({"store": True}, "store"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [tool], "response_format": {"type": "json_object"}}, "response_format"),
@@ -394,6 +396,44 @@ def check_ignore_eos():
                                             extra_body={"ignore_eos": True, "best_of": 1}))
     assert chunks[-1].usage.completion_tokens == 8, chunks[-1]
 
+
+def check_vllm_stopping_fields():
+    """vLLM's min_tokens, stop_token_ids, include_stop_str_in_output and
+    skip_special_tokens, as clients written for vLLM send them."""
+    import urllib.request
+
+    kw = dict(model=model_id(), messages=[{"role": "user", "content": "Say hi."}], max_tokens=48, temperature=0)
+    short = client.chat.completions.create(**kw)
+    n = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and n < 40, short
+    # min_tokens: the end of turn waits; the answer runs at least that far.
+    held = client.chat.completions.create(**kw, extra_body={"min_tokens": n + 5})
+    assert held.usage.completion_tokens >= n + 5, held
+    # stop_token_ids: a token of the free answer (its id from /tokenize) ends it there.
+    text = short.choices[0].message.content
+    root = BASE_URL.rsplit("/v1", 1)[0]
+    body = json.dumps({"model": model_id(), "prompt": text, "add_special_tokens": False}).encode()
+    req = urllib.request.Request(f"{root}/tokenize", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        tok = json.loads(r.read())
+    ids = tok["tokens"]
+    assert len(ids) >= 3, tok
+    cut = client.chat.completions.create(**kw, extra_body={"stop_token_ids": [ids[2]]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < n, (ids, cut)
+    # include_stop_str_in_output: the stop string stays, streamed too.
+    base = chat().choices[0].message.content
+    stop = pick_stop(base)
+    expected = base[: base.find(stop) + len(stop)]
+    kept = chat(stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].finish_reason == "stop" and kept.choices[0].message.content == expected, (stop, kept)
+    streamed, finish, _ = chat_stream_text(stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert (streamed, finish) == (expected, "stop"), (stop, streamed)
+    # skip_special_tokens: false writes the end-of-turn token out once
+    # ignore_eos lets the answer run past it.
+    past = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    shown = client.chat.completions.create(**kw, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert "<|im_end|>" not in past.choices[0].message.content, past
+    assert "<|im_end|>" in shown.choices[0].message.content, shown
 
 WEATHER_TOOL = {
     "type": "function",
@@ -625,6 +665,7 @@ CHECKS = [
     check_batched_prompts,
     check_echo_with_logprobs,
     check_ignore_eos,
+    check_vllm_stopping_fields,
     check_unsupported_fields_are_refused,
     check_structured_parse,
     check_json_schema_always_parses,

@@ -130,6 +130,7 @@ pub fn request(namespace: &str, prompt: Vec<u32>, max_tokens: usize) -> Generate
         max_tokens,
         sampling: SamplingParams { seed: Some(0), ..SamplingParams::greedy() },
         stop_token_ids: Vec::new(),
+        min_tokens: 0,
         constraint: None,
         priority: 0,
     }

@@ -40,7 +40,7 @@ fn a_minimal_chat_request_gets_the_defaults() {
     assert_eq!(v.sampling, SamplingRequest::default());
     let d = SamplingDefaults::default();
     assert_eq!(v.sampling.resolve(&d).temperature, d.temperature, "left-out fields take the defaults");
-    assert!(v.stop.is_empty());
+    assert!(v.text.stop.is_empty());
     assert!(!v.stream && !v.include_usage);
     assert_eq!(v.prompt_param(), "messages");
 }
@@ -69,7 +69,7 @@ fn chat_fields_are_read() {
         v.sampling,
         SamplingRequest { temperature: Some(0.0), top_p: Some(0.5), seed: Some(u64::MAX), ..Default::default() }
     );
-    assert_eq!(v.stop, ["\n\n"]);
+    assert_eq!(v.text.stop, ["\n\n"]);
     assert!(v.stream && v.include_usage);
 }
 
@@ -233,8 +233,8 @@ fn sampling_fields_are_read_and_checked() {
 
 #[test]
 fn stop_sequences() {
-    assert_eq!(chat_with(json!({"stop": ["a", "", "bc"]})).unwrap().stop, ["a", "bc"]);
-    assert_eq!(chat_with(json!({"stop": []})).unwrap().stop, Vec::<String>::new());
+    assert_eq!(chat_with(json!({"stop": ["a", "", "bc"]})).unwrap().text.stop, ["a", "bc"]);
+    assert_eq!(chat_with(json!({"stop": []})).unwrap().text.stop, Vec::<String>::new());
     assert_field_error(chat_with(json!({"stop": ["a", "b", "c", "d", "e"]})), "stop", "at most 4");
     assert_field_error(chat_with(json!({"stop": 4})), "stop", "a string or an array of strings");
     assert_field_error(chat_with(json!({"stop": ["a", 4]})), "stop[1]", "invalid type");
@@ -285,7 +285,7 @@ fn completion_fields() {
     .unwrap();
     assert_eq!(v.max_tokens, Some(MaxTokens { value: 8, param: "max_tokens" }));
     assert_eq!(v.sampling, SamplingRequest { temperature: Some(0.8), seed: Some(3), ..Default::default() });
-    assert_eq!(v.stop, ["\n"]);
+    assert_eq!(v.text.stop, ["\n"]);
     assert!(v.stream && !v.include_usage);
     assert_eq!(v.prompt_param(), "prompt");
     let v = completion(json!({"model": "m", "prompt": "x"})).unwrap();
@@ -330,8 +330,8 @@ fn a_field_this_server_does_not_know_is_refused_by_name() {
     let e = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "some_future_field": {"x": 1}}))
         .unwrap_err();
     assert_eq!((e.param.as_deref(), e.code), (Some("some_future_field"), Some("unknown_parameter")));
-    let e = completion(json!({"model": "m", "prompt": "a", "min_tokens": 3})).unwrap_err();
-    assert_eq!((e.param.as_deref(), e.code), (Some("min_tokens"), Some("unknown_parameter")));
+    let e = completion(json!({"model": "m", "prompt": "a", "spaces_between_special_tokens": false})).unwrap_err();
+    assert_eq!((e.param.as_deref(), e.code), (Some("spaces_between_special_tokens"), Some("unknown_parameter")));
     // vLLM's `ignore_eos` is known, on both endpoints.
     assert!(completion(json!({"model": "m", "prompt": "a", "ignore_eos": true})).unwrap().ignore_eos);
     assert!(!completion(json!({"model": "m", "prompt": "a", "ignore_eos": false})).unwrap().ignore_eos);
@@ -369,5 +369,58 @@ fn an_earlier_answers_message_goes_back_as_it_came_and_unknown_message_fields_ar
         let e = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}, m]})).unwrap_err();
         let param = format!("messages[1].{field}");
         assert_eq!((e.param.as_deref(), e.code), (Some(param.as_str()), Some(code)), "{}", e.message);
+    }
+}
+
+/// vLLM's stopping and text fields, on both endpoints: what they set, and
+/// the values refused by name.
+#[test]
+fn vllm_stopping_fields_are_read_and_checked() {
+    let v = completion(json!({
+        "model": "m", "prompt": "a", "max_tokens": 10, "min_tokens": 4, "stop": ["."],
+        "stop_token_ids": [7, 9], "include_stop_str_in_output": true, "skip_special_tokens": false
+    }))
+    .unwrap();
+    assert_eq!(v.text, TextRules { stop: vec![".".into()], include_stop: true, min_tokens: 4, keep_special: true });
+    assert_eq!(v.stop_token_ids, [7, 9]);
+    let v = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 2})).unwrap();
+    assert_eq!(v.text, TextRules { min_tokens: 2, ..TextRules::default() });
+    assert!(v.stop_token_ids.is_empty());
+
+    // More than max_tokens (or max_completion_tokens) can never be generated.
+    let e = completion(json!({"model": "m", "prompt": "a", "max_tokens": 3, "min_tokens": 4})).unwrap_err();
+    assert_eq!((e.param.as_deref(), e.code), (Some("min_tokens"), Some("invalid_value")));
+    assert!(e.message.contains("max_tokens"), "{}", e.message);
+    let e = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 1, "min_tokens": 2}))
+        .unwrap_err();
+    assert!(e.message.contains("max_completion_tokens"), "{}", e.message);
+    // A grammar decides where a structured answer ends.
+    let e = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 2,
+        "response_format": {"type": "json_object"}}))
+    .unwrap_err();
+    assert_eq!((e.param.as_deref(), e.code), (Some("min_tokens"), Some("unsupported_parameter")));
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let e = chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 2,
+        "tools": tools, "tool_choice": "required"}))
+    .unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("min_tokens"));
+    assert!(chat(
+        json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 2, "tools": tools})
+    )
+    .is_ok());
+    // Types are checked while parsing, naming the field.
+    for bad in [
+        json!({"stop_token_ids": [-1]}),
+        json!({"stop_token_ids": 5}),
+        json!({"min_tokens": -1}),
+        json!({"include_stop_str_in_output": "yes"}),
+        json!({"skip_special_tokens": 1}),
+    ] {
+        let field = bad.as_object().unwrap().keys().next().unwrap().clone();
+        let mut body = json!({"model": "m", "prompt": "a"});
+        body.as_object_mut().unwrap().extend(bad.as_object().unwrap().clone());
+        let e = completion(body).unwrap_err();
+        // The field, or the element of it (`stop_token_ids[0]`).
+        assert!(e.param.as_deref().is_some_and(|p| p.starts_with(field.as_str())), "{field}: {e:?}");
     }
 }
