@@ -18,8 +18,8 @@ mod template;
 pub mod testing;
 
 pub use bytes::TokenBytes;
-pub use template::CHATML_TEMPLATE;
 use template::{ChatTemplate, TemplateTokens};
+pub use template::{TemplateKwargs, CHATML_TEMPLATE};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -347,6 +347,20 @@ impl Tokenizer {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_with(messages, tools, add_generation_prompt, None)
+    }
+
+    /// Like [`Tokenizer::apply_chat_template_with_tools`], with variables
+    /// of the request's own in the template's context (vLLM's
+    /// `chat_template_kwargs`). They never replace `messages`, `tools`,
+    /// `add_generation_prompt` or the special tokens.
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        kwargs: Option<&TemplateKwargs>,
+    ) -> Result<String> {
         fn text(t: &Option<SpecialToken>) -> Option<&str> {
             t.as_ref().map(|t| t.text.as_str())
         }
@@ -360,6 +374,7 @@ impl Tokenizer {
                 unk: text(&self.special.unk),
                 pad: text(&self.special.pad),
             },
+            kwargs,
         )
     }
 
@@ -379,7 +394,19 @@ impl Tokenizer {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self.apply_chat_template_with_tools(messages, tools, add_generation_prompt)?;
+        self.encode_chat_with(messages, tools, add_generation_prompt, None)
+    }
+
+    /// [`Tokenizer::encode_chat_with_tools`] with the request's own template
+    /// variables (see [`Tokenizer::apply_chat_template_with`]).
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        kwargs: Option<&TemplateKwargs>,
+    ) -> Result<Vec<u32>> {
+        let text = self.apply_chat_template_with(messages, tools, add_generation_prompt, kwargs)?;
         self.encode(&text, false)
     }
 

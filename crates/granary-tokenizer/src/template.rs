@@ -29,8 +29,16 @@ pub(crate) struct ChatTemplate {
     compile_error: Option<String>,
 }
 
+/// Variables a request adds to a template's context (vLLM's
+/// `chat_template_kwargs`, e.g. Qwen 3's `enable_thinking`).
+pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
+
 #[derive(Serialize)]
 struct Context<'a> {
+    /// First, so that a variable of the same name below takes its place:
+    /// extra variables never replace the messages, tools or tokens.
+    #[serde(flatten)]
+    kwargs: Option<&'a TemplateKwargs>,
     messages: &'a [ChatMessage],
     add_generation_prompt: bool,
     bos_token: &'a str,
@@ -76,12 +84,14 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
         tokens: TemplateTokens<'_>,
+        kwargs: Option<&TemplateKwargs>,
     ) -> Result<String> {
         if let Some(e) = &self.compile_error {
             return Err(TokenizerError::Template(e.clone()));
         }
         let tmpl = self.env.get_template(NAME).map_err(|e| TokenizerError::Template(error_message(&e)))?;
         let ctx = Context {
+            kwargs,
             messages,
             add_generation_prompt,
             bos_token: tokens.bos.unwrap_or(""),
@@ -447,5 +457,25 @@ mod tests {
             )
             .unwrap();
         assert_eq!(out, "AB|none");
+    }
+
+    /// A request's own variables reach the template (Qwen 3's
+    /// `enable_thinking`), and never replace the ones the server sets.
+    #[test]
+    fn request_variables_join_the_context_without_replacing_it() {
+        let t = ChatTemplate::new(Some(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}\
+             {% if add_generation_prompt %}<assistant>\
+             {% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
+                .into(),
+        ));
+        let msgs = [ChatMessage::new("user", "hi")];
+        let render =
+            |kw: serde_json::Value| t.render(&msgs, None, true, TemplateTokens::default(), kw.as_object()).unwrap();
+        assert_eq!(render(serde_json::Value::Null), "<user>hi<assistant>");
+        assert_eq!(render(serde_json::json!({"enable_thinking": true})), "<user>hi<assistant>");
+        assert_eq!(render(serde_json::json!({"enable_thinking": false})), "<user>hi<assistant><think></think>");
+        let fixed = serde_json::json!({"messages": [], "add_generation_prompt": false, "enable_thinking": false});
+        assert_eq!(render(fixed), "<user>hi<assistant><think></think>");
     }
 }

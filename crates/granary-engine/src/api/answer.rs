@@ -11,7 +11,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::StreamExt;
-use granary_tokenizer::{ChatMessage, Tokenizer};
+use granary_tokenizer::{ChatMessage, TemplateKwargs, Tokenizer};
 
 use super::error::ApiError;
 use super::generate::{self, collect, sse_data, Outcome};
@@ -117,7 +117,8 @@ pub(crate) async fn generate(
     };
     let tools = v.tools.take().map(|spec| ToolUse { format: ToolFormat::of(&tokenizer), spec });
     let input = std::mem::replace(&mut v.input, Input::Tokens(Vec::new()));
-    let (prompt, mut stop_token_ids) = tokenize(tokenizer.clone(), input, tools.clone()).await?;
+    let kwargs = v.template_kwargs.take();
+    let (prompt, mut stop_token_ids) = tokenize(tokenizer.clone(), input, tools.clone(), kwargs).await?;
     if v.ignore_eos {
         stop_token_ids.clear();
     }
@@ -427,6 +428,7 @@ async fn tokenize(
     tokenizer: Arc<Tokenizer>,
     input: Input,
     tools: Option<ToolUse>,
+    kwargs: Option<TemplateKwargs>,
 ) -> Result<(Vec<u32>, Vec<u32>), ApiError> {
     tokio::task::spawn_blocking(move || {
         let tok = &*tokenizer;
@@ -438,8 +440,8 @@ async fn tokenize(
         };
         let prompt = match input {
             Input::Chat(messages) => match &tools {
-                None => tok.encode_chat(&messages, true).map_err(template_error)?,
-                Some(t) => encode_with_tools(tok, messages, t).map_err(template_error)?,
+                None => tok.encode_chat_with(&messages, None, true, kwargs.as_ref()).map_err(template_error)?,
+                Some(t) => encode_with_tools(tok, messages, t, kwargs.as_ref()).map_err(template_error)?,
             },
             Input::Text(text) => tok.encode(&text, true).map_err(|e| ApiError::internal(&e))?,
             Input::Tokens(ids) => {
@@ -464,9 +466,14 @@ async fn tokenize(
 
 /// A chat with tools. A template that refuses a system message (Gemma 2)
 /// gets the tool description at the start of the first user message.
-fn encode_with_tools(tok: &Tokenizer, messages: Vec<ChatMessage>, t: &ToolUse) -> granary_tokenizer::Result<Vec<u32>> {
+fn encode_with_tools(
+    tok: &Tokenizer,
+    messages: Vec<ChatMessage>,
+    t: &ToolUse,
+    kwargs: Option<&TemplateKwargs>,
+) -> granary_tokenizer::Result<Vec<u32>> {
     let (msgs, tools) = super::tools::prompt_messages(tok, t.format, messages, &t.spec);
-    match tok.encode_chat_with_tools(&msgs, tools.as_ref(), true) {
+    match tok.encode_chat_with(&msgs, tools.as_ref(), true, kwargs) {
         Err(e) if tools.is_none() && msgs.first().is_some_and(|m| m.role == "system") && msgs.len() > 1 => {
             let mut msgs = msgs;
             let system = msgs.remove(0);
@@ -474,7 +481,7 @@ fn encode_with_tools(tok: &Tokenizer, messages: Vec<ChatMessage>, t: &ToolUse) -
                 Some(user) => user.content = format!("{}\n\n{}", system.content, user.content),
                 None => return Err(e),
             }
-            tok.encode_chat_with_tools(&msgs, None, true)
+            tok.encode_chat_with(&msgs, None, true, kwargs)
         }
         other => other,
     }

@@ -11,7 +11,7 @@
 //! with a 400 naming them, never ignored. Structured outputs
 //! and tools are read in [`super::structured`].
 
-use granary_tokenizer::ChatMessage;
+use granary_tokenizer::{ChatMessage, TemplateKwargs};
 use serde::Deserialize;
 
 use super::error::ApiError;
@@ -23,7 +23,7 @@ mod messages;
 mod shared;
 mod values;
 
-pub(crate) use messages::{chat_message, Message};
+pub(crate) use messages::{chat_message, template_kwargs, Message};
 pub(crate) use values::{Prompt, Seed, Stop};
 
 /// Most stop sequences per request (OpenAI's limit).
@@ -127,6 +127,10 @@ pub(crate) struct ChatRequest {
     pub prediction: Option<serde_json::Value>,
     #[serde(default)]
     pub web_search_options: Option<serde_json::Value>,
+    /// vLLM's `chat_template_kwargs`: variables of the request's own for
+    /// the model's chat template (Qwen 3's `enable_thinking`).
+    #[serde(default)]
+    pub chat_template_kwargs: Option<TemplateKwargs>,
     /// OpenAI fields that ask nothing of generation, checked in
     /// [`check_no_action`]; the identifiers are taken and not used.
     #[serde(default)]
@@ -381,6 +385,8 @@ pub(crate) struct Validated {
     /// Completions: the prompts batched after `input`, each answered as
     /// `n` choices of its own after those of the prompts before it.
     pub batch: Vec<Input>,
+    /// Chat: the request's own chat-template variables.
+    pub template_kwargs: Option<TemplateKwargs>,
 }
 
 /// Most choices one request may ask for.
@@ -492,6 +498,7 @@ impl ChatRequest {
             }
             _ => None,
         };
+        let kwargs = template_kwargs(self.chat_template_kwargs)?;
         if self.messages.is_empty() {
             return Err(ApiError::invalid(
                 "messages",
@@ -551,6 +558,7 @@ impl ChatRequest {
             "it cannot be combined with a forced tool call, whose grammar decides where the answer ends.",
         )?;
         v.tools = tools;
+        v.template_kwargs = kwargs;
         Ok(v)
     }
 }

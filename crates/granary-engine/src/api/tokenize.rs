@@ -31,6 +31,9 @@ pub(crate) struct TokenizeRequest {
     /// Also return each token's text.
     #[serde(default)]
     pub return_token_strs: Option<bool>,
+    /// Chat only: the request's own chat-template variables.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<granary_tokenizer::TemplateKwargs>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -46,6 +49,14 @@ pub(crate) async fn tokenize(
 ) -> Result<Json<Value>, ApiError> {
     let model = st.model(&req.model)?;
     let tok = model.tokenizer.clone();
+    let kwargs = super::request::template_kwargs(req.chat_template_kwargs)?;
+    if kwargs.is_some() && req.messages.is_none() {
+        return Err(ApiError::invalid(
+            "chat_template_kwargs",
+            "invalid_value",
+            "Invalid value for `chat_template_kwargs`: it applies to `messages` only.",
+        ));
+    }
     let ids = match (req.prompt, req.messages) {
         (Some(_), Some(_)) => {
             return Err(ApiError::bad_request("invalid_value", "Send either `prompt` or `messages`, not both."))
@@ -70,7 +81,7 @@ pub(crate) async fn tokenize(
                 chat.push(super::request::chat_message(i, m)?);
             }
             let gen = req.add_generation_prompt.unwrap_or(true);
-            tokio::task::spawn_blocking(move || tok.encode_chat(&chat, gen))
+            tokio::task::spawn_blocking(move || tok.encode_chat_with(&chat, None, gen, kwargs.as_ref()))
                 .await
                 .map_err(|e| ApiError::internal(&e))?
                 .map_err(|e| {

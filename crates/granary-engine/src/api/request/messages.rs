@@ -1,10 +1,10 @@
 //! Chat messages as requests carry them (roles, text or content parts, an
 //! assistant's earlier tool calls, tool results), and their conversion to
-//! what the chat template sees.
+//! what the chat template sees, and the template variables a request adds.
 
 use std::fmt;
 
-use granary_tokenizer::ChatMessage;
+use granary_tokenizer::{ChatMessage, TemplateKwargs};
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
@@ -225,4 +225,24 @@ fn message_text(i: usize, m: Message) -> Result<String, ApiError> {
             Ok(texts.join("\n"))
         }
     }
+}
+
+/// The variables a chat template gets from the server, which a request's
+/// `chat_template_kwargs` may not replace.
+const TEMPLATE_SETS: [&str; 8] =
+    ["messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"];
+
+/// A request's `chat_template_kwargs`, checked: None when absent or empty;
+/// a 400 naming a variable the server sets itself.
+pub(crate) fn template_kwargs(kw: Option<TemplateKwargs>) -> Result<Option<TemplateKwargs>, ApiError> {
+    let Some(kw) = kw.filter(|k| !k.is_empty()) else { return Ok(None) };
+    if let Some(k) = kw.keys().find(|k| TEMPLATE_SETS.contains(&k.as_str())) {
+        let param = format!("chat_template_kwargs.{k}");
+        return Err(ApiError::invalid(
+            &param,
+            "invalid_value",
+            format!("Invalid value for `{param}`: `{k}` is set by the server and cannot be replaced."),
+        ));
+    }
+    Ok(Some(kw))
 }

@@ -120,6 +120,7 @@ impl Shared {
             include_usage: self.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
             echo: false,
             batch: Vec::new(),
+            template_kwargs: None,
             n: n as usize,
             best_of: n as usize,
             grammar,

@@ -728,3 +728,59 @@ async fn tokenize_and_detokenize_use_the_models_tokenizer() {
     let (status, body) = send_json(&app, post("/tokenize", json!({"model": "nope", "prompt": "a"}).to_string())).await;
     assert_error(status, &body, StatusCode::NOT_FOUND, Some("model"));
 }
+
+/// vLLM's `chat_template_kwargs` reach the model's chat template (here a
+/// template that closes the thinking block when `enable_thinking` is
+/// false, as Qwen 3's does), on `/v1/chat/completions` and `/tokenize`;
+/// the variables the server sets cannot be replaced.
+#[tokio::test]
+async fn chat_template_kwargs_reach_the_template() {
+    let Some(base) = tokenizer() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    base.save_pretrained(dir.path()).unwrap();
+    let cfg_path = dir.path().join("tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["chat_template"] = json!(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n\
+         {% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    );
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let tok = Arc::new(Tokenizer::from_pretrained_dir(dir.path()).unwrap());
+    let backend = Arc::new(ScriptedBackend::with_tokenizer(tok.clone()));
+    let app = make_app(&backend, ApiOptions::default());
+
+    let prompt_of = |extra: Value| {
+        let (app, backend, tok) = (app.clone(), backend.clone(), tok.clone());
+        async move {
+            let (status, body) = send_json(&app, post("/v1/chat/completions", chat_body(extra))).await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            tok.decode(&backend.last_request().prompt, false).unwrap()
+        }
+    };
+    let plain = prompt_of(json!({})).await;
+    assert!(plain.ends_with("<|im_start|>assistant\n"), "{plain:?}");
+    assert_eq!(prompt_of(json!({"chat_template_kwargs": {"enable_thinking": true}})).await, plain);
+    let off = prompt_of(json!({"chat_template_kwargs": {"enable_thinking": false}})).await;
+    assert_eq!(off, format!("{plain}<think>\n\n</think>\n\n"));
+
+    let req = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}],
+        "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, body) = send_json(&app, post("/tokenize", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let ids: Vec<u32> = serde_json::from_value(body["tokens"].clone()).unwrap();
+    assert!(tok.decode(&ids, false).unwrap().ends_with("<think>\n\n</think>\n\n"), "{body}");
+
+    for (kw, param) in [
+        (json!({"add_generation_prompt": false}), "chat_template_kwargs.add_generation_prompt"),
+        (json!({"messages": []}), "chat_template_kwargs.messages"),
+        (json!("enable_thinking"), "chat_template_kwargs"),
+    ] {
+        let body = chat_body(json!({"chat_template_kwargs": kw}));
+        let (status, body) = send_json(&app, post("/v1/chat/completions", body)).await;
+        assert_error(status, &body, StatusCode::BAD_REQUEST, Some(param));
+    }
+    let req = json!({"model": MODEL, "prompt": "a", "chat_template_kwargs": {"x": 1}});
+    let (status, body) = send_json(&app, post("/tokenize", req.to_string())).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("chat_template_kwargs"));
+}
