@@ -360,9 +360,7 @@ async fn prompt_logprobs(
     top: usize,
 ) -> Result<Vec<TokenLogprobs>, ApiError> {
     let (backend, model, tokens) = (Arc::clone(&st.backend), model.to_string(), prompt.to_vec());
-    let got = tokio::task::spawn_blocking(move || backend.prompt_logprobs(&model, &tokens, top))
-        .await
-        .map_err(|e| ApiError::internal(&e))?;
+    let got = st.side_pass(move || backend.prompt_logprobs(&model, &tokens, top)).await?;
     match got {
         None => Err(ApiError::invalid(
             "echo",

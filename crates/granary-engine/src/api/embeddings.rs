@@ -158,11 +158,9 @@ pub(crate) async fn embeddings(
     let backend = Arc::clone(&st.backend);
     let id = model.id.clone();
     let batch = inputs.clone();
-    let vectors = tokio::task::spawn_blocking(move || {
-        batch.iter().map(|ids| backend.embed(&id, ids)).collect::<Option<Result<Vec<_>, _>>>()
-    })
-    .await
-    .map_err(|e| ApiError::internal(&e))?;
+    let vectors = st
+        .side_pass(move || batch.iter().map(|ids| backend.embed(&id, ids)).collect::<Option<Result<Vec<_>, _>>>())
+        .await?;
     let vectors = match vectors {
         None => {
             return Err(ApiError::invalid(

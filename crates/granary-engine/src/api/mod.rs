@@ -125,18 +125,42 @@ pub(crate) struct AppState {
     opts: Arc<ApiOptions>,
     /// Grammar compilers, one per model, built on first use.
     grammars: Arc<answer::GrammarCache>,
+    /// Model passes run beside the step loop (embeddings, prompt scores):
+    /// one at a time, see [`AppState::side_pass`].
+    side_passes: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
     fn model(&self, id: &str) -> Result<ModelInfo, ApiError> {
         self.backend.models().into_iter().find(|m| m.id == id).ok_or_else(|| ApiError::model_not_found(id))
     }
+
+    /// Runs `pass` (a forward pass over a prompt on its own KV) on the
+    /// blocking pool once no other such pass runs. Each pass uses every
+    /// core the model's kernels use and a KV cache of its own, so a burst of
+    /// them run at once would starve the step loop of CPU and could hold
+    /// more memory than the machine has; queued, they wait as futures, and
+    /// a request dropped while waiting costs nothing.
+    async fn side_pass<T: Send + 'static>(&self, pass: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+        let permit = self.side_passes.clone().acquire_owned().await.map_err(|e| ApiError::internal(&e))?;
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            pass()
+        })
+        .await
+        .map_err(|e| ApiError::internal(&e))
+    }
 }
 
 /// The OpenAI API over `backend`.
 pub fn router(backend: Arc<dyn Backend>, opts: ApiOptions) -> Router {
     let body_limit = opts.max_body_bytes;
-    let state = AppState { backend, opts: Arc::new(opts), grammars: Default::default() };
+    let state = AppState {
+        backend,
+        opts: Arc::new(opts),
+        grammars: Default::default(),
+        side_passes: Arc::new(tokio::sync::Semaphore::new(1)),
+    };
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))

@@ -146,3 +146,23 @@ async fn echo_with_logprobs_scores_the_prompt_then_the_answer() {
     let (status, body) = send_json(&app, post("/v1/completions", req.to_string())).await;
     assert_error(status, &body, StatusCode::BAD_REQUEST, Some("max_tokens"));
 }
+
+/// Prompt-scoring passes (and embeddings, through the same gate) run one
+/// at a time however many requests ask at once, and every request is
+/// answered.
+#[tokio::test]
+async fn passes_beside_the_step_loop_run_one_at_a_time() {
+    let Some(tok) = tokenizer() else { return };
+    let mut b = ScriptedBackend::with_tokenizer(tok);
+    b.side_pass_time = std::time::Duration::from_millis(40);
+    let backend = Arc::new(b);
+    let app = make_app(&backend, ApiOptions::default());
+    let req = json!({"model": MODEL, "prompt": "one two three", "echo": true, "logprobs": 1, "max_tokens": 0});
+    let answers =
+        futures::future::join_all((0..6).map(|_| send_json(&app, post("/v1/completions", req.to_string())))).await;
+    for (status, body) in answers {
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(body["choices"][0]["logprobs"]["token_logprobs"].is_array(), "{body}");
+    }
+    assert_eq!(backend.side_passes_most.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

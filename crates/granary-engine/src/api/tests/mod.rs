@@ -43,6 +43,10 @@ struct ScriptedBackend {
     shutting_down: bool,
     submitted: Mutex<Vec<GenerateRequest>>,
     senders: Mutex<Vec<mpsc::UnboundedSender<Event>>>,
+    /// How long a prompt-scoring pass takes, and the most that ran at once.
+    side_pass_time: std::time::Duration,
+    side_passes: std::sync::atomic::AtomicUsize,
+    side_passes_most: std::sync::atomic::AtomicUsize,
 }
 
 impl ScriptedBackend {
@@ -54,6 +58,9 @@ impl ScriptedBackend {
             shutting_down: false,
             submitted: Mutex::default(),
             senders: Mutex::default(),
+            side_pass_time: std::time::Duration::ZERO,
+            side_passes: Default::default(),
+            side_passes_most: Default::default(),
         }
     }
 
@@ -136,6 +143,11 @@ impl Backend for ScriptedBackend {
         tokens: &[u32],
         top: usize,
     ) -> Option<anyhow::Result<Vec<crate::TokenLogprobs>>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.side_passes.fetch_add(1, SeqCst) + 1;
+        self.side_passes_most.fetch_max(now, SeqCst);
+        std::thread::sleep(self.side_pass_time);
+        self.side_passes.fetch_sub(1, SeqCst);
         let lp = |i: usize| -(i as f32);
         Some(Ok(tokens
             .iter()
