@@ -59,6 +59,24 @@ impl ChatMessage {
     }
 }
 
+/// How a chat is rendered beyond its messages and tools.
+#[derive(Debug, Clone, Copy)]
+pub struct ChatOptions<'a> {
+    /// End with the opening of the assistant's turn (true by default).
+    pub add_generation_prompt: bool,
+    /// End inside the last message, so that generation continues it
+    /// (vLLM's and transformers' `continue_final_message`).
+    pub continue_final_message: bool,
+    /// The request's own template variables (vLLM's `chat_template_kwargs`).
+    pub kwargs: Option<&'a TemplateKwargs>,
+}
+
+impl Default for ChatOptions<'_> {
+    fn default() -> Self {
+        ChatOptions { add_generation_prompt: true, continue_final_message: false, kwargs: None }
+    }
+}
+
 /// A special token: its id and its text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecialToken {
@@ -347,14 +365,40 @@ impl Tokenizer {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        self.apply_chat_template_with(messages, tools, add_generation_prompt, None)
+        self.render_chat(messages, tools, add_generation_prompt, None)
     }
 
-    /// Like [`Tokenizer::apply_chat_template_with_tools`], with variables
-    /// of the request's own in the template's context (vLLM's
-    /// `chat_template_kwargs`). They never replace `messages`, `tools`,
-    /// `add_generation_prompt` or the special tokens.
+    /// Like [`Tokenizer::apply_chat_template_with_tools`], rendered as
+    /// `opts` asks: with or without the assistant turn's opening, ending
+    /// inside the last message to continue it, with the request's own
+    /// template variables.
     pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        opts: &ChatOptions<'_>,
+    ) -> Result<String> {
+        if !opts.continue_final_message {
+            return self.render_chat(messages, tools, opts.add_generation_prompt, opts.kwargs);
+        }
+        let last = messages.last().ok_or_else(|| TokenizerError::Template("there is no message to continue".into()))?;
+        let text = self.render_chat(messages, tools, false, opts.kwargs)?;
+        // Cut after the last message's content, as transformers does: where
+        // it last occurs whole, else trimmed (templates that trim messages).
+        for content in [last.content.as_str(), last.content.trim()] {
+            if content.is_empty() {
+                break;
+            }
+            if let Some(at) = text.rfind(content) {
+                return Ok(text[..at + content.len()].to_string());
+            }
+        }
+        Err(TokenizerError::Template(
+            "the last message cannot be continued: its content is empty or not found in the rendered chat".into(),
+        ))
+    }
+
+    fn render_chat(
         &self,
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
@@ -394,19 +438,19 @@ impl Tokenizer {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        self.encode_chat_with(messages, tools, add_generation_prompt, None)
+        let opts = ChatOptions { add_generation_prompt, ..ChatOptions::default() };
+        self.encode_chat_with(messages, tools, &opts)
     }
 
-    /// [`Tokenizer::encode_chat_with_tools`] with the request's own template
-    /// variables (see [`Tokenizer::apply_chat_template_with`]).
+    /// [`Tokenizer::encode_chat_with_tools`] rendered as `opts` asks (see
+    /// [`Tokenizer::apply_chat_template_with`]).
     pub fn encode_chat_with(
         &self,
         messages: &[ChatMessage],
         tools: Option<&serde_json::Value>,
-        add_generation_prompt: bool,
-        kwargs: Option<&TemplateKwargs>,
+        opts: &ChatOptions<'_>,
     ) -> Result<Vec<u32>> {
-        let text = self.apply_chat_template_with(messages, tools, add_generation_prompt, kwargs)?;
+        let text = self.apply_chat_template_with(messages, tools, opts)?;
         self.encode(&text, false)
     }
 

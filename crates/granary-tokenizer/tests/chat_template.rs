@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use granary_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
+use granary_tokenizer::{ChatMessage, ChatOptions, Tokenizer, TokenizerError};
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::AddedToken;
 
@@ -154,4 +154,32 @@ fn a_template_that_writes_bos_is_encoded_with_one_bos() {
     assert_eq!(tok.encode_chat(&m, true).unwrap(), [0, 2, 4, 5, 3, 5, 1, 2, 4, 3]);
     // Plain text still gets the BOS the tokenizer adds.
     assert_eq!(tok.encode("ab", true).unwrap(), [0, 4, 5]);
+}
+
+/// `continue_final_message` ends the prompt inside the last message, as
+/// transformers renders it (also for a template that trims contents), and
+/// a message the rendered chat does not hold cannot be continued.
+#[test]
+fn the_final_message_can_be_continued() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tokenizer(dir.path(), None);
+    let tok = Tokenizer::from_file(&dir.path().join("tokenizer.json")).unwrap();
+    let cont = ChatOptions { add_generation_prompt: false, continue_final_message: true, kwargs: None };
+    let m = msgs(&[("user", "ab"), ("assistant", "ba b")]);
+    assert_eq!(
+        tok.apply_chat_template_with(&m, None, &cont).unwrap(),
+        "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\nba b"
+    );
+    // Without it, the assistant's message is closed and none is opened.
+    let closed = ChatOptions { add_generation_prompt: false, ..ChatOptions::default() };
+    assert!(tok.apply_chat_template_with(&m, None, &closed).unwrap().ends_with("ba b<|im_end|>\n"));
+
+    let trims = serde_json::json!({"chat_template":
+        "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"});
+    write_tokenizer(dir.path(), Some(trims));
+    let tok = Tokenizer::from_file(&dir.path().join("tokenizer.json")).unwrap();
+    let m = msgs(&[("user", "ab"), ("assistant", " ba ")]);
+    assert_eq!(tok.apply_chat_template_with(&m, None, &cont).unwrap(), "[user] ab\n[assistant] ba");
+    let m = msgs(&[("user", "ab"), ("assistant", "")]);
+    assert!(matches!(tok.apply_chat_template_with(&m, None, &cont), Err(TokenizerError::Template(_))));
 }

@@ -11,11 +11,11 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::StreamExt;
-use granary_tokenizer::{ChatMessage, TemplateKwargs, Tokenizer};
+use granary_tokenizer::{ChatMessage, ChatOptions, Tokenizer};
 
 use super::error::ApiError;
 use super::generate::{self, collect, sse_data, Outcome};
-use super::request::{Input, MaxTokens, Validated};
+use super::request::{ChatRender, Input, MaxTokens, Validated};
 use super::response::{self, Answer, Endpoint, Header, UsageBody};
 use super::stop::TextRules;
 use super::structured::{ToolChoice, ToolsSpec};
@@ -117,8 +117,8 @@ pub(crate) async fn generate(
     };
     let tools = v.tools.take().map(|spec| ToolUse { format: ToolFormat::of(&tokenizer), spec });
     let input = std::mem::replace(&mut v.input, Input::Tokens(Vec::new()));
-    let kwargs = v.template_kwargs.take();
-    let (prompt, mut stop_token_ids) = tokenize(tokenizer.clone(), input, tools.clone(), kwargs).await?;
+    let render = std::mem::take(&mut v.chat);
+    let (prompt, mut stop_token_ids) = tokenize(tokenizer.clone(), input, tools.clone(), render).await?;
     if v.ignore_eos {
         stop_token_ids.clear();
     }
@@ -426,7 +426,7 @@ async fn tokenize(
     tokenizer: Arc<Tokenizer>,
     input: Input,
     tools: Option<ToolUse>,
-    kwargs: Option<TemplateKwargs>,
+    render: ChatRender,
 ) -> Result<(Vec<u32>, Vec<u32>), ApiError> {
     tokio::task::spawn_blocking(move || {
         let tok = &*tokenizer;
@@ -438,8 +438,8 @@ async fn tokenize(
         };
         let prompt = match input {
             Input::Chat(messages) => match &tools {
-                None => tok.encode_chat_with(&messages, None, true, kwargs.as_ref()).map_err(template_error)?,
-                Some(t) => encode_with_tools(tok, messages, t, kwargs.as_ref()).map_err(template_error)?,
+                None => tok.encode_chat_with(&messages, None, &render.options()).map_err(template_error)?,
+                Some(t) => encode_with_tools(tok, messages, t, &render.options()).map_err(template_error)?,
             },
             Input::Text(text) => tok.encode(&text, true).map_err(|e| ApiError::internal(&e))?,
             Input::Tokens(ids) => {
@@ -468,10 +468,10 @@ fn encode_with_tools(
     tok: &Tokenizer,
     messages: Vec<ChatMessage>,
     t: &ToolUse,
-    kwargs: Option<&TemplateKwargs>,
+    opts: &ChatOptions<'_>,
 ) -> granary_tokenizer::Result<Vec<u32>> {
     let (msgs, tools) = super::tools::prompt_messages(tok, t.format, messages, &t.spec);
-    match tok.encode_chat_with(&msgs, tools.as_ref(), true, kwargs) {
+    match tok.encode_chat_with(&msgs, tools.as_ref(), opts) {
         Err(e) if tools.is_none() && msgs.first().is_some_and(|m| m.role == "system") && msgs.len() > 1 => {
             let mut msgs = msgs;
             let system = msgs.remove(0);
@@ -479,7 +479,7 @@ fn encode_with_tools(
                 Some(user) => user.content = format!("{}\n\n{}", system.content, user.content),
                 None => return Err(e),
             }
-            tok.encode_chat_with(&msgs, None, true, kwargs)
+            tok.encode_chat_with(&msgs, None, opts)
         }
         other => other,
     }

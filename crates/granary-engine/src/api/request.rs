@@ -23,7 +23,7 @@ mod messages;
 mod shared;
 mod values;
 
-pub(crate) use messages::{chat_message, template_kwargs, Message};
+pub(crate) use messages::{chat_message, ChatRender, Message};
 pub(crate) use values::{Prompt, Seed, Stop};
 
 /// Most stop sequences per request (OpenAI's limit).
@@ -131,6 +131,14 @@ pub(crate) struct ChatRequest {
     /// the model's chat template (Qwen 3's `enable_thinking`).
     #[serde(default)]
     pub chat_template_kwargs: Option<TemplateKwargs>,
+    /// vLLM's: end the prompt with the assistant turn's opening (true
+    /// unless `continue_final_message`).
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's: end the prompt inside the last (assistant's) message, so
+    /// that the answer continues it.
+    #[serde(default)]
+    pub continue_final_message: Option<bool>,
     /// OpenAI fields that ask nothing of generation, checked in
     /// [`check_no_action`]; the identifiers are taken and not used.
     #[serde(default)]
@@ -385,8 +393,8 @@ pub(crate) struct Validated {
     /// Completions: the prompts batched after `input`, each answered as
     /// `n` choices of its own after those of the prompts before it.
     pub batch: Vec<Input>,
-    /// Chat: the request's own chat-template variables.
-    pub template_kwargs: Option<TemplateKwargs>,
+    /// Chat: how the messages are rendered into the prompt.
+    pub chat: ChatRender,
 }
 
 /// Most choices one request may ask for.
@@ -498,7 +506,6 @@ impl ChatRequest {
             }
             _ => None,
         };
-        let kwargs = template_kwargs(self.chat_template_kwargs)?;
         if self.messages.is_empty() {
             return Err(ApiError::invalid(
                 "messages",
@@ -510,6 +517,12 @@ impl ChatRequest {
         for (i, m) in self.messages.into_iter().enumerate() {
             messages.push(chat_message(i, m)?);
         }
+        let render = ChatRender::new(
+            self.add_generation_prompt,
+            self.continue_final_message,
+            self.chat_template_kwargs,
+            &messages,
+        )?;
         // The newer name wins when a client sends both.
         let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
             (Some(v), _) => Some(("max_completion_tokens", v)),
@@ -558,7 +571,7 @@ impl ChatRequest {
             "it cannot be combined with a forced tool call, whose grammar decides where the answer ends.",
         )?;
         v.tools = tools;
-        v.template_kwargs = kwargs;
+        v.chat = render;
         Ok(v)
     }
 }

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::request::Message;
+use super::request::{ChatRender, Message};
 use super::AppState;
 
 #[derive(Debug, Deserialize)]
@@ -34,6 +34,9 @@ pub(crate) struct TokenizeRequest {
     /// Chat only: the request's own chat-template variables.
     #[serde(default)]
     pub chat_template_kwargs: Option<granary_tokenizer::TemplateKwargs>,
+    /// Chat only: end inside the last (assistant's) message.
+    #[serde(default)]
+    pub continue_final_message: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -49,13 +52,18 @@ pub(crate) async fn tokenize(
 ) -> Result<Json<Value>, ApiError> {
     let model = st.model(&req.model)?;
     let tok = model.tokenizer.clone();
-    let kwargs = super::request::template_kwargs(req.chat_template_kwargs)?;
-    if kwargs.is_some() && req.messages.is_none() {
-        return Err(ApiError::invalid(
-            "chat_template_kwargs",
-            "invalid_value",
-            "Invalid value for `chat_template_kwargs`: it applies to `messages` only.",
-        ));
+    for (param, set) in [
+        ("chat_template_kwargs", req.chat_template_kwargs.is_some()),
+        ("continue_final_message", req.continue_final_message.is_some()),
+        ("add_generation_prompt", req.add_generation_prompt.is_some()),
+    ] {
+        if set && req.messages.is_none() {
+            return Err(ApiError::invalid(
+                param,
+                "invalid_value",
+                format!("Invalid value for `{param}`: it applies to `messages` only."),
+            ));
+        }
     }
     let ids = match (req.prompt, req.messages) {
         (Some(_), Some(_)) => {
@@ -80,8 +88,13 @@ pub(crate) async fn tokenize(
             for (i, m) in messages.into_iter().enumerate() {
                 chat.push(super::request::chat_message(i, m)?);
             }
-            let gen = req.add_generation_prompt.unwrap_or(true);
-            tokio::task::spawn_blocking(move || tok.encode_chat_with(&chat, None, gen, kwargs.as_ref()))
+            let render = ChatRender::new(
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+                &chat,
+            )?;
+            tokio::task::spawn_blocking(move || tok.encode_chat_with(&chat, None, &render.options()))
                 .await
                 .map_err(|e| ApiError::internal(&e))?
                 .map_err(|e| {

@@ -438,6 +438,17 @@ def check_vllm_stopping_fields():
     assert "<|im_end|>" not in past.choices[0].message.content, past
     assert "<|im_end|>" in shown.choices[0].message.content, shown
 
+def check_continue_final_message():
+    """vLLM's continue_final_message: the answer continues the assistant's
+    last message instead of starting a turn of its own."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    r = client.chat.completions.create(model=model_id(), messages=msgs, max_tokens=8, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = r.choices[0].message.content
+    assert "Paris" in text and "capital" not in text, text
+
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -669,6 +680,7 @@ CHECKS = [
     check_echo_with_logprobs,
     check_ignore_eos,
     check_vllm_stopping_fields,
+    check_continue_final_message,
     check_unsupported_fields_are_refused,
     check_structured_parse,
     check_json_schema_always_parses,

@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use granary_tokenizer::{ChatMessage, TemplateKwargs};
+use granary_tokenizer::{ChatMessage, ChatOptions, TemplateKwargs};
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
@@ -232,9 +232,69 @@ fn message_text(i: usize, m: Message) -> Result<String, ApiError> {
 const TEMPLATE_SETS: [&str; 8] =
     ["messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"];
 
+/// How a chat request's messages are rendered into its prompt: vLLM's
+/// `add_generation_prompt`, `continue_final_message` and
+/// `chat_template_kwargs`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ChatRender {
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    pub kwargs: Option<TemplateKwargs>,
+}
+
+impl Default for ChatRender {
+    fn default() -> Self {
+        ChatRender { add_generation_prompt: true, continue_final_message: false, kwargs: None }
+    }
+}
+
+impl ChatRender {
+    /// Checks the fields against `messages`. `continue_final_message`
+    /// needs an assistant's last message and turns the default
+    /// `add_generation_prompt` off; both set true is refused, as vLLM does.
+    pub fn new(
+        add_generation_prompt: Option<bool>,
+        continue_final_message: Option<bool>,
+        kwargs: Option<TemplateKwargs>,
+        messages: &[ChatMessage],
+    ) -> Result<ChatRender, ApiError> {
+        let kwargs = template_kwargs(kwargs)?;
+        let continue_final_message = continue_final_message.unwrap_or(false);
+        if continue_final_message {
+            if add_generation_prompt == Some(true) {
+                return Err(ApiError::invalid(
+                    "continue_final_message",
+                    "invalid_value",
+                    "Invalid value for `continue_final_message`: it cannot be true together with `add_generation_prompt`.",
+                ));
+            }
+            if messages.last().is_none_or(|m| m.role != "assistant" || m.content.trim().is_empty()) {
+                return Err(ApiError::invalid(
+                    "messages",
+                    "invalid_value",
+                    "Invalid value for `messages`: with `continue_final_message` the last message must be the assistant's, with content to continue.",
+                ));
+            }
+        }
+        Ok(ChatRender {
+            add_generation_prompt: add_generation_prompt.unwrap_or(!continue_final_message),
+            continue_final_message,
+            kwargs,
+        })
+    }
+
+    pub fn options(&self) -> ChatOptions<'_> {
+        ChatOptions {
+            add_generation_prompt: self.add_generation_prompt,
+            continue_final_message: self.continue_final_message,
+            kwargs: self.kwargs.as_ref(),
+        }
+    }
+}
+
 /// A request's `chat_template_kwargs`, checked: None when absent or empty;
 /// a 400 naming a variable the server sets itself.
-pub(crate) fn template_kwargs(kw: Option<TemplateKwargs>) -> Result<Option<TemplateKwargs>, ApiError> {
+fn template_kwargs(kw: Option<TemplateKwargs>) -> Result<Option<TemplateKwargs>, ApiError> {
     let Some(kw) = kw.filter(|k| !k.is_empty()) else { return Ok(None) };
     if let Some(k) = kw.keys().find(|k| TEMPLATE_SETS.contains(&k.as_str())) {
         let param = format!("chat_template_kwargs.{k}");

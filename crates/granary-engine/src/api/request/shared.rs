@@ -120,7 +120,7 @@ impl Shared {
             include_usage: self.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
             echo: false,
             batch: Vec::new(),
-            template_kwargs: None,
+            chat: ChatRender::default(),
             n: n as usize,
             best_of: n as usize,
             grammar,

@@ -796,3 +796,58 @@ async fn chat_template_kwargs_reach_the_template() {
     let (status, body) = send_json(&app, post("/tokenize", req.to_string())).await;
     assert_error(status, &body, StatusCode::BAD_REQUEST, Some("chat_template_kwargs"));
 }
+
+/// vLLM's `continue_final_message` ends the prompt inside the assistant's
+/// last message, so the answer continues it; `add_generation_prompt:
+/// false` leaves the assistant's turn unopened; what cannot be honoured is
+/// refused by name.
+#[tokio::test]
+async fn the_final_assistant_message_can_be_continued() {
+    let Some((backend, app)) = scripted() else { return };
+    let tok = tokenizer().unwrap();
+    let prefill = json!([{"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "The capital is"}]);
+    let prompt_of = |extra: Value| {
+        let (app, backend, tok) = (app.clone(), backend.clone(), tok.clone());
+        async move {
+            let mut body = json!({"model": MODEL, "max_tokens": 4});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            let (status, body) = send_json(&app, post("/v1/chat/completions", body.to_string())).await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            tok.decode(&backend.last_request().prompt, false).unwrap()
+        }
+    };
+    let cont = prompt_of(json!({"messages": prefill, "continue_final_message": true})).await;
+    assert!(cont.ends_with("<|im_start|>assistant\nThe capital is"), "{cont:?}");
+    let same = prompt_of(json!({"messages": prefill, "continue_final_message": true, "add_generation_prompt": false}));
+    assert_eq!(same.await, cont);
+    let closed = prompt_of(json!({"messages": prefill, "add_generation_prompt": false})).await;
+    assert!(closed.ends_with("The capital is<|im_end|>\n"), "{closed:?}");
+    let opened = prompt_of(json!({"messages": prefill})).await;
+    assert!(opened.ends_with("The capital is<|im_end|>\n<|im_start|>assistant\n"), "{opened:?}");
+
+    let req = json!({"model": MODEL, "messages": prefill, "continue_final_message": true});
+    let (status, body) = send_json(&app, post("/tokenize", req.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let ids: Vec<u32> = serde_json::from_value(body["tokens"].clone()).unwrap();
+    assert_eq!(tok.decode(&ids, false).unwrap(), cont);
+
+    let user_last = json!([{"role": "user", "content": "Hi"}]);
+    for (body, param) in [
+        (
+            json!({"messages": prefill, "continue_final_message": true, "add_generation_prompt": true}),
+            "continue_final_message",
+        ),
+        (json!({"messages": user_last, "continue_final_message": true}), "messages"),
+        (
+            json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}],
+            "continue_final_message": true}),
+            "messages",
+        ),
+    ] {
+        let mut req = json!({"model": MODEL});
+        req.as_object_mut().unwrap().extend(body.as_object().unwrap().clone());
+        let (status, body) = send_json(&app, post("/v1/chat/completions", req.to_string())).await;
+        assert_error(status, &body, StatusCode::BAD_REQUEST, Some(param));
+    }
+}
