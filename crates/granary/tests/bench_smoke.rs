@@ -237,9 +237,10 @@ fn row<'a>(stdout: &'a str, name: &str) -> Vec<&'a str> {
 }
 
 /// `granary bench gateway` with a few requests over two rounds: the
-/// upstream and the gateway as processes of their own, direct, gateway and
-/// nginx rows, positive figures for every path in every round, the
-/// proxies' CPU per request, the goal lines and the chart.
+/// upstream and the gateway as processes of their own, direct, gateway,
+/// nginx and bare hyper proxy rows, positive figures for every path in
+/// every round, the proxies' CPU per request, the goal lines (the
+/// throughput one naming the bare proxy's ratio) and the chart.
 #[test]
 fn gateway_quick_run_measures_every_path() {
     let nginx = have("nginx", "gateway_quick_run_measures_every_path");
@@ -257,6 +258,7 @@ fn gateway_quick_run_measures_every_path() {
     if nginx {
         paths.push("nginx proxy_pass");
     }
+    paths.push("bare hyper proxy");
     for p in &paths {
         row(&stdout, p);
     }
@@ -277,6 +279,10 @@ fn gateway_quick_run_measures_every_path() {
     }
     for goal in ["added p50 <= 0.1 ms", "added p99 <= 2 ms", "throughput >= 1.0x nginx"] {
         assert!(stdout.lines().any(|l| l.contains(goal)), "no goal line {goal:?}:\n{stdout}");
+    }
+    if nginx {
+        let line = stdout.lines().find(|l| l.contains("throughput >= 1.0x nginx")).unwrap();
+        assert!(line.contains("bare hyper proxy") && line.contains("req/s ("), "{line}");
     }
     assert!(out.path().join("gateway.svg").is_file());
 }

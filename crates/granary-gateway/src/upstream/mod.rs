@@ -22,7 +22,7 @@ use crate::sse::SseParser;
 
 mod wire;
 
-pub use wire::{Answer, BodyError, BodyStream, SendError};
+pub use wire::{Answer, BodyError, BodyStream, PlainWire, SendError};
 
 /// The paths of the generation endpoints, the requests' hot path.
 const GENERATION_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];

@@ -81,7 +81,7 @@ struct Conn {
 type Idle = Arc<Mutex<VecDeque<(Conn, Instant)>>>;
 
 /// The plain HTTP/1.1 pool of one upstream and its generation paths.
-pub(super) struct PlainWire {
+pub struct PlainWire {
     /// `host:port` to connect to.
     addr: String,
     host: HeaderValue,
@@ -93,7 +93,7 @@ pub(super) struct PlainWire {
 
 impl PlainWire {
     /// For an `http://` base URL when no proxy is configured; None otherwise.
-    pub(super) fn new(base: &str, paths: &[&'static str], connect_timeout: Duration) -> Option<PlainWire> {
+    pub fn new(base: &str, paths: &[&'static str], connect_timeout: Duration) -> Option<PlainWire> {
         if !base.starts_with("http://") || PROXY_VARS.iter().any(|v| std::env::var_os(v).is_some_and(|x| !x.is_empty()))
         {
             return None;
@@ -112,11 +112,11 @@ impl PlainWire {
     }
 
     /// The request target of a generation path.
-    pub(super) fn uri(&self, path: &str) -> Option<&Uri> {
+    pub fn uri(&self, path: &str) -> Option<&Uri> {
         self.uris.iter().find(|(p, _)| *p == path).map(|(_, u)| u)
     }
 
-    pub(super) async fn post(&self, uri: &Uri, mut headers: HeaderMap, payload: Bytes) -> Result<Answer, SendError> {
+    pub async fn post(&self, uri: &Uri, mut headers: HeaderMap, payload: Bytes) -> Result<Answer, SendError> {
         headers.insert(header::HOST, self.host.clone());
         let mut req = Request::new(Full::new(payload));
         *req.method_mut() = Method::POST;

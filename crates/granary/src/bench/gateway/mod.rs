@@ -2,14 +2,16 @@
 //! direct call and against nginx `proxy_pass`, in one run.
 //!
 //! One fast fixed upstream (an HTTP server answering every completion with
-//! the same small JSON body, a process of its own) is reached three ways:
+//! the same small JSON body, a process of its own) is reached four ways:
 //! directly, through the gateway (the real `granary gateway` process, with
 //! everything on: key check against its SQLite database, per-key and
-//! per-tenant limits, metrics, an audit record per request, routing), and
+//! per-tenant limits, metrics, an audit record per request, routing),
 //! through nginx (`proxy_pass` with upstream keep-alive, access log off),
-//! the anchor. The gateway and nginx get the same number of threads
-//! (`--workers`: the gateway's runtime threads, nginx's worker processes);
-//! this process is the client of all three and pays the same cost for each.
+//! the anchor, and through a bare hyper proxy ([`floor`]: the gateway's
+//! HTTP stack, hyper's server and the gateway's upstream pool, doing
+//! nothing else). The proxies get the same number of
+//! threads (`--workers`: runtime threads, nginx's worker processes); this
+//! process is the client of all and pays the same cost for each.
 //!
 //! Latency: one client, sequential requests, p50/p99 after a warm-up; added
 //! latency is each path's percentile minus the direct one's in the same
@@ -34,6 +36,11 @@ use serde_json::{json, Value};
 use super::child::{process_cpu_s, Proc};
 use super::llm::median;
 use super::warehouse::report::{bar, command_line, utc_timestamp, Goal, Host, Table};
+
+mod floor;
+
+/// The path name of the bare hyper proxy.
+const FLOOR: &str = "bare hyper proxy";
 
 const ADMIN: &str = "bench-admin-token-0123456789";
 const ADDED_P50_GOAL_MS: f64 = 0.1;
@@ -67,6 +74,10 @@ pub struct Args {
     /// benchmark starts itself this way).
     #[arg(long, hide = true)]
     serve_upstream: bool,
+    /// Serve the bare hyper proxy in front of this upstream and print its
+    /// address (the benchmark starts itself this way).
+    #[arg(long, hide = true)]
+    serve_floor: Option<SocketAddr>,
 }
 
 struct Path {
@@ -329,6 +340,9 @@ pub async fn run(args: Args) -> Result<()> {
     if args.serve_upstream {
         return serve_upstream().await;
     }
+    if let Some(up) = args.serve_floor {
+        return floor::serve(up).await;
+    }
     anyhow::ensure!(args.rounds >= 1, "--rounds: at least 1");
     anyhow::ensure!(args.workers >= 1, "--workers: at least 1");
     let started = SystemTime::now();
@@ -361,6 +375,21 @@ pub async fn run(args: Args) -> Result<()> {
             None
         }
     };
+    let floor_args = ["bench".to_string(), "gateway".into(), "--serve-floor".into(), up.to_string()];
+    let threads = args.workers.to_string();
+    let floor_proc = Proc::start(
+        FLOOR,
+        &floor_args,
+        &[("TOKIO_WORKER_THREADS", threads.as_str())],
+        "granary: proxy on ",
+        "granary: ready",
+    )?;
+    paths.push(Path {
+        name: FLOOR,
+        url: format!("{}/v1/chat/completions", floor_proc.base),
+        key: None,
+        pids: vec![floor_proc.pid()],
+    });
     // rounds[r][path]
     let mut rounds: Vec<Vec<Measured>> = Vec::new();
     for r in 0..args.rounds {
@@ -373,6 +402,7 @@ pub async fn run(args: Args) -> Result<()> {
         rounds.push(got.into_iter().map(|m| m.expect("every path measured")).collect());
     }
     drop(nginx);
+    drop(floor_proc);
     drop(gw_proc);
     drop(up_proc);
 
@@ -413,9 +443,10 @@ pub async fn run(args: Args) -> Result<()> {
     println!(
         "{} sequential requests per path and round for latency; {} clients for {} s for throughput; {} alternating rounds; \
          gateway ({} runtime thread(s)) with key check (SQLite), limits, metrics, audit; nginx with {} worker process(es); \
+         {FLOOR}: hyper's HTTP/1.1 server and the gateway's upstream pool alone ({} runtime thread(s)), nothing checked or recorded; \
          the upstream and this client are processes of their own; proxy CPU: the proxy's processes' user and \
          system time during the throughput run, per request",
-        args.requests, args.connections, args.seconds, args.rounds, args.workers, args.workers
+        args.requests, args.connections, args.seconds, args.rounds, args.workers, args.workers, args.workers
     );
     println!();
     println!("{}", table.render());
@@ -438,13 +469,24 @@ pub async fn run(args: Args) -> Result<()> {
     let what = format!("throughput >= {THROUGHPUT_GOAL:.1}x nginx (median of the rounds' ratios)");
     match nginx_at {
         Some(n) => {
-            let ratio = median(&rounds.iter().map(|r| r[1].rps / r[n].rps).collect::<Vec<_>>());
+            let ratio_of = |i: usize| median(&rounds.iter().map(|r| r[i].rps / r[n].rps).collect::<Vec<_>>());
+            let ratio = ratio_of(1);
             let (g, x) = (median(&per_path(1, |m| m.rps)), median(&per_path(n, |m| m.rps)));
+            let floor = paths.iter().position(|p| p.name == FLOOR).expect("the floor is always measured");
+            let f = median(&per_path(floor, |m| m.rps));
             goals.push(Goal::new(
                 "gateway",
                 what,
                 ratio >= THROUGHPUT_GOAL,
-                format!("{g:.0} vs {x:.0} req/s ({ratio:.2}x)"),
+                format!(
+                    "{g:.0} vs {x:.0} req/s ({ratio:.2}x); {FLOOR} {f:.0} req/s ({:.2}x){}",
+                    ratio_of(floor),
+                    if ratio_of(floor) < THROUGHPUT_GOAL {
+                        ": the HTTP stack alone is under the goal in this run"
+                    } else {
+                        ""
+                    }
+                ),
             ))
         }
         None => goals.push(Goal::unmeasured("gateway", what, "nginx is not installed")),
@@ -487,7 +529,7 @@ fn chart(file: &std::path::Path, paths: &[Path], rounds: &[Vec<Measured>]) -> Re
         .draw()?;
     let med: Vec<f64> = (0..n).map(|i| median(&rounds.iter().map(|r| r[i].rps).collect::<Vec<_>>())).collect();
     c.draw_series((0..n).map(|i| {
-        let colour = [BLUE.mix(0.5), GREEN.mix(0.6), RED.mix(0.5)][i % 3];
+        let colour = [BLUE.mix(0.5), GREEN.mix(0.6), RED.mix(0.5), CYAN.mix(0.5)][i % 4];
         let mut bar =
             Rectangle::new([(SegmentValue::Exact(i), 0.0), (SegmentValue::Exact(i + 1), med[i])], colour.filled());
         bar.set_margin(0, 0, 20, 20);
