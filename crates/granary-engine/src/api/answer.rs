@@ -130,7 +130,11 @@ pub(crate) async fn generate(
             format!("Invalid value for `stop_token_ids`: token id {id} is outside the vocabulary of {vocab} tokens."),
         ));
     }
-    stop_token_ids.extend(v.stop_token_ids.iter().filter(|id| !stop_token_ids.contains(id)).collect::<Vec<_>>());
+    for &id in &v.stop_token_ids {
+        if !stop_token_ids.contains(&id) {
+            stop_token_ids.push(id);
+        }
+    }
     let max_tokens = budget(prompt.len(), model.context_len, v.max_tokens, prompt_param)?;
     let prompt_tokens = prompt.len();
     tracing::Span::current().record("gen_ai.usage.input_tokens", prompt_tokens);

@@ -63,8 +63,9 @@ impl StopMatcher {
         self.held.push_str(piece);
         // Held text never contains a whole stop string, so the earliest
         // match found now is the earliest in the whole output.
-        let found = self.stops.iter().filter_map(|s| Some((self.held.find(s.as_str())?, s.len()))).min_by_key(|m| m.0);
-        if let Some((at, len)) = found.filter(|_| armed) {
+        let found =
+            || self.stops.iter().filter_map(|s| Some((self.held.find(s.as_str())?, s.len()))).min_by_key(|m| m.0);
+        if let Some((at, len)) = armed.then(found).flatten() {
             self.held.truncate(if self.include { at + len } else { at });
             return Matched::Stop(std::mem::take(&mut self.held));
         }
