@@ -8,7 +8,8 @@ use candle_core::Device;
 use granary_engine::model::{Chunk, LoadOptions, Model};
 
 /// Largest allowed |engine − llama.cpp| over the reference's 128 highest
-/// first-step logits, for the plain-text prompts (measured worst: 0.51).
+/// first-step logits, for the plain-text prompts (measured worst: 0.51 with
+/// int8 tiles, 0.59 with dense f32 weights).
 /// Both sides quantize differently (llama.cpp multiplies Q4_1 weights by
 /// Q8-quantized activations; the engine dequantizes for prefill), so they
 /// agree closely but not bit for bit.
@@ -29,6 +30,14 @@ fn is_chat(prompt: &str) -> bool {
 /// 0.137 apart in llama.cpp).
 const TIE_MARGIN: f32 = 0.25;
 
+/// The tie margin where the serving layout is dense f32 (CPUs without the
+/// int8 kernels, [`granary_engine::model::int8_kernels`]): the engine then
+/// multiplies f32 activations where llama.cpp quantizes them to 8 bits, so
+/// the two differ like the first-step logits do (measured worst 0.59 with
+/// dense weights on an AVX2 CPU, under [`LOGIT_TOLERANCE`]), and a near tie
+/// that close may fall either way (seen there: 0.30 on "def fibonacci(n):\n").
+const DENSE_TIE_MARGIN: f32 = 0.5;
+
 /// Per prompt, how the engine's greedy choices compare with llama.cpp's 32.
 #[derive(Debug)]
 struct Greedy {
@@ -47,7 +56,7 @@ struct Greedy {
 /// Checks first-step logits and, step by step, the greedy tokens: llama.cpp's
 /// token is fed back each step (teacher forcing), so every one of the 32
 /// steps is compared on the same context.
-fn check(model: &Model, label: &str) -> Vec<Greedy> {
+fn check(model: &Model, label: &str, tie_margin: f32) -> Vec<Greedy> {
     let fx = common::fixture();
     let mut out = Vec::new();
     let mut worst = 0f32;
@@ -88,7 +97,7 @@ fn check(model: &Model, label: &str) -> Vec<Greedy> {
             assert!(g.exact >= 24, "{label} {:?}: {g:?}", case.prompt);
         } else {
             assert!(
-                g.worst_gap <= TIE_MARGIN,
+                g.worst_gap <= tie_margin,
                 "{label} {:?}: a step's top token beats llama.cpp's by more than a tie: {g:?}",
                 case.prompt
             );
@@ -108,17 +117,19 @@ fn check(model: &Model, label: &str) -> Vec<Greedy> {
 fn native_weights_match_llama_cpp_logits_and_greedy_tokens() {
     let Some(path) = common::default_model() else { return };
     let opts = LoadOptions { native_quant: true, ..LoadOptions::default() };
-    let g = check(&Model::load(&path, &opts).unwrap(), "native");
+    let g = check(&Model::load(&path, &opts).unwrap(), "native", TIE_MARGIN);
     let exact: usize = g.iter().map(|g| g.exact).sum();
     assert!(exact * 10 >= 9 * 4 * 32, "only {exact} of 128 greedy steps are exact: {g:?}");
 }
 
 /// The serving layout (int8 or dequantized weights, see `model`) keeps the
-/// same tolerances.
+/// same tolerances, with near ties as wide as the logits' differences where
+/// the weights are dense f32 ([`DENSE_TIE_MARGIN`]).
 #[test]
 fn serving_weights_match_llama_cpp_logits() {
     let Some(path) = common::default_model() else { return };
-    let g = check(&Model::load(&path, &LoadOptions::default()).unwrap(), "serving");
+    let margin = if granary_engine::model::int8_kernels() { TIE_MARGIN } else { DENSE_TIE_MARGIN };
+    let g = check(&Model::load(&path, &LoadOptions::default()).unwrap(), "serving", margin);
     let exact: usize = g.iter().map(|g| g.exact).sum();
     assert!(exact * 10 >= 8 * 4 * 32, "only {exact} of 128 greedy steps are exact: {g:?}");
 }
@@ -192,7 +203,7 @@ fn device_quantized_weights_match_llama_cpp() {
     let devices: Vec<_> = common::tensor_devices().into_iter().filter(|(_, d)| !d.is_cpu()).collect();
     for (name, device) in devices {
         let model = Model::load(&path, &LoadOptions { device, ..LoadOptions::default() }).unwrap();
-        let g = check(&model, &format!("{name} quantized"));
+        let g = check(&model, &format!("{name} quantized"), TIE_MARGIN);
         let exact: usize = g.iter().map(|g| g.exact).sum();
         assert!(exact * 10 >= 8 * 4 * 32, "{name}: only {exact} of 128 greedy steps are exact: {g:?}");
     }

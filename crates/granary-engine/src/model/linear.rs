@@ -1,6 +1,7 @@
 //! How the engine holds a weight matrix and multiplies by it: int8 or
-//! 4-bit tiles (CPUs with AVX-512 VNNI), a dense f32 copy with a Q8_0 one
-//! for few-row matmuls, or the file's quantized tensor as stored.
+//! 4-bit tiles (CPUs with AVX-512 VNNI), a dense f32 copy (with a Q8_0 one
+//! for few-row matmuls where `GRANARY_QUANT_MAX_ROWS` asks for it), or the
+//! file's quantized tensor as stored.
 //!
 //! [`hold`] chooses for a GGUF tensor: Q4_0, Q4_1 and Q4_K go into 4-bit
 //! tiles exactly as stored; the other K-quants (and Q4_0/Q4_K where tiles
@@ -67,11 +68,15 @@ pub(super) fn hold(dtype: GgmlDType, n: usize, k: usize, target: Target) -> Hold
     }
 }
 
-/// Matmuls with at most this many rows use the quantized copy
-/// (`GRANARY_QUANT_MAX_ROWS` overrides it).
+/// Matmuls with at most this many rows use a Q8_0 copy of a dense weight
+/// (`GRANARY_QUANT_MAX_ROWS`; 0, the default, keeps no copy). Off by
+/// default: on a CPU without AVX-512 VNNI (AVX2 only, where a Q4_1 model's
+/// weights are held dense), decoding through the copy turned the default
+/// model's answers into nonsense, where the dense weights give the right
+/// ones.
 fn quant_max_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| std::env::var("GRANARY_QUANT_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4))
+    *ROWS.get_or_init(|| std::env::var("GRANARY_QUANT_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
 }
 
 /// How a weight matrix is held.
@@ -105,7 +110,7 @@ impl Linear {
             let w = dense.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             return Ok(Linear { w: Weights::Int8(qmatmul::Q8Matrix::quantize(&w, n, k)?), bias });
         }
-        let quant = if quantize && k % GgmlDType::Q8_0.block_size() == 0 {
+        let quant = if quantize && quant_max_rows() > 0 && k % GgmlDType::Q8_0.block_size() == 0 {
             Some(QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?)
         } else {
             None

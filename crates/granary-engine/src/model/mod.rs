@@ -5,9 +5,9 @@
 //! On a CPU with AVX-512 VNNI every matmul, prefill and decode alike, runs
 //! on int8 weights in the engine's own tiled kernel (`qmatmul`): a quarter
 //! of the bytes of f32 to stream per decode step, four times the
-//! multiply-adds per instruction for prefill. Elsewhere weights are kept
-//! twice: dequantized f32 for multi-row matmuls (gemm speed) and Q8_0 for
-//! few-row ones (bound by memory bandwidth). A GGUF's Q4_0, Q4_1 and Q4_K
+//! multiply-adds per instruction for prefill. Elsewhere weights are
+//! dequantized to f32 (a Q8_0 copy for few-row matmuls is opt-in:
+//! `GRANARY_QUANT_MAX_ROWS`, see `linear`). A GGUF's Q4_0, Q4_1 and Q4_K
 //! weights go into 4-bit tiles exactly as stored, and its other K-quants
 //! are multiplied as stored by GGML's kernels (`linear::hold`), so none is
 //! held twice; every tensor as stored in every matmul is
@@ -57,8 +57,9 @@ pub use pool::KvPool;
 pub struct LoadOptions {
     pub device: Device,
     /// Multiply by quantized weights on the host: int8 or 4-bit tiles,
-    /// GGUF K-quants as stored, or (without AVX-512 VNNI) a Q8_0 copy for
-    /// few-row matmuls. On an accelerator: every block-quantized GGUF
+    /// GGUF K-quants as stored, or (without AVX-512 VNNI, and only where
+    /// `GRANARY_QUANT_MAX_ROWS` asks for it) a Q8_0 copy for few-row
+    /// matmuls. On an accelerator: every block-quantized GGUF
     /// weight stays on the device as stored, multiplied by candle's device
     /// kernels ([`linear::Target::DeviceQuantized`]). `false`: dense f32
     /// only.
@@ -221,6 +222,14 @@ pub struct Model {
     /// Per layer, the Q and K head-norm weights as device tensors (tensor
     /// operations only; made on the first step).
     head_norms: std::sync::OnceLock<Vec<device::HeadNorms>>,
+}
+
+/// Whether this CPU runs the engine's int8 tile kernels (AVX-512 VNNI, and
+/// `GRANARY_PORTABLE_KERNELS` not set): converted weights are then int8 or
+/// 4-bit tiles, multiplied by int8 activations like llama.cpp's; elsewhere
+/// they are dense f32, multiplied by f32 activations.
+pub fn int8_kernels() -> bool {
+    qmatmul::Q8Matrix::supported()
 }
 
 impl Model {
