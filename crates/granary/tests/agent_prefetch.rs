@@ -45,7 +45,7 @@ fn a_model_the_nodes_tenants_use_is_prefetched_and_its_next_load_reads_from_ram(
     let _reaper = Reaper(dir.path().to_path_buf());
     let registry = registry_with(&model, dir.path(), &[MODEL, B]);
     let gw = Gateway::start_with("prefetch = true\n");
-    let a = agent(&registry.base, &gw.proc.base, dir.path(), "node-a", "512MiB");
+    let a = agent(&registry.base, &gw.proc.base, dir.path(), "node-a", "2GiB");
     let b = agent(&registry.base, &gw.proc.base, dir.path(), "node-b", "0");
     wait_until("the gateway lists both agents' models", Duration::from_secs(20), || {
         ["node-a", "node-b"]

@@ -10,7 +10,11 @@
 //! node's engine runs with `--checkpoint=off`, so each of its starts
 //! converts. Ranking by tier alone would pick the RAM node; the estimate
 //! (read + conversion + start, from what the agents measured) picks the
-//! disk node, whose start converts nothing.
+//! node that starts first: where converting is slow (int8 tiles, on CPUs
+//! with AVX-512 VNNI) the disk node, whose start converts nothing; where
+//! converting is quick and the checkpoint large (dense f32 weights on
+//! other CPUs: a checkpoint 5.5 times the Q4_1 file, read from disk), it
+//! can be the RAM node.
 //!
 //! Every round starts the agents again over their own tiers (what a tier
 //! held survives, as on a node; the "none" agent's tiers are wiped), with
@@ -51,12 +55,25 @@ pub(super) struct FleetRun {
     pub(super) ttft_ms: f64,
     /// The gateway's estimate for the chosen agent, from its placement header.
     pub(super) estimated_ms: Option<f64>,
+    /// Its estimates for the agents it ranked after the chosen one.
+    pub(super) ranked_after_ms: Vec<f64>,
+    /// The placement header as the answer carried it.
+    pub(super) placement: String,
+}
+
+/// Every `est. N ms` in (part of) a placement header, in order.
+fn estimates(text: &str) -> impl Iterator<Item = f64> + '_ {
+    text.split("(est. ").skip(1).filter_map(|e| e.split_once(" ms")?.0.parse().ok())
 }
 
 /// `est. 380 ms` in a placement header's first entry.
 fn estimated_ms(placement: &str) -> Option<f64> {
-    let rest = placement.split_once("(est. ")?.1;
-    rest.split_once(" ms")?.0.parse().ok()
+    estimates(placement.split("; ranked after: ").next()?).next()
+}
+
+/// Every `est. N ms` after `; ranked after: ` in a placement header.
+fn ranked_after_ms(placement: &str) -> Vec<f64> {
+    placement.split_once("; ranked after: ").map_or_else(Vec::new, |(_, rest)| estimates(rest).collect())
 }
 
 /// Both policies' rounds, with medians and spread.
@@ -268,6 +285,8 @@ impl<'a> Fleet<'a> {
             tier: TIERS[*tier].into(),
             ttft_ms,
             estimated_ms: estimated_ms(&placement),
+            ranked_after_ms: ranked_after_ms(&placement),
+            placement,
         };
         self.unload(proc).await?;
         drop(procs);
@@ -360,5 +379,11 @@ mod tests {
         let h = "loaded on fleet-2 (est. 380 ms: fetch 0 + read 280 + convert 0 + start 100 + queue 0; weights: disk)";
         assert_eq!(super::estimated_ms(h), Some(380.0));
         assert_eq!(super::estimated_ms("loaded on a (weights: ram)"), None);
+        assert!(super::ranked_after_ms(h).is_empty());
+        let h = "loaded on fleet-1 (est. 380 ms: fetch 0 + read 80 + convert 200 + start 100 + queue 0; weights: ram); \
+                 ranked after: fleet-2 (est. 612 ms: fetch 0 + read 512 + convert 0 + start 100 + queue 0; weights: disk), \
+                 fleet-3 (est. 1490 ms: fetch 1190 + read 0 + convert 200 + start 100 + queue 0; weights: none)";
+        assert_eq!(super::estimated_ms(h), Some(380.0));
+        assert_eq!(super::ranked_after_ms(h), vec![612.0, 1490.0]);
     }
 }
