@@ -103,9 +103,10 @@ add_args_from_model(p, Settings)
 a = p.parse_args(sys.argv[1:])
 s, m = parse_model_from_args(ServerSettings, a), parse_model_from_args(ModelSettings, a)
 print(json.dumps({"model": m.model, "name": m.model_alias, "host": s.host, "port": s.port,
-                  "threads": m.n_threads}))
+                  "threads": m.n_threads, "interrupt_requests": s.interrupt_requests}))
 """,
-        "expect": {"model": VALUES["model_path"], "name": "smollm2", "host": "127.0.0.1", "port": 4242, "threads": 2},
+        "expect": {"model": VALUES["model_path"], "name": "smollm2", "host": "127.0.0.1", "port": 4242, "threads": 2,
+                   "interrupt_requests": False},
     },
 }
 

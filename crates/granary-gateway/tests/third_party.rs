@@ -232,6 +232,8 @@ async fn start_llama(py: &PathBuf, gguf: &PathBuf) -> LlamaServer {
         .arg(gguf)
         .args(["--model_alias", "smollm2-local", "--api_key", LLAMA_KEY, "--n_ctx", "2048"])
         .args(["--n_threads", "1", "--verbose", "False"])
+        // The gateway's model discovery must not end a stream (see below).
+        .args(["--interrupt_requests", "False"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true)
@@ -257,8 +259,8 @@ async fn start_llama(py: &PathBuf, gguf: &PathBuf) -> LlamaServer {
 /// key gets 429, and every request is audited with its tokens. The server
 /// demands its own API key (the gateway sends it, never the client's),
 /// knows the model by another name (`model_map`), has no `/health` (its
-/// `/v1/models` is the probe), and the prompt is tokenized with the same
-/// GGUF for KV-aware routing.
+/// FastAPI `/openapi.json` is the probe), and the prompt is tokenized with
+/// the same GGUF for KV-aware routing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn issue_14_llama_cpp_server_behind_the_gateway_serves_the_openai_client() {
     let Some(gguf) = need(model_gguf(), "the default model's GGUF") else { return };
@@ -268,12 +270,16 @@ async fn issue_14_llama_cpp_server_behind_the_gateway_serves_the_openai_client()
     let llama = start_llama(&py, &gguf).await;
     std::env::set_var(LLAMA_KEY_ENV, LLAMA_KEY);
     let mut cfg = GatewayConfig::default();
-    // The server answers one request at a time: a probe waits while it
-    // generates, and must not fail for that.
-    cfg.gateway.health.timeout_ms = 30_000;
+    // Any request that takes the server's model lock (`/v1/models` does)
+    // ends a running stream early (`interrupt_requests`, on by default;
+    // docs/gateway.md), so the probe is `/openapi.json`, which answers at
+    // once and never touches the model, and model discovery runs against
+    // a server started with that setting off. Probes come every 50 ms, so
+    // one that ended streams would fail the streamed check every time.
+    cfg.gateway.health.interval_ms = 50;
     let mut u = third_party("llama", llama.addr, Some(&gguf));
     u.models = vec![];
-    u.health_path = "/v1/models".into();
+    u.health_path = "/openapi.json".into();
     u.api_key_env = Some(LLAMA_KEY_ENV.into());
     u.model_map = [("smollm2".to_string(), "smollm2-local".to_string())].into();
     cfg.upstreams.push(u);

@@ -52,7 +52,7 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
         "--ram-dir",
         ram_dir.to_str().unwrap(),
         "--ram-budget",
-        "512MiB",
+        "2GiB",
         "--promote-after",
         "2",
         "--admin-token",
@@ -445,7 +445,8 @@ fn llama_cpp_server_under_a_template_on_demand_restarted_and_unloaded_when_idle(
     // idle unload.
     let template = format!(
         "exec '{python}' -m llama_cpp.server --model {{model_path}} --model_alias {{model_id}} \
-         --host {{host}} --port {{port}} --n_threads {{threads}} --n_ctx 512"
+         --host {{host}} --port {{port}} --n_threads {{threads}} --n_ctx 512 \
+         --interrupt_requests False"
     );
     let args: Vec<String> = [
         "--registry",
