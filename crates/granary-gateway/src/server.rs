@@ -21,8 +21,13 @@ use crate::proxy::{handle, Endpoint, Gateway, REQUEST_ID_HEADER};
 pub struct RequestId(pub String);
 
 pub(crate) fn new_request_id() -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let n: u128 = rand::random();
-    format!("req_{:024x}", n & ((1u128 << 96) - 1))
+    let mut id = String::with_capacity(28);
+    id.push_str("req_");
+    // The low 96 bits, most significant digit first.
+    id.extend((0..24).rev().map(|i| char::from(HEX[((n >> (4 * i)) & 0xf) as usize])));
+    id
 }
 
 async fn request_id(mut req: Request, next: Next) -> Response {
@@ -176,4 +181,28 @@ async fn method_not_allowed() -> Response {
         "Method not allowed for this path.",
     )
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_req_and_24_lowercase_hex_digits() {
+        let ids: Vec<String> = (0..64).map(|_| new_request_id()).collect();
+        for id in &ids {
+            let hex = id.strip_prefix("req_").unwrap_or_else(|| panic!("{id}"));
+            assert_eq!(hex.len(), 24, "{id}");
+            assert!(hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)), "{id}");
+        }
+        // Random: 64 draws of 96 bits do not repeat, and every digit
+        // position takes more than one value.
+        let mut sorted = ids.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), ids.len());
+        for pos in 4..28 {
+            assert!(ids.iter().any(|i| i.as_bytes()[pos] != ids[0].as_bytes()[pos]), "digit {pos} never changes");
+        }
+    }
 }

@@ -125,7 +125,21 @@ impl Identity {
                             .with_context(|| format!("creating the directory {}", dir.display()))?;
                     }
                 }
+                // Write-ahead logging: a commit appends to the log instead of
+                // writing, syncing and deleting a rollback journal, and
+                // readers (the CLI, reports) do not block the audit writer.
+                // A committed batch survives the process being killed; only
+                // a power cut may lose the last ones before a checkpoint.
                 pool_options = pool_options.max_connections(4);
+                if !url.contains("mode=ro") {
+                    pool_options = pool_options.after_connect(|conn, _| {
+                        Box::pin(async move {
+                            sqlx::query("PRAGMA journal_mode = WAL").execute(&mut *conn).await?;
+                            sqlx::query("PRAGMA synchronous = NORMAL").execute(&mut *conn).await?;
+                            Ok(())
+                        })
+                    });
+                }
             }
             sqlite_url_creating(url)
         } else {

@@ -191,11 +191,17 @@ impl Quota {
             ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"],
             ["x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"],
         ];
+        // Every answer to a limited key carries these: room for all six at
+        // once, and the reset written without the formatting machinery.
+        headers.reserve(3 * (usize::from(self.requests.is_some()) + usize::from(self.tokens.is_some())));
+        let mut text = Vec::with_capacity(16);
         for (names, h) in NAMES.iter().zip([self.requests, self.tokens]) {
             let Some(h) = h else { continue };
             headers.insert(HeaderName::from_static(names[0]), HeaderValue::from(h.limit));
             headers.insert(HeaderName::from_static(names[1]), HeaderValue::from(h.remaining));
-            if let Ok(v) = HeaderValue::from_str(&duration_text(h.reset)) {
+            text.clear();
+            write_duration(&mut text, h.reset);
+            if let Ok(v) = HeaderValue::from_bytes(&text) {
                 headers.insert(HeaderName::from_static(names[2]), v);
             }
         }
@@ -205,17 +211,52 @@ impl Quota {
 /// A duration the way OpenAI's reset headers (Go's `Duration.String`) write
 /// it: `250ms`, `1s`, `17.5s`, `6m0s`.
 pub fn duration_text(d: Duration) -> String {
+    let mut out = Vec::with_capacity(16);
+    write_duration(&mut out, d);
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// [`duration_text`] appended to `out`.
+fn write_duration(out: &mut Vec<u8>, d: Duration) {
     let ms = d.as_millis();
     if ms < 1000 {
-        return format!("{ms}ms");
+        push_decimal(out, ms);
+        out.extend_from_slice(b"ms");
+        return;
     }
     let (m, s, frac) = (ms / 60_000, (ms / 1000) % 60, ms % 1000);
-    let secs = if frac == 0 { format!("{s}s") } else { format!("{s}.{}s", format!("{frac:03}").trim_end_matches('0')) };
     if m > 0 {
-        format!("{m}m{secs}")
-    } else {
-        secs
+        push_decimal(out, m);
+        out.push(b'm');
     }
+    push_decimal(out, s);
+    if frac != 0 {
+        // Milliseconds as a decimal fraction, without trailing zeros.
+        let digits = [frac / 100, frac / 10 % 10, frac % 10];
+        let keep = if digits[2] != 0 {
+            3
+        } else if digits[1] != 0 {
+            2
+        } else {
+            1
+        };
+        out.push(b'.');
+        out.extend(digits[..keep].iter().map(|&d| b'0' + d as u8));
+    }
+    out.push(b's');
+}
+
+/// `n` in decimal, appended to `out`.
+fn push_decimal(out: &mut Vec<u8>, mut n: u128) {
+    let start = out.len();
+    loop {
+        out.push(b'0' + (n % 10) as u8);
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out[start..].reverse();
 }
 
 /// The quota left in the per-minute windows of `checks`, `used` being each

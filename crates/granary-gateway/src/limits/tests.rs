@@ -346,6 +346,11 @@ fn reset_durations_are_written_as_openai_writes_them() {
     assert_eq!(t(17_280), "17.28s");
     assert_eq!(t(360_000), "6m0s");
     assert_eq!(t(61_050), "1m1.05s");
+    assert_eq!(t(0), "0ms");
+    assert_eq!(t(7), "7ms");
+    assert_eq!(t(1_001), "1.001s");
+    assert_eq!(t(10_000), "10s");
+    assert_eq!(t(59_990), "59.99s");
 }
 
 /// Issue 14, point 1: concurrent admissions see each other's reservations.

@@ -338,8 +338,8 @@ pub(super) async fn attempt_one(
         }
     }
     if let Some(v) = &json {
-        if let Some(u) = &v.usage {
-            out.usage_object(u);
+        if let Some(u) = v.usage.and_then(|l| l.0) {
+            out.usage_counts(u.counts());
         }
         if !code.is_success() {
             out.rec.error_code = v.error.as_ref().and_then(|e| e["code"].as_str()).map(str::to_string);

@@ -137,11 +137,20 @@ impl Outcome {
     pub(super) fn usage_object(&mut self, u: &Value) {
         let n = |x: &Value| x.as_u64().unwrap_or(0);
         if u.is_object() {
-            self.usage_seen = true;
-            self.rec.prompt_tokens = n(&u["prompt_tokens"]);
-            self.rec.completion_tokens = n(&u["completion_tokens"]);
-            self.rec.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
+            self.usage_counts((
+                n(&u["prompt_tokens"]),
+                n(&u["completion_tokens"]),
+                n(&u["prompt_tokens_details"]["cached_tokens"]),
+            ));
         }
+    }
+
+    /// The upstream's (prompt, completion, cached) token counts.
+    pub(super) fn usage_counts(&mut self, (prompt, completion, cached): (u64, u64, u64)) {
+        self.usage_seen = true;
+        self.rec.prompt_tokens = prompt;
+        self.rec.completion_tokens = completion;
+        self.rec.cached_tokens = cached;
     }
 }
 
@@ -215,6 +224,5 @@ impl Drop for Outcome {
         }
         self.gw.observe_request(self.rec.tenant.as_deref(), self.rec.model.as_deref(), self.rec.upstream.as_deref());
         self.gw.identity.record(std::mem::take(&mut self.rec));
-        self.gw.refresh_counters();
     }
 }
