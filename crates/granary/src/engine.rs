@@ -278,8 +278,10 @@ fn since_process_start_ms() -> f64 {
 /// Loads the model and tokenizer, reporting progress.
 pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
     let src: ModelSource = args.model.parse()?;
-    // The device before the model: a wrong --device fails before a download.
+    // The device and the kernel path before the model: a wrong --device or
+    // GRANARY_KERNELS fails before a download.
     let device = device(&args.device)?;
+    granary_engine::model::kernels::requested().map_err(anyhow::Error::msg)?;
     let resolved = src.resolve()?;
     let before_load_ms = since_process_start_ms();
     let started = Instant::now();
@@ -321,7 +323,7 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
     let c = model.config();
     let r = &stats.read;
     eprintln!(
-        "granary: loaded {} ({}; {} layers, {} KV heads x {}, context {}) in {:.1}s: weights {:.1} MB read in {:.0} ms ({:.2} GB/s, {} thread(s)), conversion {:.0} ms; checkpoint {}",
+        "granary: loaded {} ({}; {} layers, {} KV heads x {}, context {}) in {:.1}s: weights {:.1} MB read in {:.0} ms ({:.2} GB/s, {} thread(s)), conversion {:.0} ms, kernels {}; checkpoint {}",
         resolved.id,
         c.architecture,
         c.layers,
@@ -334,6 +336,7 @@ pub fn load(args: &ModelArgs) -> Result<(Arc<Model>, Arc<Tokenizer>, String)> {
         r.gbps(),
         r.threads,
         stats.convert.as_secs_f64() * 1e3,
+        granary_engine::model::kernels::kernel_path().name(),
         stats.checkpoint,
     );
     let report = LoadReport {

@@ -28,6 +28,7 @@ pub mod checkpoint;
 mod config;
 mod device;
 mod host;
+pub mod kernels;
 mod kv;
 mod linear;
 pub mod load;
@@ -224,9 +225,9 @@ pub struct Model {
     head_norms: std::sync::OnceLock<Vec<device::HeadNorms>>,
 }
 
-/// Whether this CPU runs the engine's int8 tile kernels (AVX-512 VNNI, and
-/// `GRANARY_PORTABLE_KERNELS` not set): converted weights are then int8 or
-/// 4-bit tiles, multiplied by int8 activations like llama.cpp's; elsewhere
+/// Whether the engine runs its int8 tile kernels (the `avx512vnni` kernel
+/// path, [`kernels`]): converted weights are then int8 or 4-bit tiles,
+/// multiplied by int8 activations like llama.cpp's; on the other paths
 /// they are dense f32, multiplied by f32 activations.
 pub fn int8_kernels() -> bool {
     qmatmul::Q8Matrix::supported()

@@ -158,18 +158,7 @@ impl Q4Matrix {
 impl Q8Matrix {
     /// Whether this CPU runs the kernel.
     pub(crate) fn supported() -> bool {
-        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *OK.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            {
-                std::env::var_os("GRANARY_PORTABLE_KERNELS").is_none_or(|v| v != "1")
-                    && is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vnni")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            false
-        })
+        super::kernels::kernel_path() == super::kernels::KernelPath::Avx512Vnni
     }
 
     /// Whether a `[n, k]` matrix fits the tile layout.

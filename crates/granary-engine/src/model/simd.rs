@@ -18,12 +18,8 @@ pub(crate) fn level() -> Level {
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            let forced_portable = std::env::var_os("GRANARY_PORTABLE_KERNELS").is_some_and(|v| v == "1");
-            if !forced_portable
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            // `avx2` and `avx512vnni` both imply AVX2, FMA and F16C.
+            if super::kernels::kernel_path() >= super::kernels::KernelPath::Avx2 {
                 return Level::Avx2;
             }
         }
