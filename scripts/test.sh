@@ -93,21 +93,41 @@ fi
 # gateway's OpenAPI description. The tests run with .venv/bin first on PATH.
 .venv/bin/python -c 'import redis, openai' 2>/dev/null || .venv/bin/python -m pip install -q 'redis>=5' 'openai>=1.40'
 [ -x .venv/bin/schemathesis ] || .venv/bin/python -m pip install -q 'schemathesis>=4,<5'
-if ! .venv/bin/python -c 'import llama_cpp, gguf, numpy' 2>/dev/null; then
-  stage "building llama-cpp-python (a few minutes, once)"
-  CMAKE_ARGS="-DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    .venv/bin/python -m pip install -q 'llama-cpp-python==0.3.16' 'gguf==0.17.1' numpy
+# The reference is built without llama.cpp's AMX kernels (Intel Xeon since
+# Sapphire Rapids): in the llama.cpp that llama-cpp-python 0.3.16 bundles
+# they answer garbage for Q4_0 and Q4_1 weights (relative logit difference
+# 2.3 in tests/architectures.rs on such a host; fixed upstream later).
+# GCC's explicit -mno-amx-* win over the -march=native of GGML_NATIVE. The
+# wheel is built once into the cache folder under a name for these flags
+# (pip's own wheel cache ignores CMAKE_ARGS, and would hand a fresh clone
+# a wheel built otherwise).
+LLAMA_CPP_PYTHON=0.3.16
+no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+llama_cmake="-DLLAMA_CURL=OFF \"-DCMAKE_C_FLAGS=$no_amx\" \"-DCMAKE_CXX_FLAGS=$no_amx\""
+llama_wheels="${XDG_CACHE_HOME:-$HOME/.cache}/granary/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON-$(printf %s "$llama_cmake $(uname -m)" | sha256sum | cut -c1-12)"
+if ! .venv/bin/python -c 'import llama_cpp, gguf, numpy' 2>/dev/null \
+  || .venv/bin/python -c 'import llama_cpp, sys; sys.exit(b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info())' 2>/dev/null; then
+  if ! ls "$llama_wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    stage "building llama-cpp-python $LLAMA_CPP_PYTHON without AMX (a few minutes, once per machine)"
+    mkdir -p "$llama_wheels"
+    CMAKE_ARGS="$llama_cmake" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+      .venv/bin/python -m pip wheel -q --no-deps --no-cache-dir -w "$llama_wheels" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+  fi
+  .venv/bin/python -m pip install -q --force-reinstall --no-deps "$llama_wheels"/llama_cpp_python-*.whl
+  .venv/bin/python -m pip install -q "llama-cpp-python==$LLAMA_CPP_PYTHON" --find-links "$llama_wheels" 'gguf==0.17.1' numpy
 fi
 # llama-cpp-python's OpenAI-compatible server (the `server` extras: uvicorn,
 # FastAPI, ...): a third-party engine under the node agent
 # (crates/granary/tests/agent_process.rs) and a third-party upstream behind
 # the gateway (crates/granary-gateway/tests/third_party.rs); pyzmq + msgpack
 # for the test publisher of vLLM-format KV events. The server extra reuses
-# the llama-cpp-python built above.
+# the llama-cpp-python installed above.
 if ! .venv/bin/python -c 'import llama_cpp.server.app, uvicorn, zmq, msgpack' 2>/dev/null; then
-  CMAKE_ARGS="-DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    .venv/bin/python -m pip install -q 'llama-cpp-python[server]==0.3.16' 'pyzmq==27.3.0' 'msgpack==1.2.4'
+  .venv/bin/python -m pip install -q "llama-cpp-python[server]==$LLAMA_CPP_PYTHON" --find-links "$llama_wheels" \
+    'pyzmq==27.3.0' 'msgpack==1.2.4'
 fi
+.venv/bin/python -c 'import llama_cpp, sys; sys.exit(b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())' \
+  || { echo "llama-cpp-python was built with AMX kernels, which answer garbage for Q4_0/Q4_1" >&2; exit 1; }
 # LMCache's own connectors against `granary warehouse` (GRANARY_LMCACHE=1):
 # lmcache 0.5.6 from PyPI with PyPI's torch (a CUDA build, which imports and
 # runs on the CPU) in a virtual environment of their own, so that their pins
@@ -168,6 +188,26 @@ trap 'rm -f "$log"' EXIT
 cargo test --workspace --no-run 2>&1 | { grep -v '^  Executable' || true; }
 stage "cargo test: running the suites"
 cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
+# The CPU kernel paths below the one this host picks (GRANARY_KERNELS,
+# docs/engine.md): the engine's reference tests against llama.cpp, and the
+# tests whose expectations depend on the path (weights held as tiles or as
+# dense f32), run again on each, so that one host checks what every kind
+# of CPU runs.
+lower_paths=""
+if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null && grep -qw avx512bw /proc/cpuinfo; then
+  lower_paths="avx2 generic"
+elif grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo; then
+  lower_paths="generic"
+fi
+for path in $lower_paths; do
+  stage "kernel path $path (GRANARY_KERNELS=$path)"
+  GRANARY_KERNELS=$path cargo test --no-fail-fast -p granary-engine --test model_reference --test architectures --test reuse 2>&1 | tee -a "$log"
+  if [ "$path" = avx2 ]; then
+    GRANARY_KERNELS=$path cargo test --no-fail-fast -p granary --test agent_prefetch 2>&1 | tee -a "$log"
+    GRANARY_KERNELS=$path cargo test --no-fail-fast -p granary --test bench_smoke coldstart_fleet 2>&1 | tee -a "$log"
+  fi
+done
+[ -n "$lower_paths" ] || echo "SKIPPED: other kernel paths (this CPU runs only the generic one)"
 # The slowest suites, by the time each binary reported.
 awk '/^ *Running /{name=$0; sub(/^ *Running /, "", name)} /^test result:/{for(i=1;i<=NF;i++) if($i=="in") print $(i+1), name}' "$log" |
   sort -rn | head -n 12 | sed 's/^/   suite time: /'
