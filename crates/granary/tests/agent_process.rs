@@ -289,6 +289,58 @@ fn through_the_gateway_on_demand_then_restarts_adoption_unload_and_promotion() {
     assert!(std::fs::read_link(&checkpoint).unwrap().starts_with(&ram_dir), "the checkpoint is promoted with it");
 }
 
+/// Issue 40: two tenants' identical prompts through one gateway, on the
+/// one engine an agent started, share no KV. The gateway names each
+/// request's namespace from its key's tenant; the engine the agent starts
+/// runs the request there (before, it ran every tenant in `default`, and
+/// the second tenant's prompt was served from the first one's blocks).
+#[test]
+fn two_tenants_on_an_agents_engine_share_no_kv() {
+    let Some(model) = default_model() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let _reaper = Reaper(dir.path().to_path_buf());
+    let registry = registry(&model, dir.path());
+    let gw = Gateway::start();
+    let beta = gw.key_for("beta");
+    let agent =
+        AgentProc::in_fleet(&registry.base, &gw.proc.base, dir.path(), "node-a", &["--engine-arg=--block-tokens=16"]);
+    wait_until("the gateway lists the agent's models", Duration::from_secs(15), || {
+        gw.agent("node-a").is_some_and(|a| a["models"].as_array().unwrap().iter().any(|m| m == MODEL))
+    });
+    let prompt =
+        format!("Notes for the quarterly review: {} Summarise in one word.", "the ledger balanced again; ".repeat(24));
+    let ask = |key: &str| -> u64 {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0});
+        let r =
+            gw.http.post(format!("{}/v1/chat/completions", gw.proc.base)).bearer_auth(key).json(&body).send().unwrap();
+        let status = r.status();
+        let v: Value = r.json().unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 100, "{v}");
+        v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+    };
+    // Blocks are kept once the answer is done: a repeat finds them soon
+    // after, not necessarily at once.
+    let reuses = |key: &str| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let cached = ask(key);
+            if cached > 0 || Instant::now() > deadline {
+                return cached;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    };
+    assert_eq!(ask(&gw.key), 0, "the first request computes the prompt");
+    assert!(reuses(&gw.key) > 0, "the same tenant's repeat reuses its own blocks");
+    // Those blocks are in the engine now: a tenant that shared the
+    // namespace would be served from them.
+    assert_eq!(ask(&beta), 0, "another tenant's identical prompt reuses none of them");
+    assert!(reuses(&beta) > 0, "that tenant reuses its own");
+    let engines = agent.status()["engines"].as_array().unwrap().len();
+    assert_eq!(engines, 1, "one engine served both tenants");
+}
+
 #[test]
 fn an_external_command_template_runs_and_an_idle_engine_is_unloaded() {
     let Some(model) = default_model() else { return };

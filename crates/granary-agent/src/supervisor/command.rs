@@ -42,6 +42,10 @@ fn substitute(template: &str, values: &[(&str, String)]) -> String {
     out
 }
 
+/// The engine flag that makes it run each request in the namespace the
+/// gateway names.
+const TRUST_NAMESPACE: &str = "--trust-namespace-header";
+
 /// The command line for `spec` on `port`.
 pub fn build_command(cfg: &SupervisorConfig, spec: &LaunchSpec, port: u16) -> Result<Vec<String>, AgentError> {
     let path = spec.model_path.to_string_lossy().into_owned();
@@ -75,6 +79,15 @@ pub fn build_command(cfg: &SupervisorConfig, spec: &LaunchSpec, port: u16) -> Re
                 "--listen".into(),
                 format!("{}:{port}", cfg.host),
             ];
+            // The gateway names each request's KV namespace from the
+            // tenant of its key (`x-granary-namespace`); an engine that
+            // ignored the header would run every tenant in one namespace,
+            // and a tenant's prompt would reuse another's blocks. The
+            // engines an agent starts answer the gateway only (its
+            // deployment keeps them off clients' networks).
+            if !cfg.engine_args.iter().any(|a| a == TRUST_NAMESPACE) {
+                v.push(TRUST_NAMESPACE.into());
+            }
             v.extend(cfg.engine_args.iter().cloned());
             Ok(v)
         }
@@ -139,10 +152,15 @@ mod tests {
                 "smol lm",
                 "--listen",
                 "127.0.0.1:7",
+                "--trust-namespace-header",
                 "--block-tokens",
                 "16"
             ]
         );
+        // Given among the engine's own flags, it is not given twice.
+        let cfg = SupervisorConfig { engine_args: vec!["--trust-namespace-header".into()], ..cfg };
+        let c = build_command(&cfg, &spec(), 7).unwrap();
+        assert_eq!(c.iter().filter(|a| *a == "--trust-namespace-header").count(), 1, "{c:?}");
     }
 
     #[test]

@@ -242,6 +242,17 @@ impl FromRequestParts<AppState> for RequestNamespace {
                     )),
                 };
             }
+        } else if parts.headers.contains_key(NAMESPACE_HEADER) {
+            // Whoever sent it expects the request to run apart from other
+            // tenants' KV; served in the default namespace, it would share
+            // theirs.
+            return Err(ApiError::bad_request(
+                "untrusted_namespace_header",
+                format!(
+                    "This engine does not take the `{NAMESPACE_HEADER}` header: start it with \
+                     --trust-namespace-header (only behind a gateway that sets the header), or leave the header out."
+                ),
+            ));
         }
         Ok(RequestNamespace(st.opts.default_namespace.clone()))
     }

@@ -155,6 +155,18 @@ impl Gateway {
         Gateway { proc, key, http, _dir: dir }
     }
 
+    /// A new tenant `name` and a key of its own.
+    pub fn key_for(&self, name: &str) -> String {
+        let admin = |path: &str, body: Value| -> Value {
+            let r =
+                self.http.post(format!("{}{path}", self.proc.base)).bearer_auth(GW_ADMIN).json(&body).send().unwrap();
+            assert!(r.status().is_success(), "{path}: {}", r.text().unwrap());
+            r.json().unwrap()
+        };
+        admin("/admin/v1/tenants", json!({"name": name}));
+        admin("/admin/v1/keys", json!({"tenant": name}))["key"].as_str().unwrap().to_string()
+    }
+
     /// `GET /admin/v1/agents`: the agent `id` as the gateway sees it.
     pub fn agent(&self, id: &str) -> Option<Value> {
         let v: Value = self

@@ -386,6 +386,26 @@ async fn namespaces_come_from_the_header_only_when_enabled() {
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
 
+/// An engine not told to trust the namespace header refuses a request
+/// carrying one, instead of running it in the namespace every tenant
+/// shares.
+#[tokio::test]
+async fn an_untrusted_namespace_header_is_refused_not_ignored() {
+    let app = make_app(&Arc::new(ScriptedBackend::without_models()), ApiOptions::default());
+    let req = Request::post("/v1/completions")
+        .header("content-type", "application/json")
+        .header(NAMESPACE_HEADER, "tenant-b")
+        .body(Body::from(r#"{"model":"m","prompt":"x"}"#))
+        .unwrap();
+    let (status, body) = send_json(&app, req).await;
+    let e = assert_error(status, &body, StatusCode::BAD_REQUEST, None);
+    assert_eq!(e["code"], "untrusted_namespace_header", "{body}");
+    assert!(e["message"].as_str().unwrap().contains("--trust-namespace-header"), "{body}");
+    // Without the header the request goes on (to the model lookup).
+    let (status, _) = send_json(&app, post("/v1/completions", r#"{"model":"m","prompt":"x"}"#.to_string())).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
 #[test]
 fn the_budget_is_the_context_left_unless_asked() {
     assert_eq!(budget(10, 64, None, "messages").unwrap(), 54);
