@@ -3,7 +3,9 @@
 # `kubectl kustomize`, validates the objects against the Kubernetes API
 # schemas (kubernetes-validate, strict), scans them and the Dockerfile with
 # checkov (every skipped check carries its reason in an annotation or
-# comment), and checks and unit-tests the Prometheus rules with promtool.
+# comment), checks that only the gateway can read its admin token and that
+# nodes read a Secret of their own (deploy/secret-scope.py), and checks and
+# unit-tests the Prometheus rules with promtool.
 # Installs kubernetes-validate and checkov into .venv-deploy once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +35,9 @@ for dir in deploy/kubernetes/overlays/*/; do
   "${render[@]}" "$dir" > "$out/$name.yaml"
   echo "$name: $(grep -c '^kind:' "$out/$name.yaml") objects ($(grep '^kind:' "$out/$name.yaml" | sort | uniq -c | awk '{printf "%s %s, ", $1, $3}' | sed 's/, $//'))"
 done
+
+echo "== secret scope (deploy/secret-scope.py)"
+.venv-deploy/bin/python deploy/secret-scope.py "$out"/*.yaml
 
 echo "== kubernetes-validate --strict (Kubernetes 1.37; ServiceMonitor is the Prometheus Operator's CRD, outside the API schemas: reported as a warning)"
 .venv-deploy/bin/kubernetes-validate --strict --quiet "$out"/*.yaml

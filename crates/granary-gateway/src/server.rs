@@ -45,7 +45,8 @@ pub(crate) fn set_request_id(resp: &mut Response, id: &str) {
     }
 }
 
-/// The public API, the admin API (when an admin token is set), `/health`,
+/// The public API, the admin API (when an admin token is set), `/health`
+/// (readiness), `/livez` (liveness),
 /// `/metrics` (admin or metrics token) and the OpenAPI description. The
 /// scoped tokens (agent, metrics) come from the variables the gateway's
 /// configuration names ([`crate::proxy::ScopedTokens`]).
@@ -60,6 +61,7 @@ pub fn router(gw: Arc<Gateway>, admin: Option<AdminToken>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/livez", get(livez))
         .route("/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
         .with_state(gw.clone());
@@ -135,6 +137,13 @@ async fn health(State(gw): State<Arc<Gateway>>) -> Response {
         "agents": agents,
     });
     (status, Json(body)).into_response()
+}
+
+/// Liveness: the process answers HTTP. Unlike `/health` (readiness: an
+/// upstream is routable), an engine outage does not fail it, so an
+/// orchestrator does not restart every gateway when the engines go.
+async fn livez() -> Response {
+    Json(json!({"status": "ok"})).into_response()
 }
 
 async fn metrics(

@@ -323,6 +323,25 @@ async fn admin_and_metrics_refuse_anything_without_the_admin_token() {
     drop(g.gw);
 }
 
+/// Readiness and liveness apart: with its only upstream down, `/health`
+/// answers 503 (route nothing here) while `/livez` answers 200, so a
+/// liveness probe does not restart a gateway for an engine outage.
+#[tokio::test]
+async fn an_engine_outage_fails_readiness_not_liveness() {
+    let g = Gw::start(&named(&[("a", dead_addr().await)]), |_| {}).await;
+    let get = |path: &'static str| {
+        let (http, base) = (g.http.clone(), g.base.clone());
+        async move {
+            let r = http.get(format!("{base}{path}")).send().await.unwrap();
+            (r.status(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (s, v) = get("/health").await;
+    assert_eq!((s, v["status"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("no_upstream")), "{v}");
+    let (s, v) = get("/livez").await;
+    assert_eq!((s, v["status"].as_str()), (StatusCode::OK, Some("ok")), "{v}");
+}
+
 /// `promtool check metrics` accepts the exposition after mixed traffic.
 #[tokio::test]
 async fn metrics_pass_promtool() {
