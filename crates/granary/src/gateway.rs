@@ -142,6 +142,10 @@ async fn serve(cfg: GatewayConfig) -> Result<()> {
         );
     }
     let gw = Gateway::new(&cfg, identity.clone(), limiter)?;
+    // Day and month budgets from the usage rollup before the listener
+    // takes a request: a restarted gateway must not admit, in its first
+    // moments, what a tenant's spent budget no longer allows.
+    gw.restore_budgets().await;
     gw.upstreams.probe_all(g).await;
     let stop = CancellationToken::new();
     gw.upstreams.spawn_watchers(g, stop.clone());

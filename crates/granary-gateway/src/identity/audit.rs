@@ -13,7 +13,7 @@
 //! dropped (and counted) only when the queue is full, or when the batch
 //! cannot be written and the spool is full, absent or failing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -384,9 +384,14 @@ struct Rollup {
     cached: i64,
 }
 
-async fn write_batch(pool: &AnyPool, batch: &[AuditRecord]) -> Result<(), sqlx::Error> {
+/// Writes a batch in one transaction: its audit rows, and their sums into
+/// `usage_daily`. Idempotent: a record whose request id is there already
+/// (the same batch written again after a commit whose answer was lost, or
+/// a spool replayed) is skipped, and only the rows inserted are summed.
+pub(super) async fn write_batch(pool: &AnyPool, batch: &[AuditRecord]) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
     let numbered = numbered_parameters(&tx);
+    let mut inserted: HashSet<String> = HashSet::with_capacity(batch.len());
     for chunk in batch.chunks(ROWS_PER_INSERT) {
         let mut sql = String::from(
             "INSERT INTO audit_log (time_ms, request_id, tenant_id, tenant, key_id, endpoint, model, upstream, \
@@ -394,6 +399,7 @@ async fn write_batch(pool: &AnyPool, batch: &[AuditRecord]) -> Result<(), sqlx::
              VALUES ",
         );
         push_values(&mut sql, chunk.len(), 17, numbered);
+        sql.push_str(" ON CONFLICT (request_id) DO NOTHING RETURNING request_id");
         let mut q = sqlx::query(&sql);
         for r in chunk {
             q = q
@@ -415,12 +421,17 @@ async fn write_batch(pool: &AnyPool, batch: &[AuditRecord]) -> Result<(), sqlx::
                 .bind(r.ttft_ms)
                 .bind(r.prompt.as_deref());
         }
-        q.execute(&mut *tx).await?;
+        for row in q.fetch_all(&mut *tx).await? {
+            inserted.insert(row.try_get::<String, _>(0)?);
+        }
     }
-    // The daily rollup, summed per row first: one statement may not update
-    // a row twice (PostgreSQL).
+    // The daily rollup of the rows inserted (each id once), summed per row
+    // first: one statement may not update a row twice (PostgreSQL).
     let mut rollup: BTreeMap<(i64, i64, String, i64), Rollup> = BTreeMap::new();
     for r in batch {
+        if !inserted.remove(&r.request_id) {
+            continue;
+        }
         let Some(tenant_id) = r.tenant_id else { continue };
         let k = (tenant_id, r.key_id.unwrap_or(0), r.model.clone().unwrap_or_default(), day_of(r.time_ms));
         let e = rollup.entry(k).or_default();

@@ -212,9 +212,10 @@ impl Gateway {
 
     /// Reloads the day and month token budgets of every tenant and key from
     /// the usage rollup into the limiter (raising counters, never lowering
-    /// them). [`Gateway::new`] runs this in the background at start and
-    /// every `budget_reload_s`, which also rebuilds Redis counters that
-    /// were lost (a flush, a restart without persistence).
+    /// them). The server runs this once before it takes requests, and
+    /// [`Gateway::new`] in the background every `budget_reload_s`, which
+    /// also rebuilds Redis counters that were lost (a flush, a restart
+    /// without persistence).
     pub async fn restore_budgets(&self) {
         const DAYS_32: i64 = 32 * 86_400_000;
         match self.identity.budget_usage(now_ms() - DAYS_32, &self.cfg.prices).await {
@@ -259,20 +260,19 @@ impl Gateway {
             scoped: ScopedTokens::from_env(&config.gateway)?,
         });
         gw.rebuild();
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            // At start, then every `budget_reload_s` while the gateway lives.
+        let every = Duration::from_secs(config.gateway.budget_reload_s);
+        if let (Ok(rt), false) = (tokio::runtime::Handle::try_current(), every.is_zero()) {
+            // Every `budget_reload_s` while the gateway lives; the first
+            // restore is the caller's, before it takes requests
+            // ([`Gateway::restore_budgets`]).
             let weak = Arc::downgrade(&gw);
-            let every = Duration::from_secs(config.gateway.budget_reload_s);
             rt.spawn(async move {
                 loop {
+                    tokio::time::sleep(every).await;
                     match weak.upgrade() {
                         Some(g) => g.restore_budgets().await,
                         None => return,
                     }
-                    if every.is_zero() {
-                        return;
-                    }
-                    tokio::time::sleep(every).await;
                 }
             });
         }

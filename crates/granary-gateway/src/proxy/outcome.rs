@@ -170,6 +170,12 @@ impl Drop for Outcome {
             // A stream cut before its usage chunk: charge what was produced.
             self.rec.completion_tokens = self.streamed;
             self.rec.prompt_tokens = self.prompt_estimate;
+        } else if !self.usage_seen && !self.done && self.rec.upstream.as_deref().is_some_and(|u| u != CACHE_UPSTREAM) {
+            // The client went away after its request reached an engine but
+            // before a token reached the client (during prefill, or while
+            // a whole answer was being generated): the engine computed the
+            // prompt for it, so the prompt is charged.
+            self.rec.prompt_tokens = self.prompt_estimate;
         }
         let m = &self.gw.metrics;
         m.active.dec();
@@ -223,6 +229,12 @@ impl Drop for Outcome {
             }
         }
         self.gw.observe_request(self.rec.tenant.as_deref(), self.rec.model.as_deref(), self.rec.upstream.as_deref());
+        // A request no key authenticated is counted in the metrics above
+        // (status 401), not audited: the audit log is the billing record,
+        // and a flood of bad keys must not take its queue's places.
+        if self.rec.status == 401 && self.rec.tenant.is_none() {
+            return;
+        }
         self.gw.identity.record(std::mem::take(&mut self.rec));
     }
 }

@@ -132,4 +132,31 @@ async fn a_client_giving_up_on_a_whole_answer_is_audited_as_499() {
     let rec = audited(&g, |r| r.status == 499).await;
     assert_eq!(rec.error_code.as_deref(), Some("client_closed_request"));
     assert_eq!(rec.completion_tokens, 0);
+    // The request reached the engine, which computed its prompt: charged.
+    assert!(rec.prompt_tokens > 0, "the prompt is charged: {rec:?}");
+}
+
+/// Issue 40, point 4: a client that hangs up on a stream before its first
+/// token (during prefill) is charged for the prompt the engine computed,
+/// as one that hangs up mid-stream is; before, it was charged nothing.
+#[tokio::test]
+async fn a_client_hanging_up_during_prefill_is_charged_for_the_prompt() {
+    let drip = start_drip(5, Duration::from_secs(2)).await;
+    let g = Gw::start(&named(&[("drip", drip.addr)]), |_| {}).await;
+    let key = g.key("acme", json!({})).await;
+    let r = g
+        .http
+        .post(format!("{}/v1/chat/completions", g.base))
+        .bearer_auth(&key)
+        .json(&chat_body(true))
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    // The client library may see the headers before giving up; either
+    // way it closes the connection by dropping what it has.
+    drop(r);
+    let rec = audited(&g, |r| r.status == 499).await;
+    assert_eq!(rec.error_code.as_deref(), Some("client_closed_request"));
+    assert_eq!(rec.completion_tokens, 0, "{rec:?}");
+    assert!(rec.prompt_tokens > 0, "the prompt is charged: {rec:?}");
 }

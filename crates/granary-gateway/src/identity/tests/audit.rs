@@ -125,6 +125,38 @@ fn usage_csv_prices_rows_and_neutralises_formulas() {
     assert_eq!(&lines[3..], ["acme,'+1,0,0,0,0,0,,USD", "acme,'@sum,0,0,0,0,0,,USD", "acme,'-2,0,0,0,0,0,,USD"]);
 }
 
+/// Issue 40, point 4: a batch written again (its commit reached the
+/// database, the answer did not, the writer retried; or a spool replayed
+/// after a crash) adds no audit row and no usage twice. Before, it added
+/// both again: `request_id` had no unique constraint.
+#[tokio::test]
+async fn an_audit_batch_written_twice_is_counted_once() {
+    let id = mem().await;
+    let t0 = 1_700_000_000_000;
+    let batch = vec![rec("acme", "llama", 200, 10, 5, 2, t0), rec("acme", "llama", 200, 20, 7, 0, t0 + 1)];
+    super::super::audit::write_batch(id.pool(), &batch).await.unwrap();
+    // A retry of the whole batch, and one with a new record beside the old.
+    super::super::audit::write_batch(id.pool(), &batch).await.unwrap();
+    let mut more = batch.clone();
+    more.push(rec("acme", "llama", 200, 1, 1, 0, t0 + 2));
+    super::super::audit::write_batch(id.pool(), &more).await.unwrap();
+    assert_eq!(audit_count(&id).await, 3);
+    let rows = id.usage(&UsageQuery { from_ms: t0, to_ms: t0 + 10, tenant: None }).await.unwrap();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let r = &rows[0];
+    assert_eq!((r.requests, r.prompt_tokens, r.completion_tokens, r.cached_tokens), (3, 31, 13, 2), "{r:?}");
+    // The rollup that budgets are restored from counts each request once.
+    let rollup = sqlx::query(
+        "SELECT CAST(SUM(requests) AS BIGINT), CAST(SUM(prompt_tokens) AS BIGINT), \
+         CAST(SUM(completion_tokens) AS BIGINT) FROM usage_daily",
+    )
+    .fetch_one(id.pool())
+    .await
+    .unwrap();
+    let sums: Vec<i64> = (0..3).map(|i| rollup.get::<i64, _>(i)).collect();
+    assert_eq!(sums, [3, 31, 13]);
+}
+
 async fn audit_count(id: &Identity) -> i64 {
     sqlx::query("SELECT COUNT(*) FROM audit_log").fetch_one(id.pool()).await.map(|r| r.get::<i64, _>(0)).unwrap_or(-1)
 }
