@@ -78,6 +78,8 @@ pub struct RespReport {
     pub granary_error: Option<String>,
     /// Why the zero-work server could not be measured (no ceiling rows).
     pub ceiling_error: Option<String>,
+    /// One MSET, then one MGET, of many large values (`multi.rs`).
+    pub multi: Vec<super::multi::MultiRow>,
 }
 
 /// A child process stopped (SIGTERM, then SIGKILL) when dropped.
@@ -227,6 +229,12 @@ pub fn run(ctx: &Ctx) -> Result<RespReport> {
         }
     }
     pb.finish_and_clear();
+    // The multi-key row: Redis and granary only (the zero-work server
+    // cannot answer MGET).
+    let pair: Vec<(&'static str, u16)> =
+        servers.iter().filter(|(name, ..)| *name != "ceiling").map(|(name, _, port)| (*name, *port)).collect();
+    eprintln!("resp: MSET/MGET of large values, {rounds} round(s) per server");
+    let multi = super::multi::measure(&pair, ctx.quick, rounds)?;
     drop(servers);
     drop(ceiling);
     drop(granary);
@@ -238,6 +246,7 @@ pub fn run(ctx: &Ctx) -> Result<RespReport> {
         rows,
         granary_error,
         ceiling_error,
+        multi,
     })
 }
 
@@ -527,10 +536,16 @@ pub fn tables(r: &RespReport) -> Vec<Table> {
             format!("{:.0}", row.server_us_per_req),
         ]);
     }
-    vec![t]
+    vec![t, super::multi::table(&r.multi)]
 }
 
 pub fn goals(r: &RespReport) -> Vec<Goal> {
+    let mut out = benchmark_goals(r);
+    out.extend(super::multi::goals(&r.multi, r.granary_error.as_deref()));
+    out
+}
+
+fn benchmark_goals(r: &RespReport) -> Vec<Goal> {
     // (value size, op, req/s against Redis, p99 no worse too)
     const GOALS: [(u64, &str, f64, bool); 3] =
         [(GOAL_SIZE, "GET", 1.5, true), (4 << 20, "GET", 2.0, true), (64 << 10, "SET", 1.0, false)];
