@@ -32,15 +32,25 @@ pub(super) fn offload_stats(l: &Lower) -> OffloadStats {
 }
 
 /// Evictions from a lower tier: announce; in `evicted` mode, disk
-/// evictions go on to the remote tier when the disk still had the bytes.
-fn handle_evicted_below(inner: &Inner, tier: TierKind, announces: bool, evicted: Vec<Evicted>) {
+/// evictions go on to the remote tier when the disk still had the bytes,
+/// unless the key may have changed since: `began` is the version clock
+/// before the write that evicted them. An operation on the key's stripe
+/// since then (a DEL landing while the evicted bytes were read back) or a
+/// removal still queued for the disk (one submitted before, not applied
+/// yet) drops the copy, which would bring a deleted key back.
+fn handle_evicted_below(inner: &Inner, tier: TierKind, announces: bool, evicted: Vec<Evicted>, began: u64) {
     for e in evicted {
         if !announces {
             emit(&inner.events, EventKind::Removed, &e.namespace, &e.key, tier);
         }
         if tier == TierKind::Disk && inner.cfg.offload == OffloadMode::Evicted {
             if let (Some(r), Some(value)) = (&inner.remote, e.value) {
-                let _v = inner.stripe(&e.namespace, &e.key).lock();
+                let v = inner.stripe(&e.namespace, &e.key).lock();
+                let queued = inner.disk.as_ref().and_then(|d| d.latest(&e.namespace, &e.key));
+                if *v > began || queued.is_some() {
+                    r.shared.c.dropped.fetch_add(1, Relaxed);
+                    continue;
+                }
                 r.offer_copy(&e.namespace, &e.key, value, e.meta);
             }
         }
@@ -70,6 +80,7 @@ pub(super) async fn offload_worker(
                     }
                     found.map(|_| Outcome::Put(Vec::new()))
                 } else {
+                    let began = inner.upgrade().map_or(0, |i| i.now());
                     match tier.put(&ns, key.clone(), value, meta).await {
                         Ok(mut evicted) => {
                             // A value the tier cannot take comes back among the evictions.
@@ -80,7 +91,7 @@ pub(super) async fn offload_worker(
                                 if stored && !announces {
                                     emit(&inner.events, EventKind::Stored, &ns, &key, kind);
                                 }
-                                handle_evicted_below(&inner, kind, announces, evicted);
+                                handle_evicted_below(&inner, kind, announces, evicted, began);
                             }
                             Ok(Outcome::Put(refused.into_iter().collect()))
                         }

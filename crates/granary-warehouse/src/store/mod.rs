@@ -114,9 +114,24 @@ struct Inner {
     promoted_remote: AtomicU64,
     /// Key locks; each holds the version of the last operation on its keys.
     stripes: Box<[Mutex<u64>]>,
+    /// Where versions come from: one clock for every stripe, so a version
+    /// read from the clock before some work began is older than any
+    /// operation on any key since ([`Inner::changed_since`]).
+    clock: AtomicU64,
 }
 
 impl Inner {
+    /// Gives the next operation on a stripe (held, `v`) its version.
+    fn bump(&self, v: &mut u64) -> u64 {
+        *v = self.clock.fetch_add(1, Relaxed) + 1;
+        *v
+    }
+
+    /// The version clock now: every operation from here on gets a later one.
+    fn now(&self) -> u64 {
+        self.clock.load(Relaxed)
+    }
+
     fn stripe(&self, ns: &str, key: &[u8]) -> &Mutex<u64> {
         let h = xxhash_rust::xxh3::xxh3_64_with_seed(key, xxhash_rust::xxh3::xxh3_64(ns.as_bytes()));
         &self.stripes[(h as usize) % self.stripes.len()]
@@ -153,6 +168,14 @@ impl Drop for Lease {
     fn drop(&mut self) {
         self.store.inner.memory.unpin(&self.ns, &self.key);
     }
+}
+
+/// When an entry given `ttl` now expires, in milliseconds since the epoch;
+/// a time past what a signed 64-bit count holds is held at its end (the
+/// protocols refuse such TTLs before they get here).
+fn expires_at(ttl: Duration) -> u64 {
+    let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+    now_ms().saturating_add(ms).min(i64::MAX as u64)
 }
 
 fn validate(ns: &str, key: &[u8]) -> Result<()> {
@@ -225,6 +248,7 @@ impl Store {
             promoted_disk: AtomicU64::new(0),
             promoted_remote: AtomicU64::new(0),
             stripes: (0..STRIPES).map(|_| Mutex::new(0)).collect(),
+            clock: AtomicU64::new(0),
         });
         for (tier, rx, lane, shared, announces) in workers {
             tokio::spawn(offload_worker(Arc::downgrade(&inner), tier, rx, lane, shared, announces));
@@ -371,14 +395,8 @@ impl Store {
         if value.len() as u64 > limit {
             return Err(WarehouseError::TooLarge { size: value.len() as u64, limit });
         }
-        match opts.condition {
-            Condition::Always => {}
-            Condition::IfAbsent if self.exists(ns, &key).await? => return Ok(PutOutcome::default()),
-            Condition::IfPresent if !self.exists(ns, &key).await? => return Ok(PutOutcome::default()),
-            _ => {}
-        }
         let ttl = opts.ttl.or_else(|| self.inner.cfg.namespace_ttl(ns));
-        let meta = EntryMeta { expires_at_ms: ttl.map(|t| now_ms() + t.as_millis() as u64), depth: opts.depth };
+        let meta = EntryMeta { expires_at_ms: ttl.map(expires_at), depth: opts.depth };
         let mode = self.inner.cfg.offload;
         let size = value.len() as u64;
         let memory_can = self.inner.cfg.memory_tier && self.inner.memory.could_hold(&key, &value);
@@ -386,10 +404,27 @@ impl Store {
             // Refused before anything changes: the key keeps its old value.
             return Err(WarehouseError::OutOfMemory { size });
         }
-        let (seq, in_memory, evicted) = {
+        let (seq, in_memory, evicted) = loop {
+            // NX / XX: whether the key exists is read at a version of its
+            // lock stripe, and the write goes ahead only if nothing changed
+            // the stripe since (else it is read again): two `SET k v NX`
+            // cannot both store, whatever the tiers' latency.
+            let expect = match opts.condition {
+                Condition::Always => None,
+                c => {
+                    let version = *self.inner.stripe(ns, &key).lock();
+                    let present = self.exists(ns, &key).await?;
+                    if present == (c == Condition::IfAbsent) {
+                        return Ok(PutOutcome::default());
+                    }
+                    Some(version)
+                }
+            };
             let mut v = self.inner.stripe(ns, &key).lock();
-            *v += 1;
-            let seq = *v;
+            if expect.is_some_and(|e| *v != e) {
+                continue;
+            }
+            let seq = self.inner.bump(&mut v);
             let (evicted, in_memory) = if self.inner.cfg.memory_tier {
                 let mut ev = self.inner.memory.put_versioned(ns, key.clone(), value.clone(), meta, seq);
                 // A value memory cannot take comes straight back.
@@ -409,7 +444,7 @@ impl Store {
                     }
                 }
             }
-            (seq, in_memory, evicted)
+            break (seq, in_memory, evicted);
         };
         self.handle_evicted(evicted);
         if in_memory && !opts.durable {
@@ -436,7 +471,9 @@ impl Store {
             let mut durable = kind == TierKind::Remote;
             if kind == TierKind::Disk && opts.durable {
                 l.tier.flush().await?;
-                durable = true;
+                // A value the disk evicted between its write and the flush
+                // was never synced (its file was gone): not durable.
+                durable = l.tier.contains(ns, &key).await.unwrap_or(false);
             }
             // The tiers below this one: a copy (mode `all`), else no stale copy.
             let v = self.inner.stripe(ns, &key).lock();
@@ -504,10 +541,33 @@ impl Store {
     /// before it for the key).
     pub async fn delete(&self, ns: &str, key: &[u8]) -> Result<bool> {
         validate(ns, key)?;
+        Ok(self.delete_at(ns, key, None).await?.unwrap_or(false))
+    }
+
+    /// Reads a value and removes it, as one operation (GETDEL): the value
+    /// answered is the one removed, never one a concurrent write put there
+    /// between the read and the removal.
+    pub async fn take(&self, ns: &str, key: &[u8]) -> Result<Option<Hit>> {
+        validate(ns, key)?;
+        loop {
+            let version = *self.inner.stripe(ns, key).lock();
+            let Some(hit) = self.get(ns, key).await? else { return Ok(None) };
+            if self.delete_at(ns, key, Some(version)).await?.is_some() {
+                return Ok(Some(hit));
+            }
+        }
+    }
+
+    /// [`Store::delete`], only if the key's lock stripe is still at
+    /// `version` (when given); `None` when it is not (nothing removed).
+    async fn delete_at(&self, ns: &str, key: &[u8], version: Option<u64>) -> Result<Option<bool>> {
         let k = Bytes::copy_from_slice(key);
         let (mut existed, waits) = {
             let mut v = self.inner.stripe(ns, key).lock();
-            *v += 1;
+            if version.is_some_and(|e| *v != e) {
+                return Ok(None);
+            }
+            self.inner.bump(&mut v);
             // Queued before memory lets go, so no reader falls through to an older copy below.
             let waits: Vec<_> =
                 self.lower().map(|l| (l.tier.kind(), l.announces, l.submit(ns, &k, Action::Remove))).collect();
@@ -530,7 +590,7 @@ impl Store {
         }
         match first_err {
             Some(e) => Err(e),
-            None => Ok(existed),
+            None => Ok(Some(existed)),
         }
     }
 
@@ -546,7 +606,7 @@ impl Store {
         }
         // Reads that began before this point must not promote what they found.
         for s in self.inner.stripes.iter() {
-            *s.lock() += 1;
+            self.inner.bump(&mut s.lock());
         }
         n += self.inner.memory.remove_namespace(ns).await?;
         Ok(n)
@@ -556,12 +616,12 @@ impl Store {
     /// including a copy still queued for a lower tier.
     pub async fn expire(&self, ns: &str, key: &[u8], ttl: Option<Duration>) -> Result<bool> {
         validate(ns, key)?;
-        let at = ttl.map(|t| now_ms() + t.as_millis() as u64);
+        let at = ttl.map(expires_at);
         let k = Bytes::copy_from_slice(key);
         let (mut found, waits) = {
             let mut v = self.inner.stripe(ns, key).lock();
-            *v += 1;
-            let found = self.inner.memory.set_expiry_versioned(ns, key, at, Some(*v));
+            let version = self.inner.bump(&mut v);
+            let found = self.inner.memory.set_expiry_versioned(ns, key, at, Some(version));
             let waits: Vec<_> = self.lower().map(|l| l.submit(ns, &k, Action::Expire { at })).collect();
             (found, waits)
         };

@@ -3,6 +3,20 @@
 
 use super::*;
 
+/// A time to live of `n` seconds (`secs`) or milliseconds from now,
+/// refused as Redis refuses it: not positive, or past the last millisecond
+/// since the epoch that a signed 64-bit count holds once now is added (a
+/// TTL cast and added unchecked stored nothing, or panicked in a debug
+/// build, where Redis answers an error).
+pub(super) fn ttl_from_now(n: i64, secs: bool, cmd: &'static str) -> Result<Duration, CmdError> {
+    let now = crate::types::now_ms() as i64;
+    let ms = if secs { n.checked_mul(1000) } else { Some(n) };
+    match ms {
+        Some(ms) if ms > 0 && ms.checked_add(now).is_some() => Ok(Duration::from_millis(ms as u64)),
+        _ => Err(CmdError::InvalidExpire(cmd)),
+    }
+}
+
 impl Session<'_> {
     /// GETEX key [EX s | PX ms | EXAT t | PXAT t | PERSIST]: the value, and
     /// the new expiry set on it if there is one.
@@ -21,10 +35,8 @@ impl Session<'_> {
                     return Err(CmdError::InvalidExpire("getex"));
                 }
                 let now = crate::types::now_ms() as i64;
-                let ms = if is(w, "EX") {
-                    n.checked_mul(1000)
-                } else if is(w, "PX") {
-                    Some(n)
+                let ms = if is(w, "EX") || is(w, "PX") {
+                    Some(ttl_from_now(n, is(w, "EX"), "getex")?.as_millis() as i64)
                 } else if is(w, "EXAT") {
                     n.checked_mul(1000).map(|at| at.saturating_sub(now))
                 } else if is(w, "PXAT") {
@@ -103,14 +115,16 @@ impl Session<'_> {
                 if n <= 0 {
                     return Err(CmdError::InvalidExpire("set"));
                 }
-                let n = n as u64;
-                let now = crate::types::now_ms();
-                let ttl = if is(w, "EX") {
-                    Duration::from_secs(n)
-                } else if is(w, "PX") {
-                    Duration::from_millis(n)
+                let ttl = if is(w, "EX") || is(w, "PX") {
+                    ttl_from_now(n, is(w, "EX"), "set")?
                 } else {
-                    let at = if is(w, "EXAT") { n.saturating_mul(1000) } else { n };
+                    let now = crate::types::now_ms();
+                    let n = n as u64;
+                    let at = if is(w, "EXAT") {
+                        n.checked_mul(1000).filter(|&ms| ms <= i64::MAX as u64).ok_or(CmdError::InvalidExpire("set"))?
+                    } else {
+                        n
+                    };
                     // A time already past stores a key that is gone at once, as in Redis.
                     Duration::from_millis(at.saturating_sub(now).max(1))
                 };
@@ -169,6 +183,8 @@ impl Session<'_> {
             return Err(CmdError::Syntax);
         }
         let new_ms = if ms { Some(n) } else { n.checked_mul(1000) }.ok_or(CmdError::InvalidExpire(cmd))?;
+        // Checked before the key is looked up, as Redis does.
+        let ttl = if new_ms > 0 { Some(ttl_from_now(new_ms, false, cmd)?) } else { None };
         let current = self.ctx.store.ttl(&self.ns, key).await?;
         let current_ms = match current {
             Ttl::Missing => return Ok(false),
@@ -182,10 +198,10 @@ impl Session<'_> {
         if !allowed {
             return Ok(false);
         }
-        if new_ms <= 0 {
-            return Ok(self.ctx.store.delete(&self.ns, key).await?);
+        match ttl {
+            None => Ok(self.ctx.store.delete(&self.ns, key).await?),
+            ttl => Ok(self.ctx.store.expire(&self.ns, key, ttl).await?),
         }
-        Ok(self.ctx.store.expire(&self.ns, key, Some(Duration::from_millis(new_ms as u64))).await?)
     }
 
     pub(super) async fn scan(&self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {

@@ -390,10 +390,7 @@ impl<'a> Session<'a> {
                 arity(a.len() == 3)?;
                 let n = parse_i64(&a[1])?;
                 let cmd = if name == "SETEX" { "setex" } else { "psetex" };
-                if n <= 0 {
-                    return Err(CmdError::InvalidExpire(cmd));
-                }
-                let ttl = if name == "SETEX" { Duration::from_secs(n as u64) } else { Duration::from_millis(n as u64) };
+                let ttl = keyspace::ttl_from_now(n, name == "SETEX", cmd)?;
                 let opts = PutOptions { ttl: Some(ttl), ..Default::default() };
                 self.ctx.store.put(&self.ns, Bytes::copy_from_slice(&a[0]), own(a[2].clone()), opts).await?;
                 out.ok();
@@ -481,11 +478,8 @@ impl<'a> Session<'a> {
             }
             "GETDEL" => {
                 arity(a.len() == 1)?;
-                match self.ctx.store.get(&self.ns, &a[0]).await? {
-                    Some(hit) => {
-                        self.ctx.store.delete(&self.ns, &a[0]).await?;
-                        out.bulk_bytes(hit.value);
-                    }
+                match self.ctx.store.take(&self.ns, &a[0]).await? {
+                    Some(hit) => out.bulk_bytes(hit.value),
                     None => out.null(),
                 }
             }

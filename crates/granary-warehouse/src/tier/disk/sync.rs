@@ -54,6 +54,10 @@ impl Shared {
         #[cfg(target_os = "linux")]
         if d.files.len() + d.dirs.len() > SYNCFS_ABOVE && *self.syncfs.get_or_init(|| syncfs_reaches(&self.dir)) {
             let dir = File::open(&self.dir).map_err(io_err)?;
+            // Renames wait here too (see below): one that landed while the
+            // filesystem synced could have its name made durable before its
+            // data.
+            let _no_renames = self.renames.write();
             // SAFETY: syncfs takes any fd on the filesystem; `dir` is open for the call.
             if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&dir)) } == 0 {
                 self.synced(&self.dir);
