@@ -160,7 +160,18 @@ fn a_request_is_traced_from_the_gateway_through_the_engine_to_the_warehouse() {
     let listen = format!("127.0.0.1:{engine_port}");
     // No engine-memory cache: a repeated prompt's blocks come from the warehouse.
     let mut engine = Proc::start(
-        &["engine", "--listen", &listen, "--block-tokens", "16", "--kv-cache", "0", "--warehouse", &wh],
+        &[
+            "engine",
+            "--listen",
+            &listen,
+            "--block-tokens",
+            "16",
+            "--kv-cache",
+            "0",
+            "--warehouse",
+            &wh,
+            "--trust-namespace-header",
+        ],
         &otel,
     );
     let dir = tempfile::tempdir().unwrap();
