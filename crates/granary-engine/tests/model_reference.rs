@@ -36,7 +36,21 @@ const TIE_MARGIN: f32 = 0.25;
 /// the two differ like the first-step logits do (measured worst 0.59 with
 /// dense weights on an AVX2 CPU, under [`LOGIT_TOLERANCE`]), and a near tie
 /// that close may fall either way (seen there: 0.30 on "def fibonacci(n):\n").
+/// Also the margin of the `generic` kernel path for any layout: its
+/// portable vector code (attention, norms) sums in another order than the
+/// AVX2 code, and with native weights it moved that same near tie to 0.39
+/// (2026-12-03, `GRANARY_KERNELS=generic` on an AVX-512 host).
 const DENSE_TIE_MARGIN: f32 = 0.5;
+
+/// The tie margin for weights held as tiles or as stored (`native`).
+fn native_tie_margin() -> f32 {
+    use granary_engine::model::kernels::{kernel_path, KernelPath};
+    if kernel_path() == KernelPath::Generic {
+        DENSE_TIE_MARGIN
+    } else {
+        TIE_MARGIN
+    }
+}
 
 /// Per prompt, how the engine's greedy choices compare with llama.cpp's 32.
 #[derive(Debug)]
@@ -117,7 +131,7 @@ fn check(model: &Model, label: &str, tie_margin: f32) -> Vec<Greedy> {
 fn native_weights_match_llama_cpp_logits_and_greedy_tokens() {
     let Some(path) = common::default_model() else { return };
     let opts = LoadOptions { native_quant: true, ..LoadOptions::default() };
-    let g = check(&Model::load(&path, &opts).unwrap(), "native", TIE_MARGIN);
+    let g = check(&Model::load(&path, &opts).unwrap(), "native", native_tie_margin());
     let exact: usize = g.iter().map(|g| g.exact).sum();
     assert!(exact * 10 >= 9 * 4 * 32, "only {exact} of 128 greedy steps are exact: {g:?}");
 }
@@ -128,7 +142,7 @@ fn native_weights_match_llama_cpp_logits_and_greedy_tokens() {
 #[test]
 fn serving_weights_match_llama_cpp_logits() {
     let Some(path) = common::default_model() else { return };
-    let margin = if granary_engine::model::int8_kernels() { TIE_MARGIN } else { DENSE_TIE_MARGIN };
+    let margin = if granary_engine::model::int8_kernels() { native_tie_margin() } else { DENSE_TIE_MARGIN };
     let g = check(&Model::load(&path, &LoadOptions::default()).unwrap(), "serving", margin);
     let exact: usize = g.iter().map(|g| g.exact).sum();
     assert!(exact * 10 >= 8 * 4 * 32, "only {exact} of 128 greedy steps are exact: {g:?}");
