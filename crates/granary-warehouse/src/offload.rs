@@ -39,10 +39,28 @@ pub(crate) const LANES: usize = 4;
 
 /// What an operation does in the tier.
 pub(crate) enum Action {
-    Put { value: Bytes, meta: EntryMeta },
+    Put {
+        value: Bytes,
+        meta: EntryMeta,
+    },
     Remove,
-    Expire { at: Option<u64> },
-    RemoveNamespace,
+    Expire {
+        at: Option<u64>,
+    },
+    /// One of a namespace removal's operations, one on every lane of the
+    /// tier (see [`NamespaceRemoval`]).
+    RemoveNamespace(Arc<NamespaceRemoval>),
+}
+
+/// A namespace removal across a tier's lanes. The tier removes the whole
+/// namespace at once, so it must happen when every lane has applied what
+/// was queued before it and none has applied anything queued after: each
+/// lane waits at the first barrier, one of them (the leader) removes, and
+/// all wait at the second barrier before going on. Without it a lane that
+/// got there last removed values other lanes had stored after theirs.
+pub(crate) struct NamespaceRemoval {
+    pub arrived: tokio::sync::Barrier,
+    pub done: tokio::sync::Barrier,
 }
 
 /// What an operation found, for a caller that waits for it.
@@ -172,7 +190,7 @@ impl Lower {
         p.ops += 1;
         p.latest = match (&op.action, &p.latest) {
             (Action::Put { value, meta }, _) => Latest::Value(value.clone(), *meta),
-            (Action::Remove | Action::RemoveNamespace, _) => Latest::Removed,
+            (Action::Remove | Action::RemoveNamespace(_), _) => Latest::Removed,
             (Action::Expire { at }, Latest::Value(v, m)) => {
                 Latest::Value(v.clone(), EntryMeta { expires_at_ms: *at, ..*m })
             }
@@ -184,7 +202,7 @@ impl Lower {
         self.shared.c.inflight.fetch_add(1, Relaxed);
         if let Err(mpsc::error::SendError(op)) = lane.tx.send(op) {
             // The worker is gone (runtime shutting down): undo the bookkeeping.
-            finish_locked(st, &self.shared, &op.ns, &op.key, op.copy);
+            finish_locked(st, &self.shared, &op.ns, Some(&op.key), op.copy);
             worker_gone(op.reply);
         }
     }
@@ -246,6 +264,10 @@ impl Lower {
     /// Removes a namespace on every lane (after everything queued before).
     pub fn submit_namespace(&self, ns: &str) -> Vec<oneshot::Receiver<Result<Outcome>>> {
         let mut out = Vec::with_capacity(self.lanes.len());
+        let removal = Arc::new(NamespaceRemoval {
+            arrived: tokio::sync::Barrier::new(self.lanes.len()),
+            done: tokio::sync::Barrier::new(self.lanes.len()),
+        });
         for lane in &self.lanes {
             let mut st = lane.state.0.lock();
             // Every pending key of the namespace ends removed.
@@ -255,11 +277,11 @@ impl Lower {
                 }
             }
             let (tx, rx) = oneshot::channel();
-            // An empty key marks a namespace-wide operation (not in the pending map).
+            // A namespace-wide operation: not in the pending map, its key unused.
             let op = Op {
                 ns: ns.to_string(),
                 key: Bytes::new(),
-                action: Action::RemoveNamespace,
+                action: Action::RemoveNamespace(removal.clone()),
                 reply: Some(tx),
                 copy: false,
             };
@@ -283,6 +305,29 @@ impl Lower {
         st.pending.get(&(ns.to_string(), Bytes::copy_from_slice(key))).map(|p| p.latest.clone())
     }
 
+    /// The keys of `ns` whose queued operations have not landed, with scan
+    /// hash at least `cursor`: those that will hold a live value, and those
+    /// that will be gone. A scan of the tier alone misses the first (a value
+    /// on its way down from memory is in neither) and lists the second.
+    pub fn pending_keys(&self, ns: &str, cursor: u64) -> (Vec<Bytes>, Vec<Bytes>) {
+        let (mut live, mut gone) = (Vec::new(), Vec::new());
+        let now = now_ms();
+        for lane in &self.lanes {
+            let st = lane.state.0.lock();
+            for ((pns, key), p) in &st.pending {
+                if pns != ns || crate::types::scan_hash(key) < cursor {
+                    continue;
+                }
+                match &p.latest {
+                    Latest::Value(_, m) if !m.is_expired(now) => live.push(key.clone()),
+                    Latest::Value(..) | Latest::Removed => gone.push(key.clone()),
+                    Latest::Unknown => {}
+                }
+            }
+        }
+        (live, gone)
+    }
+
     /// Whether the tier holds (or will hold) a live copy of the key, as far
     /// as it can tell without I/O (`None`: only the tier can tell).
     pub fn holds_local(&self, ns: &str, key: &[u8]) -> Option<bool> {
@@ -300,15 +345,16 @@ impl Lower {
 }
 
 /// Bookkeeping after a worker applied an operation of its lane.
-pub(crate) fn finish(lane: &LaneState, shared: &Shared, ns: &str, key: &Bytes, copy: bool) {
+/// `key` is `None` for a namespace-wide operation (the empty key is a key).
+pub(crate) fn finish(lane: &LaneState, shared: &Shared, ns: &str, key: Option<&Bytes>, copy: bool) {
     finish_locked(&mut lane.0.lock(), shared, ns, key, copy);
 }
 
-fn finish_locked(st: &mut State, shared: &Shared, ns: &str, key: &Bytes, copy: bool) {
+fn finish_locked(st: &mut State, shared: &Shared, ns: &str, key: Option<&Bytes>, copy: bool) {
     if copy {
         st.copies = st.copies.saturating_sub(1);
     }
-    if !key.is_empty() {
+    if let Some(key) = key {
         let k = (ns.to_string(), key.clone());
         if let Some(p) = st.pending.get_mut(&k) {
             p.ops -= 1;

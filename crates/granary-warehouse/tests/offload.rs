@@ -135,6 +135,32 @@ async fn mode_evicted_copies_only_what_memory_drops_and_reads_promote_back() {
     assert_eq!(s.lookup_local("n", &[k(0), k(1)]).tiers, vec![TierKind::Memory, TierKind::Disk]);
 }
 
+/// One tenant's FLUSHDB leaves every other namespace's values alone: in
+/// mode `evicted` they are still written down when memory lets them go.
+/// Before, a namespace removal moved every key lock's version on, so each
+/// value then in memory, of any namespace, failed the write-back's version
+/// check and was dropped (lost) when evicted.
+#[tokio::test]
+async fn a_flush_of_one_namespace_loses_nothing_of_another() {
+    let disk = Lower::new(TierKind::Disk, Duration::ZERO);
+    let s = Store::with_tiers(cfg(OffloadMode::Evicted, 4 * 205), Some(disk.clone()), None);
+    for i in 0..3 {
+        s.put("other", k(i), Bytes::from(vec![i as u8; 100]), PutOptions::default()).await.unwrap();
+    }
+    s.put("flushed", k(9), Bytes::from(vec![9; 100]), PutOptions::default()).await.unwrap();
+    s.delete_namespace("flushed").await.unwrap();
+    // More of `other` than memory holds: the first three are evicted now.
+    for i in 3..10 {
+        s.put("other", k(i), Bytes::from(vec![i as u8; 100]), PutOptions::default()).await.unwrap();
+    }
+    s.flush(Duration::from_secs(5)).await.unwrap();
+    for i in 0..10 {
+        let hit = s.get("other", &k(i)).await.unwrap();
+        assert_eq!(hit.map(|h| h.value.to_vec()), Some(vec![i as u8; 100]), "other/{} was lost", i);
+    }
+    assert_eq!(s.get("flushed", &k(9)).await.unwrap().map(|h| h.value), None);
+}
+
 /// A value read from below that is too big for the memory tier is not
 /// announced as stored in memory, and not written back to the tier it was
 /// just read from.
@@ -359,7 +385,7 @@ struct Model {
     expiry: Option<(u64, u64)>,
 }
 
-/// Clock slack around TTL edges (the store's clock is coarse).
+/// Clock slack around TTL edges (a loaded host delays the client's reads).
 const SLACK_MS: u64 = 25;
 
 /// One client's random history on the keys it owns, each read checked

@@ -15,6 +15,8 @@ use granary_warehouse::auth::Auth;
 use granary_warehouse::config::ServeLimits;
 use granary_warehouse::{ServerCtx, Store, StoreConfig};
 
+mod differential;
+mod linearizable;
 mod reference;
 mod slow_tier;
 
@@ -49,6 +51,30 @@ impl Server {
             (port, ctx)
         });
         Server { port, ctx, stop: Some(stop), rt: Some(rt) }
+    }
+
+    /// A store whose memory tier holds only a few values, over a small disk
+    /// tier and a remote tier (a `file://` directory) under `root`: values
+    /// move between tiers all the time.
+    fn tiered(root: &std::path::Path, offload: granary_warehouse::config::OffloadMode) -> StoreConfig {
+        use granary_core::ByteSize;
+        use granary_warehouse::config::{DiskConfig, RemoteConfig};
+        let remote = root.join("remote");
+        std::fs::create_dir_all(&remote).unwrap();
+        StoreConfig {
+            memory: ByteSize::kib(24),
+            disk: Some(DiskConfig {
+                dir: root.join("disk"),
+                capacity: ByteSize::kib(48),
+                policy: granary_warehouse::PolicyKind::Lru,
+            }),
+            remote: Some(RemoteConfig {
+                url: url::Url::from_directory_path(&remote).unwrap().to_string(),
+                options: Default::default(),
+            }),
+            offload,
+            ..Default::default()
+        }
     }
 
     fn connect(&self) -> TcpStream {

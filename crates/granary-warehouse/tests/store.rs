@@ -135,8 +135,10 @@ async fn bad_input_is_rejected_with_the_field_named() {
     let s = Store::memory_only(1 << 20);
     let e = s.put("bad ns", b("k"), b("v"), PutOptions::default()).await.unwrap_err();
     assert!(e.to_string().contains("namespace"), "{e}");
-    let e = s.put("n", Bytes::new(), b("v"), PutOptions::default()).await.unwrap_err();
-    assert!(e.to_string().contains("key"), "{e}");
+    // The empty key is a key (as in Redis); one past 4096 bytes is not.
+    s.put("n", Bytes::new(), b("v"), PutOptions::default()).await.unwrap();
+    let e = s.put("n", Bytes::from(vec![b'k'; 4097]), b("v"), PutOptions::default()).await.unwrap_err();
+    assert!(e.to_string().contains("key") && e.to_string().contains("4096"), "{e}");
     let mut cfg = granary_warehouse::StoreConfig::memory_only(1 << 20);
     cfg.max_value = granary_core::ByteSize(10);
     let s = Store::with_tiers(cfg, None, None);

@@ -6,7 +6,14 @@
 //! O(pattern × key) and a hostile pattern cannot make it explode.
 
 /// Whether `text` matches `pattern`; `nocase` folds ASCII case.
+///
+/// The empty key matches only the empty pattern, as in Redis, whose matcher
+/// never enters its loop for an empty string (`KEYS *` and `SCAN` without
+/// `MATCH` list it because they do not match at all).
 pub fn glob_match(pattern: &[u8], text: &[u8], nocase: bool) -> bool {
+    if text.is_empty() {
+        return pattern.is_empty();
+    }
     let eq = |a: u8, b: u8| if nocase { a.eq_ignore_ascii_case(&b) } else { a == b };
     let (mut p, mut t) = (0usize, 0usize);
     // Where to resume after the last `*`: pattern position after it, text position it covers up to.
@@ -97,8 +104,13 @@ mod tests {
 
     #[test]
     fn wildcards() {
-        assert!(m("*", ""));
+        // Redis's matcher: the empty key matches only the empty pattern
+        // (`KEYS *` lists it without matching).
+        assert!(!m("*", ""));
+        assert!(!m("**", ""));
+        assert!(m("", ""));
         assert!(m("*", "anything"));
+        assert!(m("k*", "k"));
         assert!(m("h?llo", "hello"));
         assert!(!m("h?llo", "hllo"));
         assert!(m("h*llo", "hllo"));

@@ -47,7 +47,7 @@ fn handle_evicted_below(inner: &Inner, tier: TierKind, announces: bool, evicted:
             if let (Some(r), Some(value)) = (&inner.remote, e.value) {
                 let v = inner.stripe(&e.namespace, &e.key).lock();
                 let queued = inner.disk.as_ref().and_then(|d| d.latest(&e.namespace, &e.key));
-                if *v > began || queued.is_some() {
+                if *v > began || queued.is_some() || inner.flushed_since(&e.namespace, began) {
                     r.shared.c.dropped.fetch_add(1, Relaxed);
                     continue;
                 }
@@ -69,6 +69,7 @@ pub(super) async fn offload_worker(
     let kind = tier.kind();
     while let Some(op) = rx.recv().await {
         let Op { ns, key, action, reply, copy } = op;
+        let keyed = !matches!(action, Action::RemoveNamespace(_));
         let result = match action {
             Action::Put { value, meta } => {
                 if meta.is_expired(now_ms()) {
@@ -111,9 +112,15 @@ pub(super) async fn offload_worker(
                 found.map(Outcome::Found)
             }
             Action::Expire { at } => tier.set_expiry(&ns, &key, at).await.map(Outcome::Found),
-            Action::RemoveNamespace => tier.remove_namespace(&ns).await.map(Outcome::Count),
+            Action::RemoveNamespace(removal) => {
+                let leader = removal.arrived.wait().await.is_leader();
+                let result =
+                    if leader { tier.remove_namespace(&ns).await.map(Outcome::Count) } else { Ok(Outcome::Count(0)) };
+                removal.done.wait().await;
+                result
+            }
         };
-        offload::finish(&lane, &shared, &ns, &key, copy);
+        offload::finish(&lane, &shared, &ns, keyed.then_some(&key), copy);
         match &result {
             // A copy the tier refused (too big for it) is not there: a loss.
             Ok(Outcome::Put(refused)) if copy && !refused.is_empty() => {

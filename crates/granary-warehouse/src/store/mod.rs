@@ -25,6 +25,7 @@
 //! `stored` / `removed` announcements, [`sweeper`] the background expiry.
 
 mod events;
+mod flush;
 mod lanes;
 mod sweeper;
 
@@ -118,6 +119,10 @@ struct Inner {
     /// read from the clock before some work began is older than any
     /// operation on any key since ([`Inner::changed_since`]).
     clock: AtomicU64,
+    /// Namespace flushes (FLUSHDB): how many run now, and the last one's
+    /// cut, a version: every write up to it is flushed, every later one
+    /// stays ([`Store::delete_namespace`]).
+    flushes: Mutex<std::collections::HashMap<String, flush::Flush>>,
 }
 
 impl Inner {
@@ -180,8 +185,9 @@ fn expires_at(ttl: Duration) -> u64 {
 
 fn validate(ns: &str, key: &[u8]) -> Result<()> {
     crate::types::check_namespace(ns.as_bytes()).map_err(|e| WarehouseError::invalid("namespace", e))?;
-    if key.is_empty() || key.len() > MAX_KEY {
-        return Err(WarehouseError::invalid("key", format!("must be 1 to {MAX_KEY} bytes")));
+    // The empty key is a key, as in Redis.
+    if key.len() > MAX_KEY {
+        return Err(WarehouseError::invalid("key", format!("must be at most {MAX_KEY} bytes")));
     }
     Ok(())
 }
@@ -249,6 +255,7 @@ impl Store {
             promoted_remote: AtomicU64::new(0),
             stripes: (0..STRIPES).map(|_| Mutex::new(0)).collect(),
             clock: AtomicU64::new(0),
+            flushes: Mutex::new(Default::default()),
         });
         for (tier, rx, lane, shared, announces) in workers {
             tokio::spawn(offload_worker(Arc::downgrade(&inner), tier, rx, lane, shared, announces));
@@ -313,6 +320,7 @@ impl Store {
             return Ok(Some(Hit { value: s.value, tier: TierKind::Memory, meta: s.meta }));
         }
         let version = *self.inner.stripe(ns, key).lock();
+        let began = self.inner.now();
         for l in self.lower() {
             let kind = l.tier.kind();
             let found = match l.latest(ns, key) {
@@ -331,7 +339,7 @@ impl Store {
             };
             if let Some(s) = found {
                 let key = Bytes::copy_from_slice(key);
-                self.promote(ns, key, s.value.clone(), s.meta, kind, version);
+                self.promote(ns, key, s.value.clone(), s.meta, kind, version, began);
                 return Ok(Some(Hit { value: s.value, tier: kind, meta: s.meta }));
             }
         }
@@ -340,15 +348,17 @@ impl Store {
 
     /// Copies a value read from `from` into memory (and from the remote
     /// tier onto disk in mode `all`), unless the key changed since the
-    /// read began (`version`).
-    fn promote(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta, from: TierKind, version: u64) {
+    /// read began (`version`, the key's; `began`, the clock's) or its
+    /// namespace was flushed meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    fn promote(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta, from: TierKind, version: u64, began: u64) {
         match from {
             TierKind::Disk => self.inner.promoted_disk.fetch_add(1, Relaxed),
             _ => self.inner.promoted_remote.fetch_add(1, Relaxed),
         };
         let mut evicted = {
             let v = self.inner.stripe(ns, &key).lock();
-            if *v != version {
+            if *v != version || self.inner.flushed_since(ns, began) {
                 return;
             }
             if from == TierKind::Remote && self.inner.cfg.offload == OffloadMode::All {
@@ -456,8 +466,9 @@ impl Store {
         for (i, l) in lowers.iter().enumerate() {
             let rx = {
                 let v = self.inner.stripe(ns, &key).lock();
-                if *v != seq {
-                    // A later operation on the key replaced this write.
+                if *v != seq || seq <= self.inner.flush_cut(ns) {
+                    // A later operation on the key replaced this write, or
+                    // a flush of its namespace removed it.
                     return Ok(PutOutcome { stored: true, durable: false });
                 }
                 l.submit(ns, &key, Action::Put { value: value.clone(), meta })
@@ -504,7 +515,9 @@ impl Store {
                 continue;
             }
             let v = self.inner.stripe(&e.namespace, &e.key).lock();
-            if *v != e.seq {
+            // Replaced since, or flushed (a value written up to a flush's
+            // cut that memory lets go during the flush).
+            if *v != e.seq || e.seq <= self.inner.flush_cut(&e.namespace) {
                 continue;
             }
             for l in self.lower() {
@@ -592,24 +605,6 @@ impl Store {
             Some(e) => Err(e),
             None => Ok(Some(existed)),
         }
-    }
-
-    /// Removes every key of a namespace from every tier; how many entries.
-    pub async fn delete_namespace(&self, ns: &str) -> Result<u64> {
-        validate(ns, b"-")?;
-        let waits: Vec<_> = self.lower().flat_map(|l| l.submit_namespace(ns)).collect();
-        let mut n = 0;
-        for rx in waits {
-            if let Outcome::Count(c) = wait(rx).await? {
-                n += c;
-            }
-        }
-        // Reads that began before this point must not promote what they found.
-        for s in self.inner.stripes.iter() {
-            self.inner.bump(&mut s.lock());
-        }
-        n += self.inner.memory.remove_namespace(ns).await?;
-        Ok(n)
     }
 
     /// Sets (or with `None`, clears) a key's time to live in every tier,
@@ -705,7 +700,13 @@ impl Store {
         let count = count.clamp(1, 100_000);
         let mut pages = vec![self.inner.memory.scan(ns, cursor, count).await?];
         if let Some(d) = &self.inner.disk {
-            pages.push(d.tier.scan(ns, cursor, count).await?);
+            // What is queued for the disk, read before the disk itself: a
+            // value that lands in between is then in one or the other.
+            let (live, gone) = d.pending_keys(ns, cursor);
+            let mut page = d.tier.scan(ns, cursor, count).await?;
+            page.keys.retain(|k| !gone.contains(k));
+            pages.push(page);
+            pages.push(ScanPage { keys: live, next: 0 });
         }
         Ok(merge_pages(pages, count))
     }

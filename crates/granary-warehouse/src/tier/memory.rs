@@ -321,13 +321,32 @@ impl MemoryTier {
     }
 
     /// Removes a key; whether it was there.
+    /// Removes a key; whether it held a live (unexpired) value, as DEL
+    /// counts it. An expired entry is removed too.
     pub fn remove_sync(&self, ns: &str, key: &[u8]) -> bool {
         let mut s = self.shard(ns, key).lock();
-        let found = self.remove_locked(&mut s, ns, key).is_some();
-        if found {
-            self.events.removed(ns, key);
+        let Some(e) = self.remove_locked(&mut s, ns, key) else { return false };
+        self.events.removed(ns, key);
+        !e.meta.is_expired(now_ms())
+    }
+
+    /// Removes every entry of `ns` written at version `upto` or before (a
+    /// namespace flush's cut: what was written after it stays); how many.
+    pub fn remove_namespace_upto(&self, ns: &str, upto: u64) -> u64 {
+        let mut n = 0;
+        for shard in self.shards.iter() {
+            let mut s = shard.lock();
+            for k in s.index.keys(ns) {
+                if s.index.get(ns, &k).is_some_and(|e| e.payload.seq > upto) {
+                    continue;
+                }
+                if self.remove_locked(&mut s, ns, &k).is_some() {
+                    n += 1;
+                    self.events.removed(ns, &k);
+                }
+            }
         }
-        found
+        n
     }
 
     /// Sets or clears a live entry's expiry (and with `seq`, its version);
@@ -405,17 +424,7 @@ impl Tier for MemoryTier {
     }
 
     async fn remove_namespace(&self, ns: &str) -> Result<u64> {
-        let mut n = 0;
-        for shard in self.shards.iter() {
-            let mut s = shard.lock();
-            for k in s.index.keys(ns) {
-                if self.remove_locked(&mut s, ns, &k).is_some() {
-                    n += 1;
-                    self.events.removed(ns, &k);
-                }
-            }
-        }
-        Ok(n)
+        Ok(self.remove_namespace_upto(ns, u64::MAX))
     }
 
     async fn set_expiry(&self, ns: &str, key: &[u8], expires_at_ms: Option<u64>) -> Result<bool> {

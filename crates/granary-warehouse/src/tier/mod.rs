@@ -106,7 +106,8 @@ pub trait Tier: Send + Sync + 'static {
     /// back as the only eviction.
     async fn put(&self, ns: &str, key: Bytes, value: Bytes, meta: EntryMeta) -> Result<Vec<Evicted>>;
 
-    /// Removes a key; whether it was there.
+    /// Removes a key; whether it held a live value (an expired entry is
+    /// removed but not counted, as Redis's DEL does not count it).
     async fn remove(&self, ns: &str, key: &[u8]) -> Result<bool>;
 
     /// Removes every key of a namespace; how many.

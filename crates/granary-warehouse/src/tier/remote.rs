@@ -305,14 +305,16 @@ impl Tier for RemoteTier {
     }
 
     async fn remove(&self, ns: &str, key: &[u8]) -> Result<bool> {
+        // The head, not just the object's existence: an expired entry (or a
+        // corrupt object) is removed but is not a key DEL removed.
         let path = self.object_path(ns, key);
-        match self.store.head(&path).await {
-            Ok(_) => {}
-            Err(object_store::Error::NotFound { .. }) => return Ok(false),
-            Err(e) => return Err(self.fail("head", &path, e)),
-        }
+        let live = match self.read_head(&path).await? {
+            None => return Ok(false),
+            Some(Ok(h)) => h.namespace == ns && h.key == key && !h.meta.is_expired(now_ms()),
+            Some(Err(_)) => false,
+        };
         self.delete(&path).await?;
-        Ok(true)
+        Ok(live)
     }
 
     async fn remove_namespace(&self, ns: &str) -> Result<u64> {

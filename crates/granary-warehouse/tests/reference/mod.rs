@@ -61,6 +61,14 @@ impl Conn {
         Conn(BufReader::new(s))
     }
 
+    /// A connection authenticated with `token` (the warehouse's admin, say).
+    pub fn open_as(port: u16, token: &[u8]) -> Conn {
+        let mut c = Conn::open(port);
+        let ok = c.call(&[b"AUTH", token]);
+        assert_eq!(ok, b"+OK\r\n", "AUTH answered {:?}", String::from_utf8_lossy(&ok));
+        c
+    }
+
     /// The reply to `args`, as the bytes on the wire.
     pub fn call(&mut self, args: &[&[u8]]) -> Vec<u8> {
         let mut frame = format!("*{}\r\n", args.len()).into_bytes();

@@ -17,53 +17,131 @@ pub(super) fn ttl_from_now(n: i64, secs: bool, cmd: &'static str) -> Result<Dura
     }
 }
 
+/// The options SET and GETEX share, parsed as Redis parses them: each
+/// option may repeat, but not meet one it excludes (`NX` with `XX`, one
+/// expiry with another, `KEEPTTL` or `PERSIST` with an expiry), and the
+/// expiry's number is read only once every option is known.
+#[derive(Default)]
+struct Extended {
+    nx: bool,
+    xx: bool,
+    get: bool,
+    keep_ttl: bool,
+    persist: bool,
+    /// The unit word (`EX`, `PX`, `EXAT`, `PXAT`) and its number, unread.
+    expiry: Option<(Unit, Bytes)>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Unit {
+    Ex,
+    Px,
+    ExAt,
+    PxAt,
+}
+
+impl Extended {
+    /// `set`: SET's options; otherwise GETEX's.
+    fn parse(a: &[Bytes], set: bool) -> Result<Extended, CmdError> {
+        let mut o = Extended::default();
+        let mut i = 0;
+        while i < a.len() {
+            let (w, next) = (&a[i], a.get(i + 1));
+            let unit = [("EX", Unit::Ex), ("PX", Unit::Px), ("EXAT", Unit::ExAt), ("PXAT", Unit::PxAt)]
+                .into_iter()
+                .find(|(name, _)| is(w, name))
+                .map(|(_, u)| u);
+            let other_unit = |u: Unit| o.expiry.as_ref().is_some_and(|(have, _)| *have != u);
+            if set && is(w, "NX") && !o.xx {
+                o.nx = true;
+            } else if set && is(w, "XX") && !o.nx {
+                o.xx = true;
+            } else if set && is(w, "GET") {
+                o.get = true;
+            } else if set && is(w, "KEEPTTL") && !o.persist && o.expiry.is_none() {
+                o.keep_ttl = true;
+            } else if !set && is(w, "PERSIST") && !o.keep_ttl && o.expiry.is_none() {
+                o.persist = true;
+            } else if let (Some(u), Some(n)) = (unit, next) {
+                if o.keep_ttl || o.persist || other_unit(u) {
+                    return Err(CmdError::Syntax);
+                }
+                o.expiry = Some((u, n.clone()));
+                i += 1;
+            } else {
+                return Err(CmdError::Syntax);
+            }
+            i += 1;
+        }
+        Ok(o)
+    }
+}
+
+/// The deadline an `EX`/`PX`/`EXAT`/`PXAT` number sets, in milliseconds
+/// since the epoch, refused as Redis refuses it: not an integer, not
+/// positive, or past what a signed 64-bit count of milliseconds holds once
+/// converted (and, for a relative time, once now is added). A deadline
+/// already past is returned as it is: the key is then gone at once.
+fn deadline(unit: Unit, n: &[u8], cmd: &'static str) -> Result<i64, CmdError> {
+    let n = parse_i64(n)?;
+    let secs = matches!(unit, Unit::Ex | Unit::ExAt);
+    if n <= 0 || (secs && n > i64::MAX / 1000) {
+        return Err(CmdError::InvalidExpire(cmd));
+    }
+    let ms = if secs { n * 1000 } else { n };
+    match unit {
+        Unit::Ex | Unit::Px => ms.checked_add(crate::types::now_ms() as i64).ok_or(CmdError::InvalidExpire(cmd)),
+        Unit::ExAt | Unit::PxAt => Ok(ms),
+    }
+}
+
+/// The time to live until `deadline` (ms since the epoch); zero for a
+/// deadline already past, which the store treats as expired.
+fn until(deadline: i64) -> Duration {
+    Duration::from_millis((deadline as u64).saturating_sub(crate::types::now_ms()))
+}
+
+/// EXPIRE, PEXPIRE, EXPIREAT or PEXPIREAT: what their number means.
+#[derive(Clone, Copy)]
+pub(super) struct ExpireUnit {
+    pub ms: bool,
+    pub relative: bool,
+    pub cmd: &'static str,
+}
+
+/// The deadline EXPIRE and its kin set (ms since the epoch) from their
+/// number, checked as Redis checks it: the unit conversion and, for the
+/// relative forms, adding now must not overflow. Unlike SET's, zero and
+/// negative numbers are allowed: the key goes.
+fn expire_when(n: i64, u: ExpireUnit) -> Result<i64, CmdError> {
+    let when = if u.ms { Some(n) } else { n.checked_mul(1000) }.ok_or(CmdError::InvalidExpire(u.cmd))?;
+    if !u.relative {
+        return Ok(when);
+    }
+    when.checked_add(crate::types::now_ms() as i64).ok_or(CmdError::InvalidExpire(u.cmd))
+}
+
 impl Session<'_> {
     /// GETEX key [EX s | PX ms | EXAT t | PXAT t | PERSIST]: the value, and
-    /// the new expiry set on it if there is one.
+    /// the new expiry set on it if there is one. As in Redis, the options'
+    /// syntax is checked first, then the key is looked up, and only then the
+    /// expiry's number (a missing key answers nil whatever it is).
     pub(super) async fn getex(&mut self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
-        enum Change {
-            Keep,
-            Persist,
-            In(i64),
-        }
-        let change = match &a[1..] {
-            [] => Change::Keep,
-            [w] if is(w, "PERSIST") => Change::Persist,
-            [w, n] => {
-                let n = parse_i64(n)?;
-                if n <= 0 {
-                    return Err(CmdError::InvalidExpire("getex"));
-                }
-                let now = crate::types::now_ms() as i64;
-                let ms = if is(w, "EX") || is(w, "PX") {
-                    Some(ttl_from_now(n, is(w, "EX"), "getex")?.as_millis() as i64)
-                } else if is(w, "EXAT") {
-                    n.checked_mul(1000).map(|at| at.saturating_sub(now))
-                } else if is(w, "PXAT") {
-                    Some(n.saturating_sub(now))
-                } else {
-                    return Err(CmdError::Syntax);
-                };
-                Change::In(ms.ok_or(CmdError::InvalidExpire("getex"))?)
-            }
-            _ => return Err(CmdError::Syntax),
-        };
+        let o = Extended::parse(&a[1..], false)?;
         let Some(hit) = self.ctx.store.get(&self.ns, &a[0]).await? else {
             out.null();
             return Ok(());
         };
-        match change {
-            Change::Keep => {}
-            Change::Persist => {
-                self.ctx.store.expire(&self.ns, &a[0], None).await?;
-            }
-            // A time already past deletes the key, as in Redis; the value is still answered.
-            Change::In(ms) if ms <= 0 => {
+        if let Some((unit, n)) = &o.expiry {
+            let at = deadline(*unit, n, "getex")?;
+            if at <= crate::types::now_ms() as i64 {
+                // A time already past deletes the key, as in Redis; the value is still answered.
                 self.ctx.store.delete(&self.ns, &a[0]).await?;
+            } else {
+                self.ctx.store.expire(&self.ns, &a[0], Some(until(at))).await?;
             }
-            Change::In(ms) => {
-                self.ctx.store.expire(&self.ns, &a[0], Some(Duration::from_millis(ms as u64))).await?;
-            }
+        } else if o.persist {
+            self.ctx.store.expire(&self.ns, &a[0], None).await?;
         }
         out.bulk_bytes(hit.value);
         Ok(())
@@ -94,48 +172,23 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// SET key value [NX | XX] [GET] [EX s | PX ms | EXAT t | PXAT t |
+    /// KEEPTTL], in Redis's order: the options' syntax, the expiry's number,
+    /// the old value (GET), then the condition. A deadline already past
+    /// stores a key that is gone at once.
     pub(super) async fn set(&mut self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
-        let mut opts = PutOptions::default();
-        let (mut get, mut keep_ttl, mut expiry_given) = (false, false, false);
-        let mut i = 2;
-        while i < a.len() {
-            let w = &a[i];
-            if is(w, "NX") && opts.condition == Condition::Always {
-                opts.condition = Condition::IfAbsent;
-            } else if is(w, "XX") && opts.condition == Condition::Always {
-                opts.condition = Condition::IfPresent;
-            } else if is(w, "GET") {
-                get = true;
-            } else if is(w, "KEEPTTL") && !expiry_given {
-                keep_ttl = true;
-                expiry_given = true;
-            } else if (is(w, "EX") || is(w, "PX") || is(w, "EXAT") || is(w, "PXAT")) && !expiry_given && i + 1 < a.len()
-            {
-                let n = parse_i64(&a[i + 1])?;
-                if n <= 0 {
-                    return Err(CmdError::InvalidExpire("set"));
-                }
-                let ttl = if is(w, "EX") || is(w, "PX") {
-                    ttl_from_now(n, is(w, "EX"), "set")?
-                } else {
-                    let now = crate::types::now_ms();
-                    let n = n as u64;
-                    let at = if is(w, "EXAT") {
-                        n.checked_mul(1000).filter(|&ms| ms <= i64::MAX as u64).ok_or(CmdError::InvalidExpire("set"))?
-                    } else {
-                        n
-                    };
-                    // A time already past stores a key that is gone at once, as in Redis.
-                    Duration::from_millis(at.saturating_sub(now).max(1))
-                };
-                opts.ttl = Some(ttl);
-                expiry_given = true;
-                i += 1;
-            } else {
-                return Err(CmdError::Syntax);
-            }
-            i += 1;
-        }
+        let o = Extended::parse(&a[2..], true)?;
+        let at = o.expiry.as_ref().map(|(unit, n)| deadline(*unit, n, "set")).transpose()?;
+        let mut opts = PutOptions {
+            condition: match (o.nx, o.xx) {
+                (true, _) => Condition::IfAbsent,
+                (_, true) => Condition::IfPresent,
+                _ => Condition::Always,
+            },
+            ttl: at.map(until),
+            ..Default::default()
+        };
+        let (get, keep_ttl) = (o.get, o.keep_ttl);
         let key = Bytes::copy_from_slice(&a[0]);
         let old = if get { self.ctx.store.get(&self.ns, &key).await?.map(|h| h.value) } else { None };
         if keep_ttl {
@@ -157,13 +210,15 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// EXPIRE and its kin, in Redis's order: the flags (`NX`, `XX`, `GT`,
+    /// `LT`; a key without a TTL counts as one that never expires), the
+    /// number `n`, then the key; a deadline already past deletes it.
     pub(super) async fn expire(
         &self,
         key: &[u8],
-        n: i64,
-        ms: bool,
+        n: &[u8],
+        unit: ExpireUnit,
         flags: &[Bytes],
-        cmd: &'static str,
     ) -> Result<bool, CmdError> {
         let (mut nx, mut xx, mut gt, mut lt) = (false, false, false, false);
         for f in flags {
@@ -176,32 +231,33 @@ impl Session<'_> {
             } else if is(f, "LT") {
                 lt = true;
             } else {
-                return Err(CmdError::Syntax);
+                return Err(CmdError::UnsupportedOption(String::from_utf8_lossy(f).into_owned()));
             }
         }
-        if (nx && (xx || gt || lt)) || (gt && lt) {
-            return Err(CmdError::Syntax);
+        if nx && (xx || gt || lt) {
+            return Err(CmdError::ExpireNxWithOthers);
         }
-        let new_ms = if ms { Some(n) } else { n.checked_mul(1000) }.ok_or(CmdError::InvalidExpire(cmd))?;
-        // Checked before the key is looked up, as Redis does.
-        let ttl = if new_ms > 0 { Some(ttl_from_now(new_ms, false, cmd)?) } else { None };
-        let current = self.ctx.store.ttl(&self.ns, key).await?;
-        let current_ms = match current {
+        if gt && lt {
+            return Err(CmdError::ExpireGtWithLt);
+        }
+        let when = expire_when(parse_i64(n)?, unit)?;
+        let now = crate::types::now_ms() as i64;
+        let current = match self.ctx.store.ttl(&self.ns, key).await? {
             Ttl::Missing => return Ok(false),
             Ttl::Persistent => None,
-            Ttl::Remaining(d) => Some(d.as_millis() as i64),
+            Ttl::Remaining(d) => Some(now.saturating_add(d.as_millis() as i64)),
         };
-        let allowed = match current_ms {
-            None => !xx && !gt,
-            Some(c) => !nx && (!gt || new_ms > c) && (!lt || new_ms < c),
+        let refused = match current {
+            None => xx || gt,
+            Some(c) => nx || (gt && when <= c) || (lt && when >= c),
         };
-        if !allowed {
+        if refused {
             return Ok(false);
         }
-        match ttl {
-            None => Ok(self.ctx.store.delete(&self.ns, key).await?),
-            ttl => Ok(self.ctx.store.expire(&self.ns, key, ttl).await?),
+        if when <= now {
+            return Ok(self.ctx.store.delete(&self.ns, key).await?);
         }
+        Ok(self.ctx.store.expire(&self.ns, key, Some(until(when))).await?)
     }
 
     pub(super) async fn scan(&self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {

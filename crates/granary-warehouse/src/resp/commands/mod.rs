@@ -68,6 +68,12 @@ pub enum CmdError {
     NotInteger,
     #[error("ERR invalid expire time in '{0}' command")]
     InvalidExpire(&'static str),
+    #[error("ERR Unsupported option {0}")]
+    UnsupportedOption(String),
+    #[error("ERR NX and XX, GT or LT options at the same time are not compatible")]
+    ExpireNxWithOthers,
+    #[error("ERR GT and LT options at the same time are not compatible")]
+    ExpireGtWithLt,
     #[error("ERR invalid cursor")]
     InvalidCursor,
     #[error("ERR DB index is out of range")]
@@ -188,7 +194,19 @@ fn lower(name: &[u8]) -> String {
     String::from_utf8_lossy(name).to_ascii_lowercase()
 }
 
+/// An integer argument, read as Redis reads one (`string2ll`): digits with
+/// an optional leading `-`, no `+`, no spaces, no leading zeros, nothing
+/// outside a signed 64-bit integer. `007`, `+5` and `-0` are not integers.
 fn parse_i64(b: &[u8]) -> Result<i64, CmdError> {
+    let digits = b.strip_prefix(b"-").unwrap_or(b);
+    let canonical = match digits {
+        [b'0'] => digits.len() == b.len(),
+        [b'1'..=b'9', rest @ ..] => rest.iter().all(u8::is_ascii_digit),
+        _ => false,
+    };
+    if !canonical {
+        return Err(CmdError::NotInteger);
+    }
     std::str::from_utf8(b).ok().and_then(|s| s.parse::<i64>().ok()).ok_or(CmdError::NotInteger)
 }
 
@@ -331,11 +349,9 @@ impl<'a> Session<'a> {
             "GETEX" => self.getex(a, out).await?,
             "EXPIREAT" | "PEXPIREAT" => {
                 let ms = name == "PEXPIREAT";
-                let at = parse_i64(&a[1])?;
                 let cmd = if ms { "pexpireat" } else { "expireat" };
-                let at_ms = if ms { Some(at) } else { at.checked_mul(1000) }.ok_or(CmdError::InvalidExpire(cmd))?;
-                let now = crate::types::now_ms() as i64;
-                let set = self.expire(&a[0], at_ms.saturating_sub(now), true, &a[2..], cmd).await?;
+                let unit = keyspace::ExpireUnit { ms, relative: false, cmd };
+                let set = self.expire(&a[0], &a[1], unit, &a[2..]).await?;
                 out.int(i64::from(set));
             }
             "KEYS" => self.keys(&a[0], out).await?,
@@ -496,9 +512,9 @@ impl<'a> Session<'a> {
             "EXPIRE" | "PEXPIRE" => {
                 arity(a.len() >= 2)?;
                 let ms = name == "PEXPIRE";
-                let n = parse_i64(&a[1])?;
                 let cmd = if ms { "pexpire" } else { "expire" };
-                let set = self.expire(&a[0], n, ms, &a[2..], cmd).await?;
+                let unit = keyspace::ExpireUnit { ms, relative: true, cmd };
+                let set = self.expire(&a[0], &a[1], unit, &a[2..]).await?;
                 out.int(i64::from(set));
             }
             "PERSIST" => {
@@ -612,7 +628,9 @@ impl Drop for Session<'_> {
 
 /// Redis's text for an unknown command: the name and the first arguments, quoted.
 fn unknown(args: &[Bytes]) -> CmdError {
+    // Redis prints each word with `%.*s`, which stops at a NUL byte.
     let clip = |b: &[u8], max: usize| {
+        let b = &b[..b.iter().position(|&c| c == 0).unwrap_or(b.len())];
         let s = String::from_utf8_lossy(b);
         s.chars().take(max).collect::<String>()
     };

@@ -525,12 +525,10 @@ impl Tier for DiskTier {
         let (s, ns, key) = (self.s.clone(), ns.to_string(), key.to_vec());
         blocking(move || {
             let mut ix = s.index.lock();
-            let found = ix.remove(&ns, &key).is_some();
-            if found {
-                s.unlink_locked(&ns, &key);
-                s.events.removed(&ns, &key);
-            }
-            Ok(found)
+            let Some(e) = ix.remove(&ns, &key) else { return Ok(false) };
+            s.unlink_locked(&ns, &key);
+            s.events.removed(&ns, &key);
+            Ok(!e.meta.is_expired(now_ms()))
         })
         .await
     }
