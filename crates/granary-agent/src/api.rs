@@ -74,7 +74,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = router(agent.clone());
-    let r = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+    let limits = agent.config().http_limits();
+    let r = granary_core::serve::serve_http(listener, app, limits, shutdown).await;
     agent.shutdown();
     r
 }

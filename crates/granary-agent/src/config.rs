@@ -69,6 +69,24 @@ pub struct AgentConfig {
     /// into the RAM tier; off: such answers are ignored. On by default:
     /// the gateway decides whether to ask (`[gateway.agents] prefetch`).
     pub prefetch: bool,
+    /// How long a client of the control API has to send a request's
+    /// headers; a silent or trickling client is closed after it (`0s`: no
+    /// limit). The engines' fronts keep 30 s.
+    #[serde(with = "duration")]
+    pub header_timeout: Duration,
+    /// Most connections the control API holds open at once; one more is
+    /// answered 503 `too_many_connections` (the fronts keep 10,000 each).
+    pub max_connections: usize,
+}
+
+impl AgentConfig {
+    /// The control API's limits.
+    pub fn http_limits(&self) -> granary_core::serve::HttpLimits {
+        granary_core::serve::HttpLimits {
+            header_timeout: (!self.header_timeout.is_zero()).then_some(self.header_timeout),
+            max_connections: self.max_connections,
+        }
+    }
 }
 
 impl Default for AgentConfig {
@@ -94,6 +112,8 @@ impl Default for AgentConfig {
             drain_timeout: Duration::from_secs(30),
             catalog_refresh: Duration::from_secs(30),
             prefetch: true,
+            header_timeout: Duration::from_secs(30),
+            max_connections: 10_000,
         }
     }
 }
@@ -101,6 +121,9 @@ impl Default for AgentConfig {
 impl AgentConfig {
     /// Checks what can be checked before anything starts.
     pub fn validate(&self) -> Result<(), String> {
+        if self.max_connections == 0 {
+            return Err("max_connections: must be at least 1".into());
+        }
         if !self.listen.ip().is_loopback() && self.admin_token.as_deref().is_none_or(str::is_empty) {
             return Err(format!(
                 "listen: {} is not a loopback address; set an admin token (--admin-token) before exposing the control API",

@@ -144,7 +144,8 @@ impl Front {
         let stop = CancellationToken::new();
         let done = stop.clone();
         tokio::spawn(async move {
-            let served = axum::serve(listener, app).with_graceful_shutdown(done.cancelled_owned()).await;
+            let limits = granary_core::serve::HttpLimits::default();
+            let served = granary_core::serve::serve_http(listener, app, limits, done.cancelled_owned()).await;
             if let Err(e) = served {
                 tracing::warn!(port, error = %e, "an engine's front stopped");
             }

@@ -9,6 +9,8 @@
 pub mod block;
 pub mod hash;
 pub mod metrics;
+#[cfg(feature = "serve")]
+pub mod serve;
 pub mod size;
 pub mod trace;
 

@@ -94,10 +94,12 @@ pub(crate) fn builder(header_timeout: Option<Duration>) -> hyper::server::conn::
 pub async fn serve_plain(
     listener: TcpListener,
     app: impl Into<App>,
-    header_timeout: Option<Duration>,
+    limits: granary_core::serve::HttpLimits,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
     let app: App = app.into();
+    let header_timeout = limits.header_timeout;
+    let cap = granary_core::serve::ConnectionCap::new(limits.max_connections);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -113,9 +115,12 @@ pub async fn serve_plain(
                 }
             },
         };
+        // Past `max_connections`: a 503 `too_many_connections`, closed.
+        let Some(slot) = cap.admit(&tcp, true) else { continue };
         let _ = tcp.set_nodelay(true);
         let (app, watcher) = (app.clone(), graceful.watcher());
         tokio::spawn(async move {
+            let _slot = slot;
             let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| app.call(req));
             let b = builder(header_timeout);
             if let Err(e) = watcher.watch(b.serve_connection(TokioIo::new(tcp), service)).await {
@@ -145,7 +150,9 @@ mod tests {
         let app = Router::new().route("/health", get(|| async { "ok" }));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(serve_plain(listener, app, Some(Duration::from_secs(2)), std::future::pending()));
+        let limits =
+            granary_core::serve::HttpLimits { header_timeout: Some(Duration::from_secs(2)), max_connections: 100 };
+        tokio::spawn(serve_plain(listener, app, limits, std::future::pending()));
 
         let started = Instant::now();
         let (mut slow_rx, mut slow_tx) = tokio::net::TcpStream::connect(addr).await.unwrap().into_split();
@@ -185,5 +192,36 @@ mod tests {
         assert!((5..100).contains(&sent), "the trickle ran {sent} lines");
         let r = http.get(format!("http://{addr}/health")).send().await.unwrap();
         assert_eq!(r.text().await.unwrap(), "ok");
+    }
+
+    /// Issue 40: past `max_connections` a connection is answered 503
+    /// `too_many_connections` in the OpenAI error shape and closed; once a
+    /// place frees, clients are served again. Before, the gateway took
+    /// every connection it was offered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_past_the_cap_is_refused_in_the_openai_shape() {
+        let app = Router::new().route("/health", get(|| async { "ok" }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits =
+            granary_core::serve::HttpLimits { header_timeout: Some(Duration::from_secs(30)), max_connections: 2 };
+        tokio::spawn(serve_plain(listener, app, limits, std::future::pending()));
+        let held: Vec<_> = futures::future::join_all((0..2).map(|_| tokio::net::TcpStream::connect(addr))).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), third.read_to_end(&mut got)).await.unwrap().unwrap();
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+        assert!(text.contains("\"code\": \"too_many_connections\""), "{text}");
+        drop(held);
+        let started = Instant::now();
+        loop {
+            match reqwest::get(format!("http://{addr}/health")).await {
+                Ok(r) if r.status() == 200 => break,
+                _ => assert!(started.elapsed() < Duration::from_secs(5), "not served once places freed"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }

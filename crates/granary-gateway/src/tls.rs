@@ -63,10 +63,12 @@ pub async fn serve(
     listener: TcpListener,
     app: impl Into<crate::front::App>,
     config: Arc<rustls::ServerConfig>,
-    header_timeout: Option<std::time::Duration>,
+    limits: granary_core::serve::HttpLimits,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<()> {
     let app: crate::front::App = app.into();
+    let header_timeout = limits.header_timeout;
+    let cap = granary_core::serve::ConnectionCap::new(limits.max_connections);
     let acceptor = TlsAcceptor::from(config);
     tokio::pin!(shutdown);
     loop {
@@ -75,15 +77,20 @@ pub async fn serve(
             r = listener.accept() => match r {
                 Ok(x) => x,
                 Err(e) => {
+                    // Out of descriptors and the like: back off instead of spinning.
                     tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
             },
         };
+        // Past `max_connections`: closed before the handshake.
+        let Some(slot) = cap.admit(&tcp, false) else { continue };
         let _ = tcp.set_nodelay(true);
         let acceptor = acceptor.clone();
         let app = app.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             // The handshake gets the header timeout too: a client that
             // connects and sends nothing is closed as on plain HTTP.
             let handshake = acceptor.accept(tcp);

@@ -56,9 +56,9 @@ async fn tls_server(app: Router, tls: &ServerTls) -> SocketAddr {
     let cfg = server_config(tls).unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    tokio::spawn(
-        async move { serve(l, app, cfg, Some(std::time::Duration::from_secs(30)), std::future::pending()).await },
-    );
+    tokio::spawn(async move {
+        serve(l, app, cfg, granary_core::serve::HttpLimits::default(), std::future::pending()).await
+    });
     addr
 }
 

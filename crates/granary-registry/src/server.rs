@@ -175,7 +175,7 @@ pub async fn serve_registry(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let app = router(reg, cfg, listener.local_addr().ok());
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
+    granary_core::serve::serve_http(listener, app, cfg.http, shutdown).await?;
     Ok(())
 }
 

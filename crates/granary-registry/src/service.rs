@@ -58,6 +58,8 @@ pub struct RegistryConfig {
     pub max_body: usize,
     /// Imports running at once; more wait.
     pub max_imports: usize,
+    /// The header timeout and connection cap of the HTTP server.
+    pub http: granary_core::serve::HttpLimits,
     /// Where and how imports find their files.
     pub import: ImportOptions,
     /// Where uploads are kept until complete [default: a directory under
@@ -79,6 +81,7 @@ impl RegistryConfig {
             url_ttl: Duration::from_secs(3600),
             max_body: 64 * 1024,
             max_imports: 2,
+            http: granary_core::serve::HttpLimits::default(),
             import: ImportOptions::default(),
             upload_dir: None,
         }

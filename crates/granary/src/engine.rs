@@ -476,7 +476,9 @@ async fn serve_http(
         crate::warehouse::shutdown_signal().await;
         closing.close();
     };
-    axum::serve(l, app).with_graceful_shutdown(shutdown).await?;
+    // A silent or trickling client is closed after 30 s; past 10,000
+    // connections, one more is answered 503 `too_many_connections`.
+    granary_core::serve::serve_http(l, app, granary_core::serve::HttpLimits::default(), shutdown).await?;
     engine.close();
     Ok(())
 }

@@ -163,16 +163,14 @@ async fn serve(cfg: GatewayConfig) -> Result<()> {
     );
     println!("granary: ready");
     let _ = std::io::stdout().flush();
-    let header_timeout = (g.header_timeout_s > 0).then(|| std::time::Duration::from_secs(g.header_timeout_s));
+    let limits = granary_core::serve::HttpLimits::new(g.header_timeout_s, g.max_connections);
     match &g.tls {
         Some(tls) => {
             let server = granary_gateway::tls::server_config(tls)?;
-            granary_gateway::tls::serve(listener, app, server, header_timeout, crate::warehouse::shutdown_signal())
-                .await?;
+            granary_gateway::tls::serve(listener, app, server, limits, crate::warehouse::shutdown_signal()).await?;
         }
         None => {
-            granary_gateway::front::serve_plain(listener, app, header_timeout, crate::warehouse::shutdown_signal())
-                .await?;
+            granary_gateway::front::serve_plain(listener, app, limits, crate::warehouse::shutdown_signal()).await?;
         }
     }
     stop.cancel();

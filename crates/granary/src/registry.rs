@@ -152,6 +152,13 @@ pub struct ServeArgs {
     /// Seconds presigned URLs stay valid.
     #[arg(long, default_value_t = 3600)]
     pub url_ttl_s: u64,
+    /// Seconds a client has to send a request's headers (a silent or
+    /// trickling client is closed after it); 0: no limit.
+    #[arg(long, default_value_t = 30)]
+    pub header_timeout_s: u64,
+    /// Most connections open at once; one more is answered 503 `too_many_connections`.
+    #[arg(long, default_value_t = 10_000)]
+    pub max_connections: usize,
     /// A directory dir: imports may read (repeatable) [default: any].
     #[arg(long = "import-root")]
     pub import_roots: Vec<PathBuf>,
@@ -346,6 +353,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
     cfg.anonymous_read = a.anonymous_read;
     cfg.public_url = a.public_url;
     cfg.url_ttl = Duration::from_secs(a.url_ttl_s);
+    anyhow::ensure!(a.max_connections > 0, "--max-connections: must be at least 1");
+    cfg.http = granary_core::serve::HttpLimits::new(a.header_timeout_s, a.max_connections);
     cfg.import.dir_roots = a.import_roots;
     cfg.import.pip_args = a.pip_args;
     cfg.import.hf_cache = a.hf_cache;

@@ -76,6 +76,10 @@ pub struct GatewaySection {
     /// previous answer on a kept-alive one); then the connection is closed
     /// (slowloris, idle keep-alive). 0: no limit.
     pub header_timeout_s: u64,
+    /// Most client connections open at once; one more is answered 503
+    /// `too_many_connections` and closed (on TLS: closed before the
+    /// handshake). Redis's `maxclients` default.
+    pub max_connections: usize,
     /// Connecting to an upstream.
     pub connect_timeout_ms: u64,
     /// From sending a request upstream to its first response byte.
@@ -139,6 +143,7 @@ impl Default for GatewaySection {
             key_rotation_grace_s: 86_400,
             max_body_bytes: 4 << 20,
             header_timeout_s: 30,
+            max_connections: 10_000,
             connect_timeout_ms: 2_000,
             first_byte_timeout_s: 300,
             idle_timeout_s: 120,
@@ -543,6 +548,9 @@ impl GatewayConfig {
         let g = &self.gateway;
         if g.max_body_bytes < 1024 {
             return Err(bad("gateway.max_body_bytes", "must be at least 1024"));
+        }
+        if g.max_connections == 0 {
+            return Err(bad("gateway.max_connections", "must be at least 1"));
         }
         if g.max_attempts == 0 || g.max_attempts > 10 {
             return Err(bad("gateway.max_attempts", "must be between 1 and 10"));
