@@ -54,7 +54,9 @@ impl HttpLimits {
 const TOO_MANY: &str = "{\"error\": {\"message\": \"max number of clients reached\", \"type\": \"server_error\", \
      \"param\": null, \"code\": \"too_many_connections\"}}\n";
 
-fn too_many_connections() -> String {
+/// The whole HTTP answer to a connection past the cap: a 503 with the
+/// OpenAI-shaped body, `connection: close`.
+pub fn too_many_connections() -> String {
     format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n\
          retry-after: 1\r\ncontent-length: {}\r\n\r\n{TOO_MANY}",
@@ -105,6 +107,20 @@ impl ConnectionCap {
     }
 }
 
+/// The next connection on `listener`. An accept error (out of descriptors
+/// and the like) is logged and waited out for 50 ms instead of spinning.
+pub async fn accept(listener: &TcpListener) -> (tokio::net::TcpStream, std::net::SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(x) => return x,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
 /// Serves `app` on `listener` within `limits` until `shutdown` resolves,
 /// then lets the requests in flight finish.
 pub async fn serve_http(
@@ -119,14 +135,7 @@ pub async fn serve_http(
     loop {
         let (tcp, peer) = tokio::select! {
             _ = &mut shutdown => break,
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            x = accept(&listener) => x,
         };
         let Some(slot) = cap.admit(&tcp, true) else { continue };
         let _ = tcp.set_nodelay(true);

@@ -105,15 +105,7 @@ pub async fn serve_plain(
     loop {
         let (tcp, peer) = tokio::select! {
             _ = &mut shutdown => break,
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    // Out of descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            x = granary_core::serve::accept(&listener) => x,
         };
         // Past `max_connections`: a 503 `too_many_connections`, closed.
         let Some(slot) = cap.admit(&tcp, true) else { continue };
@@ -141,18 +133,23 @@ mod tests {
 
     use super::*;
 
+    /// A server of `/health` within `limits` on a free port.
+    async fn health_server(header_timeout_s: u64, max_connections: usize) -> std::net::SocketAddr {
+        let app = Router::new().route("/health", get(|| async { "ok" }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let limits = granary_core::serve::HttpLimits::new(header_timeout_s, max_connections);
+        tokio::spawn(serve_plain(listener, app, limits, std::future::pending()));
+        addr
+    }
+
     /// A client trickling its headers (slowloris) and one that sends
     /// nothing are closed once the header timeout passes, without an
     /// answer; a client beside them is served meanwhile, over a kept-alive
     /// connection too. Without the timeout both would stay open.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn slow_or_silent_clients_are_closed_after_the_header_timeout() {
-        let app = Router::new().route("/health", get(|| async { "ok" }));
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let limits =
-            granary_core::serve::HttpLimits { header_timeout: Some(Duration::from_secs(2)), max_connections: 100 };
-        tokio::spawn(serve_plain(listener, app, limits, std::future::pending()));
+        let addr = health_server(2, 100).await;
 
         let started = Instant::now();
         let (mut slow_rx, mut slow_tx) = tokio::net::TcpStream::connect(addr).await.unwrap().into_split();
@@ -200,12 +197,7 @@ mod tests {
     /// every connection it was offered.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_past_the_cap_is_refused_in_the_openai_shape() {
-        let app = Router::new().route("/health", get(|| async { "ok" }));
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let limits =
-            granary_core::serve::HttpLimits { header_timeout: Some(Duration::from_secs(30)), max_connections: 2 };
-        tokio::spawn(serve_plain(listener, app, limits, std::future::pending()));
+        let addr = health_server(30, 2).await;
         let held: Vec<_> = futures::future::join_all((0..2).map(|_| tokio::net::TcpStream::connect(addr))).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();

@@ -74,15 +74,7 @@ pub async fn serve(
     loop {
         let (tcp, peer) = tokio::select! {
             _ = &mut shutdown => return Ok(()),
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    // Out of descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            x = granary_core::serve::accept(&listener) => x,
         };
         // Past `max_connections`: closed before the handshake.
         let Some(slot) = cap.admit(&tcp, false) else { continue };

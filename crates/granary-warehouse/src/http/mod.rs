@@ -366,18 +366,6 @@ pub async fn serve(
     Ok(())
 }
 
-/// The body answered to a connection past `max_connections` (a 503).
-const TOO_MANY_CONNECTIONS: &str = "{\"error\": {\"message\": \"max number of clients reached\", \
-    \"type\": \"server_error\", \"code\": \"too_many_connections\"}}\n";
-
-fn too_many_connections() -> String {
-    format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n\
-         retry-after: 1\r\ncontent-length: {}\r\n\r\n{TOO_MANY_CONNECTIONS}",
-        TOO_MANY_CONNECTIONS.len()
-    )
-}
-
 /// A TCP listener whose connections count themselves in `ctx.http` and
 /// are refused past `ctx.limits.max_connections`.
 struct CountingListener {
@@ -391,28 +379,20 @@ impl axum::serve::Listener for CountingListener {
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         loop {
-            match self.inner.accept().await {
-                Ok((stream, addr)) => {
-                    if self.ctx.http.connections_open.load(Relaxed) >= self.ctx.limits.max_connections as u64 {
-                        // Past the cap: told why in the usual JSON shape, then
-                        // closed. `try_write` so that a client that never reads
-                        // cannot stall the accept loop; the answer fits in an
-                        // empty socket buffer.
-                        self.ctx.http.requests_error.fetch_add(1, Relaxed);
-                        let _ = stream.try_write(too_many_connections().as_bytes());
-                        continue;
-                    }
-                    let _ = stream.set_nodelay(true);
-                    self.ctx.http.connections_open.fetch_add(1, Relaxed);
-                    self.ctx.http.connections_total.fetch_add(1, Relaxed);
-                    return (CountedStream { inner: stream, ctx: self.ctx.clone() }, addr);
-                }
-                Err(e) => {
-                    // Out of descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                }
+            let (stream, addr) = granary_core::serve::accept(&self.inner).await;
+            if self.ctx.http.connections_open.load(Relaxed) >= self.ctx.limits.max_connections as u64 {
+                // Past the cap: told why in the usual JSON shape, then
+                // closed. `try_write` so that a client that never reads
+                // cannot stall the accept loop; the answer fits in an
+                // empty socket buffer.
+                self.ctx.http.requests_error.fetch_add(1, Relaxed);
+                let _ = stream.try_write(granary_core::serve::too_many_connections().as_bytes());
+                continue;
             }
+            let _ = stream.set_nodelay(true);
+            self.ctx.http.connections_open.fetch_add(1, Relaxed);
+            self.ctx.http.connections_total.fetch_add(1, Relaxed);
+            return (CountedStream { inner: stream, ctx: self.ctx.clone() }, addr);
         }
     }
 

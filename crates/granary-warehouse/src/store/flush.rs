@@ -11,15 +11,24 @@ pub(super) struct Flush {
 }
 
 impl Inner {
-    /// The last flush cut of `ns` (0: never flushed): a value written at
-    /// that version or before was flushed and must not be copied anywhere.
-    pub(super) fn flush_cut(&self, ns: &str) -> u64 {
-        self.flushes.lock().get(ns).map_or(0, |f| f.cut)
+    /// Whether a value of `ns` written at `version` was flushed since (its
+    /// version is at or before the namespace's last cut), so must not be
+    /// copied anywhere. On the write path: without the lock while `version`
+    /// is newer than every cut, as good as always.
+    pub(super) fn flushed(&self, ns: &str, version: u64) -> bool {
+        if version > self.flush_max.load(Relaxed) {
+            return false;
+        }
+        self.flushes.lock().get(ns).is_some_and(|f| version <= f.cut)
     }
 
     /// Whether a flush of `ns` runs now or cut at clock reading `since` or
-    /// later: what a read or copy that began at `since` found may be flushed.
+    /// later: what a read or copy that began at `since` found may be
+    /// flushed. Without the lock when no flush runs and none cut since.
     pub(super) fn flushed_since(&self, ns: &str, since: u64) -> bool {
+        if self.flushes_running.load(Relaxed) == 0 && since > self.flush_max.load(Relaxed) {
+            return false;
+        }
         self.flushes.lock().get(ns).is_some_and(|f| f.running > 0 || f.cut >= since)
     }
 }
@@ -43,6 +52,10 @@ impl Store {
                 let f = f.entry(ns.to_string()).or_default();
                 f.running += 1;
                 f.cut = cut;
+                // Under the map's lock: a checker that reads `flush_max`
+                // after this sees the cut, one before it has no value to lose.
+                self.inner.flushes_running.fetch_add(1, Relaxed);
+                self.inner.flush_max.fetch_max(cut, Relaxed);
             }
             let waits: Vec<_> = self.lower().flat_map(|l| l.submit_namespace(ns)).collect();
             (cut, waits)
@@ -61,6 +74,7 @@ impl Store {
         n += self.inner.memory.remove_namespace_upto(ns, cut);
         if let Some(f) = self.inner.flushes.lock().get_mut(ns) {
             f.running -= 1;
+            self.inner.flushes_running.fetch_sub(1, Relaxed);
         }
         result.map(|()| n)
     }

@@ -123,6 +123,10 @@ struct Inner {
     /// cut, a version: every write up to it is flushed, every later one
     /// stays ([`Store::delete_namespace`]).
     flushes: Mutex<std::collections::HashMap<String, flush::Flush>>,
+    /// The latest cut of any namespace's flush, and how many flushes run:
+    /// the checks on the write and read paths skip the lock with them.
+    flush_max: AtomicU64,
+    flushes_running: std::sync::atomic::AtomicU32,
 }
 
 impl Inner {
@@ -256,6 +260,8 @@ impl Store {
             stripes: (0..STRIPES).map(|_| Mutex::new(0)).collect(),
             clock: AtomicU64::new(0),
             flushes: Mutex::new(Default::default()),
+            flush_max: AtomicU64::new(0),
+            flushes_running: Default::default(),
         });
         for (tier, rx, lane, shared, announces) in workers {
             tokio::spawn(offload_worker(Arc::downgrade(&inner), tier, rx, lane, shared, announces));
@@ -466,7 +472,7 @@ impl Store {
         for (i, l) in lowers.iter().enumerate() {
             let rx = {
                 let v = self.inner.stripe(ns, &key).lock();
-                if *v != seq || seq <= self.inner.flush_cut(ns) {
+                if *v != seq || self.inner.flushed(ns, seq) {
                     // A later operation on the key replaced this write, or
                     // a flush of its namespace removed it.
                     return Ok(PutOutcome { stored: true, durable: false });
@@ -517,7 +523,7 @@ impl Store {
             let v = self.inner.stripe(&e.namespace, &e.key).lock();
             // Replaced since, or flushed (a value written up to a flush's
             // cut that memory lets go during the flush).
-            if *v != e.seq || e.seq <= self.inner.flush_cut(&e.namespace) {
+            if *v != e.seq || self.inner.flushed(&e.namespace, e.seq) {
                 continue;
             }
             for l in self.lower() {
