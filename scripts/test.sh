@@ -187,7 +187,10 @@ trap 'rm -f "$log"' EXIT
 # suites'.
 cargo test --workspace --no-run 2>&1 | { grep -v '^  Executable' || true; }
 stage "cargo test: running the suites"
-cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
+# A failing suite does not end the run at once: the kernel paths still run,
+# and the failures' own messages are printed last (see below).
+suites_rc=0
+cargo test --workspace --no-fail-fast 2>&1 | tee "$log" || suites_rc=$?
 # The CPU kernel paths below the one this host picks (GRANARY_KERNELS,
 # docs/engine.md): the engine's reference tests against llama.cpp, and the
 # tests whose expectations depend on the path (weights held as tiles or as
@@ -201,10 +204,10 @@ elif grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo && gr
 fi
 for path in $lower_paths; do
   stage "kernel path $path (GRANARY_KERNELS=$path)"
-  GRANARY_KERNELS=$path cargo test --no-fail-fast -p granary-engine --test model_reference --test architectures --test reuse 2>&1 | tee -a "$log"
+  GRANARY_KERNELS=$path cargo test --no-fail-fast -p granary-engine --test model_reference --test architectures --test reuse 2>&1 | tee -a "$log" || suites_rc=$?
   if [ "$path" = avx2 ]; then
-    GRANARY_KERNELS=$path cargo test --no-fail-fast -p granary --test agent_prefetch 2>&1 | tee -a "$log"
-    GRANARY_KERNELS=$path cargo test --no-fail-fast -p granary --test bench_smoke coldstart_fleet 2>&1 | tee -a "$log"
+    GRANARY_KERNELS=$path cargo test --no-fail-fast -p granary --test agent_prefetch 2>&1 | tee -a "$log" || suites_rc=$?
+    GRANARY_KERNELS=$path cargo test --no-fail-fast -p granary --test bench_smoke coldstart_fleet 2>&1 | tee -a "$log" || suites_rc=$?
   fi
 done
 [ -n "$lower_paths" ] || echo "SKIPPED: other kernel paths (this CPU runs only the generic one)"
@@ -215,6 +218,15 @@ done
   sort -rn | sed -n '1,12s/^/   suite time: /p'; } || true
 passed=$(grep -oE '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s+=$4} END {print s+0}')
 failed=$(grep -oE '; [0-9]+ failed' "$log" | awk '{s+=$2} END {print s+0}')
+if [ "$suites_rc" != 0 ]; then
+  echo "tests: $passed passed, $failed failed"
+  # Each failed test's captured output and panic message (libtest's
+  # "---- name stdout ----" blocks, 60 lines at most each), at the end of
+  # the run's output where a reader of its tail finds them.
+  echo "== failures (the suites exited with $suites_rc)"
+  awk '/^---- .* stdout ----$/{on=1; n=0} /^failures:$/{on=0} on && n++ < 60' "$log" || true
+  exit "$suites_rc"
+fi
 # A one-minute soak: the conversation replay against a `granary serve` the
 # bench starts (docs/benchmarks.md). Any failed request fails the script; the
 # timing goals are printed, not enforced, over so short a run. Bounded: 60 s

@@ -560,7 +560,12 @@ fn llama_cpp_server_under_a_template_on_demand_restarted_and_unloaded_when_idle(
     let (front, engine_url) = (e["upstream"].as_str().unwrap().to_string(), e["engine_url"].as_str().unwrap());
     assert_ne!(front, engine_url, "reported at its front: {e}");
     let servers = llama_servers(&cache_dir);
-    assert_eq!(servers.len(), 1, "one llama_cpp.server process");
+    assert_eq!(
+        servers.len(),
+        1,
+        "one llama_cpp.server process: {:?}",
+        processes_naming(&cache_dir.display().to_string())
+    );
     let (_, logs) = agent.call("GET", &format!("/models/{MODEL}/logs?tail=100000"), None, Some(TOKEN));
     assert!(logs.contains("llama_cpp.server") && logs.contains("--n_threads 1"), "{logs}");
     assert!(logs.contains("Uvicorn running on"), "{logs}");
@@ -587,11 +592,14 @@ fn llama_cpp_server_under_a_template_on_demand_restarted_and_unloaded_when_idle(
         gw.agent("node-l").is_some_and(|a| a["engines"][0]["routable"] == true)
     });
 
-    // Requests through the gateway keep it loaded; 3 s after the last it goes.
+    // Requests through the gateway keep it loaded; 3 s after the last it
+    // goes. The agent's idle clock starts when its front sees the answer
+    // end, which is before the gateway's answer reaches this test: so the
+    // time is taken as the request leaves (a lower bound of that end).
     let mut last_request = Instant::now();
     for _ in 0..3 {
-        let r = gw.chat();
         last_request = Instant::now();
+        let r = gw.chat();
         assert_eq!(r.status(), 200);
         std::thread::sleep(Duration::from_millis(1500));
         assert!(agent.engine().is_some(), "unloaded while in use");
