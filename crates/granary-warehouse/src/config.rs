@@ -94,6 +94,18 @@ pub struct ServeLimits {
     /// Seconds a RESP connection may wait between commands before it is
     /// closed; 0 keeps idle connections open (Redis's `timeout`).
     pub idle_timeout_secs: u64,
+    /// Seconds a RESP connection to a server with tokens has to pass AUTH,
+    /// counted from when it opens; one still unauthenticated then is
+    /// closed, so sockets that never authenticate do not keep slots of
+    /// `max_connections`. 0: no limit.
+    pub auth_timeout_secs: u64,
+    /// Seconds a RESP or `lm://` connection may make no progress in the
+    /// middle of something: a write of replies the client does not read
+    /// (the replies queued for one connection are bounded: it runs no
+    /// further command while a write is pending), or a frame (an `lm://`
+    /// value) that stops arriving half way. Past it the connection is
+    /// closed. 0: no limit.
+    pub io_timeout_secs: u64,
     /// Seconds an HTTP client has to send a request's headers, counted from
     /// when the server is ready for them (a new connection, or the end of
     /// the previous answer on a kept-alive one); past it the connection is
@@ -116,6 +128,8 @@ impl Default for ServeLimits {
         ServeLimits {
             max_connections: 10_000,
             idle_timeout_secs: 0,
+            auth_timeout_secs: 10,
+            io_timeout_secs: 30,
             header_timeout_secs: 30,
             lm_listen: None,
             lm_namespace: None,
@@ -126,6 +140,14 @@ impl Default for ServeLimits {
 impl ServeLimits {
     pub fn idle_timeout(&self) -> Option<Duration> {
         (self.idle_timeout_secs != 0).then(|| Duration::from_secs(self.idle_timeout_secs))
+    }
+
+    pub fn auth_timeout(&self) -> Option<Duration> {
+        (self.auth_timeout_secs != 0).then(|| Duration::from_secs(self.auth_timeout_secs))
+    }
+
+    pub fn io_timeout(&self) -> Option<Duration> {
+        (self.io_timeout_secs != 0).then(|| Duration::from_secs(self.io_timeout_secs))
     }
 
     pub fn header_timeout(&self) -> Option<Duration> {

@@ -28,6 +28,12 @@
 //! (`[warehouse.lm] namespace`), and shares the RESP connection cap and
 //! idle timeout. A malformed header, an unknown command or a value larger
 //! than the store's `max_value` closes the connection that sent it.
+//!
+//! With no authentication, whoever reaches the port is a stranger, so a
+//! PUT's declared length reserves nothing ahead of its bytes: the value's
+//! allocation grows with what arrives (64 KiB, then doubling, never past
+//! the declared length). A value that stops arriving, or a reply the
+//! client stops reading, for `io_timeout_secs` closes the connection.
 
 use std::future::Future;
 use std::sync::atomic::Ordering::Relaxed;
@@ -267,7 +273,7 @@ async fn connection(mut s: TcpStream, ctx: Arc<ServerCtx>, mut stop: watch::Rece
                 return;
             }
         };
-        match handle(&mut s, &ctx, req).await {
+        match handle(&mut s, &ctx, req, ctx.limits.io_timeout()).await {
             Ok(true) => {}
             Ok(false) => {
                 stats.protocol_errors.fetch_add(1, Relaxed);
@@ -278,8 +284,62 @@ async fn connection(mut s: TcpStream, ctx: Arc<ServerCtx>, mut stop: watch::Rece
     }
 }
 
+/// The first allocation of a PUT's value.
+const FIRST_VALUE_READ: usize = 64 * 1024;
+
+/// Reads a value of `len` bytes into an allocation of exactly `len`, grown
+/// with the bytes that arrive (each growth at most doubles it, so the
+/// copies add up to less than `len`): a header alone reserves at most
+/// [`FIRST_VALUE_READ`]. Each read may wait `stall` for a byte.
+pub async fn read_value<R: tokio::io::AsyncRead + Unpin>(
+    s: &mut R,
+    len: usize,
+    stall: Option<Duration>,
+) -> std::io::Result<BytesMut> {
+    let mut data = BytesMut::with_capacity(len.min(FIRST_VALUE_READ));
+    while data.len() < len {
+        if data.len() == data.capacity() {
+            let mut bigger = BytesMut::with_capacity(len.min(data.capacity().saturating_mul(2)));
+            bigger.extend_from_slice(&data);
+            data = bigger;
+        }
+        let room = (data.capacity() - data.len()) as u64;
+        let mut part = (&mut *s).take(room);
+        let read = part.read_buf(&mut data);
+        let n = match stall {
+            None => read.await?,
+            Some(d) => tokio::time::timeout(d, read).await.map_err(|_| timed_out(d))??,
+        };
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(data)
+}
+
+/// Writes all of `buf`, each write given at most `stall` to take a byte.
+async fn write_all(s: &mut TcpStream, buf: &[u8], stall: Option<Duration>) -> std::io::Result<()> {
+    match stall {
+        None => s.write_all(buf).await,
+        Some(d) => {
+            let mut at = 0;
+            while at < buf.len() {
+                match tokio::time::timeout(d, s.write(&buf[at..])).await.map_err(|_| timed_out(d))?? {
+                    0 => return Err(std::io::ErrorKind::WriteZero.into()),
+                    n => at += n,
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+fn timed_out(d: Duration) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no progress for {d:?}"))
+}
+
 /// Runs one request; `Ok(false)` when the connection must close.
-async fn handle(s: &mut TcpStream, ctx: &ServerCtx, req: Request) -> std::io::Result<bool> {
+async fn handle(s: &mut TcpStream, ctx: &ServerCtx, req: Request, stall: Option<Duration>) -> std::io::Result<bool> {
     let stats = &ctx.lm;
     let store = &ctx.store;
     let ns = ctx.lm_config.namespace.as_str();
@@ -291,8 +351,7 @@ async fn handle(s: &mut TcpStream, ctx: &ServerCtx, req: Request) -> std::io::Re
                 tracing::debug!(len, max, "lm:// PUT larger than max_value; closing connection");
                 return Ok(false);
             }
-            let mut data = BytesMut::zeroed(len);
-            s.read_exact(&mut data).await?;
+            let data = read_value(s, len, stall).await?;
             stats.bytes_read.fetch_add(len as u64, Relaxed);
             // The bytes first: a chunk whose metadata exists is whole.
             let put = async {
@@ -319,8 +378,8 @@ async fn handle(s: &mut TcpStream, ctx: &ServerCtx, req: Request) -> std::io::Re
             };
             match found.await {
                 Ok(Some((data, layout))) => {
-                    s.write_all(&reply(true, data.len() as i32, layout)).await?;
-                    s.write_all(&data).await?;
+                    write_all(s, &reply(true, data.len() as i32, layout), stall).await?;
+                    write_all(s, &data, stall).await?;
                     stats.bytes_written.fetch_add((REPLY_LEN + data.len()) as u64, Relaxed);
                     stats.requests_ok.fetch_add(1, Relaxed);
                 }
@@ -335,7 +394,7 @@ async fn handle(s: &mut TcpStream, ctx: &ServerCtx, req: Request) -> std::io::Re
                             stats.requests_ok.fetch_add(1, Relaxed);
                         }
                     }
-                    s.write_all(&reply(false, 0, Layout::default())).await?;
+                    write_all(s, &reply(false, 0, Layout::default()), stall).await?;
                     stats.bytes_written.fetch_add(REPLY_LEN as u64, Relaxed);
                 }
             }
@@ -347,13 +406,13 @@ async fn handle(s: &mut TcpStream, ctx: &ServerCtx, req: Request) -> std::io::Re
             let found = !req.key.is_empty()
                 && store.exists(ns, &meta).await.unwrap_or(false)
                 && store.exists(ns, &data).await.unwrap_or(false);
-            s.write_all(&reply(found, 0, Layout::default())).await?;
+            write_all(s, &reply(found, 0, Layout::default()), stall).await?;
             stats.bytes_written.fetch_add(REPLY_LEN as u64, Relaxed);
             stats.requests_ok.fetch_add(1, Relaxed);
             Ok(true)
         }
         Command::Health => {
-            s.write_all(&reply(true, 0, Layout::default())).await?;
+            write_all(s, &reply(true, 0, Layout::default()), stall).await?;
             stats.bytes_written.fetch_add(REPLY_LEN as u64, Relaxed);
             stats.requests_ok.fetch_add(1, Relaxed);
             Ok(true)
@@ -387,9 +446,9 @@ async fn handle(s: &mut TcpStream, ctx: &ServerCtx, req: Request) -> std::io::Re
             }
             keys.sort();
             let body = keys.join(&b'\n');
-            s.write_all(&reply(ok, if ok { body.len() as i32 } else { 0 }, Layout::default())).await?;
+            write_all(s, &reply(ok, if ok { body.len() as i32 } else { 0 }, Layout::default()), stall).await?;
             if ok {
-                s.write_all(&body).await?;
+                write_all(s, &body, stall).await?;
             }
             stats.bytes_written.fetch_add((REPLY_LEN + body.len()) as u64, Relaxed);
             stats.requests_ok.fetch_add(1, Relaxed);

@@ -283,3 +283,69 @@ fn slowloris_senders_are_closed_by_the_idle_timeout() {
     expect(&mut busy, &resp(&[b"EXISTS", b"slow"]), b":0\r\n");
     srv.wait_open(1, Duration::from_secs(3));
 }
+
+/// Issue 40: connections that never pass AUTH held their slots for as long
+/// as they liked (the idle timeout is off by default, as Redis's is). Now
+/// one still unauthenticated `auth_timeout_secs` after it opened is closed,
+/// whether silent or sending commands it may not run, while an
+/// authenticated one beside it stays open past that time.
+#[test]
+fn a_connection_that_never_authenticates_is_closed_after_the_auth_timeout() {
+    let srv = Server::start(ServeLimits { auth_timeout_secs: 1, ..Default::default() });
+    let t0 = Instant::now();
+    let mut silent = srv.connect();
+    let mut chatty = srv.connect();
+    let mut authed = srv.client();
+    srv.wait_open(3, Duration::from_secs(3));
+    // The chatty one keeps sending what an unauthenticated client may.
+    let mut pings = 0;
+    let closed = loop {
+        std::thread::sleep(Duration::from_millis(200));
+        if chatty.write_all(&resp(&[b"GET", b"k"])).is_err() {
+            break true;
+        }
+        let mut got = [0u8; 64];
+        match chatty.read(&mut got) {
+            Ok(0) | Err(_) => break true,
+            Ok(n) => assert!(got[..n].starts_with(b"-NOAUTH"), "{}", String::from_utf8_lossy(&got[..n])),
+        }
+        pings += 1;
+        assert!(t0.elapsed() < Duration::from_secs(5), "an unauthenticated client kept its connection");
+    };
+    assert!(closed && pings >= 2, "closed after {pings} commands");
+    let (got, closed) = read_to_close(&mut silent);
+    assert!(closed && got.is_empty(), "a silent unauthenticated connection was kept or answered: {got:?}");
+    let at = t0.elapsed();
+    assert!(at >= Duration::from_millis(900) && at < Duration::from_secs(5), "closed after {at:?}");
+    // Past the timeout, the authenticated connection still works.
+    expect(&mut authed, &resp(&[b"PING"]), b"+PONG\r\n");
+    srv.wait_open(1, Duration::from_secs(3));
+}
+
+/// Issue 40: a client that sends commands and never reads their replies
+/// held its connection (and the replies queued for it) forever: writes
+/// had no timeout. Now a write that makes no progress for
+/// `io_timeout_secs` closes the connection; the server stops running that
+/// client's commands while its replies wait, so what is queued stays
+/// bounded; other clients are served throughout.
+#[test]
+fn a_client_that_does_not_read_its_replies_is_closed_after_the_io_timeout() {
+    let srv = Server::start(ServeLimits { io_timeout_secs: 1, ..Default::default() });
+    let mut busy = srv.client();
+    let value = vec![b'v'; 1 << 20];
+    expect(&mut busy, &resp(&[b"SET", b"big", &value]), b"+OK\r\n");
+    let mut deaf = srv.client();
+    // 256 MiB of replies asked for, none read.
+    let gets: Vec<u8> = (0..256).flat_map(|_| resp(&[b"GET", b"big"])).collect();
+    deaf.write_all(&gets).unwrap();
+    let t0 = Instant::now();
+    let mut round = 0u8;
+    while srv.open_connections() > 1 {
+        assert!(t0.elapsed() < Duration::from_secs(8), "a client that reads nothing kept its connection");
+        big_round_trip(&mut busy, b"other", round);
+        round = round.wrapping_add(1);
+    }
+    eprintln!("closed {:?} after its requests, {round} round trips of another client meanwhile", t0.elapsed());
+    let served = srv.ctx.resp.snapshot().bytes_written;
+    assert!(served < 128 << 20, "{served} bytes written: the deaf client's replies were not held back");
+}

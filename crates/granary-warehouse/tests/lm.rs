@@ -136,6 +136,66 @@ fn idle_connections_are_closed_after_the_timeout() {
     assert_eq!(s.read(&mut buf).unwrap_or(0), 0, "an idle connection stayed open");
 }
 
+/// The process's virtual size, in bytes (`VmSize` of /proc/self/status).
+fn vm_size() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmSize:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+/// Issue 40: a PUT header allocated its whole declared length (up to
+/// `max_value`, 512 MiB by default) before one byte of the value came, on a
+/// protocol without authentication: 16 strangers' headers reserved 8 GiB.
+/// Now what is reserved follows what arrives, and a value that stops
+/// arriving closes its connection after `io_timeout_secs`.
+#[test]
+fn a_put_header_reserves_nothing_of_its_declared_length_and_a_stalled_value_is_closed() {
+    const STRANGERS: usize = 16;
+    let srv = start(ServeLimits { io_timeout_secs: 1, ..Default::default() });
+    let max = srv.store.config().max_value.as_u64() as usize;
+    let before = vm_size();
+    let mut conns: Vec<TcpStream> = (0..STRANGERS)
+        .map(|i| {
+            let mut s = connect(srv.port);
+            send(&mut s, Command::Put, &format!("k{i}"), max, Layout::default());
+            s.write_all(&[7u8; 1000]).unwrap();
+            s
+        })
+        .collect();
+    // Every connection is inside its PUT, reading the value.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while srv.ctx.lm.bytes_read.load(std::sync::atomic::Ordering::Relaxed) < (STRANGERS * 186) as u64 {
+        assert!(std::time::Instant::now() < deadline, "the headers were not read");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let grown = vm_size().saturating_sub(before);
+    assert!(
+        grown < (STRANGERS * max / 8) as u64,
+        "{STRANGERS} headers declaring {max} bytes each grew the process by {grown} bytes"
+    );
+    // The values stop arriving: each connection is closed by the I/O timeout.
+    let mut buf = [0u8; 1];
+    for s in &mut conns {
+        assert_eq!(s.read(&mut buf).unwrap_or(0), 0, "a stalled PUT kept its connection");
+    }
+    let ns = srv.ctx.lm_config.namespace.clone();
+    let page = srv._rt.block_on(srv.store.scan(&ns, 0, 100)).unwrap();
+    assert!(page.keys.is_empty(), "a partial value was stored: {:?}", page.keys);
+    // A value that does arrive, even slowly, is stored whole.
+    let mut s = connect(srv.port);
+    let value: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    send(&mut s, Command::Put, "slow", value.len(), Layout::default());
+    for part in value.chunks(100_000) {
+        s.write_all(part).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    send(&mut s, Command::Get, "slow", 0, Layout::default());
+    let (code, _, body) = reply(&mut s);
+    assert_eq!((code, body.len()), (200, value.len()));
+    assert!(body == value, "the value read back differs");
+}
+
 #[test]
 fn the_listen_address_is_checked() {
     let mut l = LmConfig::default();

@@ -16,7 +16,14 @@
 //! command may have at most 10 arguments and 16 KiB (Redis's limits for
 //! unauthenticated clients); connections beyond `max_connections` are told
 //! so and closed; with `idle_timeout_secs`, a connection silent that long
-//! between commands is closed.
+//! between commands is closed. Three bounds hold by default: a connection
+//! to a server with tokens that has not passed AUTH within
+//! `auth_timeout_secs` (10) of opening is closed; so is one that stops, for
+//! `io_timeout_secs` (30), reading the replies it asked for or sending the
+//! rest of a frame it began. The replies queued for one connection are
+//! bounded without a setting: no further command of it runs while a write
+//! of 8 MiB of replies is pending (Redis's `client-output-buffer-limit`
+//! for a client that does not read, by construction).
 //!
 //! [`Store`]: crate::store::Store
 
@@ -130,6 +137,10 @@ async fn connection(
     let limits = Limits::for_max_value(ctx.store.config().max_value.as_u64());
     let before_auth = Limits::unauthenticated();
     let idle = ctx.limits.idle_timeout();
+    let io = ctx.limits.io_timeout();
+    let opened = tokio::time::Instant::now();
+    let auth_by = ctx.limits.auth_timeout().map(|d| opened + d);
+    let mut last_read = opened;
     // The idle clock restarts on a whole command, not on any byte, so a
     // client trickling a frame in cannot hold the connection forever.
     let mut last_command = tokio::time::Instant::now();
@@ -155,10 +166,10 @@ async fn connection(
                         continue;
                     }
                     if session.execute(args, &mut out).await == Flow::Close {
-                        let _ = write_out(&mut out, &mut stream, &ctx).await;
+                        let _ = write_out(&mut out, &mut stream, &ctx, io).await;
                         return;
                     }
-                    if out.pending() >= FLUSH_AT && write_out(&mut out, &mut stream, &ctx).await.is_err() {
+                    if out.pending() >= FLUSH_AT && write_out(&mut out, &mut stream, &ctx, io).await.is_err() {
                         return;
                     }
                 }
@@ -168,30 +179,45 @@ async fn connection(
                     stats.requests_error.fetch_add(1, Relaxed);
                     tracing::debug!(error = %e, "RESP protocol error; closing connection");
                     out.error(&format!("ERR Protocol error: {e}"));
-                    let _ = write_out(&mut out, &mut stream, &ctx).await;
+                    let _ = write_out(&mut out, &mut stream, &ctx, io).await;
                     return;
                 }
             }
         }
-        if write_out(&mut out, &mut stream, &ctx).await.is_err() {
+        if let Err(e) = write_out(&mut out, &mut stream, &ctx, io).await {
+            tracing::debug!(error = %e, "RESP write failed; closing connection");
             return;
         }
         make_room(&mut input, need, large);
-        let idle_until = idle.map(|d| last_command + d);
+        // The earliest of the deadlines that apply now: idle between
+        // commands, AUTH not passed yet, a frame begun and stalled.
+        let deadline = [
+            idle.map(|d| last_command + d),
+            auth_by.filter(|_| !session.authenticated()),
+            io.filter(|_| !input.is_empty()).map(|d| last_read + d),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         tokio::select! {
             r = stream.read_buf(&mut input) => match r {
                 Ok(0) | Err(_) => return,
                 Ok(n) => {
+                    last_read = tokio::time::Instant::now();
                     stats.bytes_read.fetch_add(n as u64, Relaxed);
                 }
             },
             _ = async {
-                match idle_until {
+                match deadline {
                     Some(t) => tokio::time::sleep_until(t).await,
                     None => std::future::pending().await,
                 }
             } => {
-                tracing::debug!("RESP connection idle past the timeout; closing");
+                tracing::debug!(
+                    authenticated = session.authenticated(),
+                    partial_frame = input.len(),
+                    "RESP connection past its idle, AUTH or I/O timeout; closing"
+                );
                 return;
             }
             _ = stop.changed() => return,
@@ -236,8 +262,13 @@ fn make_room(input: &mut BytesMut, need: usize, large: bool) {
     }
 }
 
-async fn write_out(out: &mut Out, stream: &mut TcpStream, ctx: &ServerCtx) -> std::io::Result<()> {
-    let n = out.flush_to(stream).await?;
+async fn write_out(
+    out: &mut Out,
+    stream: &mut TcpStream,
+    ctx: &ServerCtx,
+    stall: Option<Duration>,
+) -> std::io::Result<()> {
+    let n = out.flush_to(stream, stall).await?;
     ctx.resp.bytes_written.fetch_add(n as u64, Relaxed);
     Ok(())
 }

@@ -8,6 +8,7 @@
 //! client chose with HELLO (RESP2, or RESP3 with `_` nulls and maps).
 
 use std::io::IoSlice;
+use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
@@ -131,13 +132,28 @@ impl Out {
     }
 
     /// Writes everything queued; returns the bytes written.
-    pub async fn flush_to<W: AsyncWrite + Unpin>(&mut self, w: &mut W) -> std::io::Result<usize> {
+    ///
+    /// `stall`: how long one write may wait for the client to take
+    /// anything; past it the flush fails with `TimedOut` (a client that
+    /// stops reading its replies). A slow reader that keeps reading is
+    /// never cut off.
+    pub async fn flush_to<W: AsyncWrite + Unpin>(
+        &mut self,
+        w: &mut W,
+        stall: Option<Duration>,
+    ) -> std::io::Result<usize> {
         let total = self.pending();
         if total == 0 {
             return Ok(0);
         }
         if self.chunks.is_empty() {
-            w.write_all(&self.buf).await?;
+            let mut at = 0;
+            while at < self.buf.len() {
+                match write_within(w, &[IoSlice::new(&self.buf[at..])], stall).await? {
+                    0 => return Err(std::io::ErrorKind::WriteZero.into()),
+                    n => at += n,
+                }
+            }
             self.buf.clear();
             return Ok(total);
         }
@@ -153,7 +169,7 @@ impl Out {
                 for c in chunks.iter().skip(first + 1).take(MAX_IOVECS - 1) {
                     slices.push(IoSlice::new(c));
                 }
-                w.write_vectored(&slices).await?
+                write_within(w, &slices, stall).await?
             };
             if n == 0 {
                 return Err(std::io::ErrorKind::WriteZero.into());
@@ -175,6 +191,20 @@ impl Out {
         // Keep the vector's allocation for the next batch.
         self.chunks = chunks;
         Ok(total)
+    }
+}
+
+/// One vectored write, given at most `stall` to take a byte.
+async fn write_within<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    slices: &[IoSlice<'_>],
+    stall: Option<Duration>,
+) -> std::io::Result<usize> {
+    match stall {
+        None => w.write_vectored(slices).await,
+        Some(d) => tokio::time::timeout(d, w.write_vectored(slices)).await.unwrap_or_else(|_| {
+            Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("the client read nothing for {d:?}")))
+        }),
     }
 }
 
@@ -239,7 +269,7 @@ mod tests {
         out.null();
         out.map(1);
         let mut sink = Vec::new();
-        let n = out.flush_to(&mut sink).await.unwrap();
+        let n = out.flush_to(&mut sink, None).await.unwrap();
         assert_eq!(n, sink.len());
         let mut want = b"+OK\r\n:-42\r\n:-9223372036854775808\r\n$-1\r\n$2\r\nhi\r\n-ERR bad  thing\r\n".to_vec();
         want.extend_from_slice(format!("${}\r\n", big.len()).as_bytes());
