@@ -380,3 +380,84 @@ async fn issue_14_postgresql_stopped_under_load_loses_no_audit_record() {
     assert!(tokens >= 7 * TOTAL as u64, "{tokens}");
     eprintln!("PostgreSQL was down for {:.1} s; {TOTAL} of {TOTAL} audit records arrived", down_for.as_secs_f64());
 }
+
+/// Issue 40, point 4: a commit that reaches PostgreSQL after the writer's
+/// timeout has fired (the writer retries a batch the database has in fact
+/// taken) adds no audit row and no usage twice. Each transaction that
+/// inserts audit rows is held at COMMIT for 1.5 s by a deferred trigger,
+/// three times the writer's 500 ms timeout; the retries' inserts find the
+/// rows there (or wait for the first transaction and then find them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_delayed_past_the_write_timeout_adds_no_duplicate_rows() {
+    let Some(server) = server() else { return };
+    let spool = tempfile::tempdir().unwrap();
+    let opts = IdentityOptions {
+        audit_spool_dir: Some(spool.path().to_path_buf()),
+        audit_write_timeout: Duration::from_millis(500),
+        ..IdentityOptions::default()
+    };
+    let id = Identity::open(&server.url, opts).await.expect("open on PostgreSQL");
+    let pg = sqlx::postgres::PgPool::connect(&server.url).await.unwrap();
+    // Once per transaction, at its commit: the sleep runs after the rows
+    // are in, before the commit completes.
+    for sql in [
+        "CREATE OR REPLACE FUNCTION granary_test_slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+           IF current_setting('granary_test.slept', true) IS DISTINCT FROM txid_current()::text THEN \
+             PERFORM set_config('granary_test.slept', txid_current()::text, true); \
+             PERFORM pg_sleep(1.5); \
+           END IF; \
+           RETURN NULL; \
+         END $$",
+        "DROP TRIGGER IF EXISTS granary_test_slow_commit ON audit_log",
+        "CREATE CONSTRAINT TRIGGER granary_test_slow_commit AFTER INSERT ON audit_log \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION granary_test_slow_commit()",
+    ] {
+        sqlx::query(sql).execute(&pg).await.unwrap();
+    }
+    let tenant = format!("slowcommit-{:x}", now_ms());
+    let t0 = now_ms();
+    const TOTAL: i64 = 300;
+    for i in 0..TOTAL {
+        // The model is named after the test too, for the usage_daily rows.
+        id.record(rec(&tenant, &tenant, 200, 3, 4, t0 + i));
+        if i % 100 == 99 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+    let q = UsageQuery { from_ms: t0, to_ms: t0 + TOTAL, tenant: Some(tenant.clone()) };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let rows = loop {
+        id.flush().await;
+        let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM audit_log WHERE tenant = $1")
+            .bind(&tenant)
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+        if rows >= TOTAL && id.audit_spooled() == 0 {
+            break rows;
+        }
+        assert!(std::time::Instant::now() < deadline, "{rows} of {TOTAL} rows arrived; {} spooled", id.audit_spooled());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    sqlx::query("DROP TRIGGER granary_test_slow_commit ON audit_log").execute(&pg).await.unwrap();
+    assert!(id.audit_write_errors() > 0, "no write outlived the timeout: the test did not test anything");
+    assert_eq!(rows, TOTAL, "audit rows for {TOTAL} requests");
+    let usage = id.usage(&q).await.unwrap();
+    assert_eq!(
+        (usage[0].requests, usage[0].prompt_tokens, usage[0].completion_tokens),
+        (TOTAL as u64, 3 * TOTAL as u64, 4 * TOTAL as u64),
+        "usage counted once"
+    );
+    let daily: i64 =
+        sqlx::query_scalar("SELECT CAST(COALESCE(SUM(requests), 0) AS BIGINT) FROM usage_daily WHERE model = $1")
+            .bind(&tenant)
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+    assert_eq!(daily, TOTAL, "the daily rollup budgets are restored from counts each request once");
+    eprintln!(
+        "{TOTAL} records, {} writes timed out and were retried: {rows} audit rows, {daily} requests in usage_daily",
+        id.audit_write_errors()
+    );
+}
