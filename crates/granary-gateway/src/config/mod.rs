@@ -112,9 +112,15 @@ pub struct GatewaySection {
     /// for a request that sends no `max_tokens` (its worst case is then
     /// unknown); the unused part is released when it ends.
     pub default_max_tokens: u64,
-    /// Where audit batches the database refuses are kept (a file per batch)
-    /// until it takes them again; replayed at start too. Unset: such
-    /// batches are dropped and counted in `granary_gateway_audit_dropped_total`.
+    /// Whether audit batches the database refuses are kept on disk (a file
+    /// per batch) until it takes them again, replayed at start too (default
+    /// true). Off: such batches are dropped and counted in
+    /// `granary_gateway_audit_dropped_total`.
+    pub audit_spool: bool,
+    /// Where the spool is. Unset: beside a SQLite database's file
+    /// (`gateway.db` spools to `gateway.db.audit-spool/`), or `audit-spool/`
+    /// in the working directory for any other database; a SQLite database
+    /// in memory has no spool unless one is named.
     pub audit_spool_dir: Option<PathBuf>,
     /// The most the audit spool may hold, in bytes (default 1 GiB).
     pub audit_spool_max_bytes: u64,
@@ -158,6 +164,7 @@ impl Default for GatewaySection {
             agents: AgentsConfig::default(),
             model_fallbacks: BTreeMap::new(),
             default_max_tokens: 4_096,
+            audit_spool: true,
             audit_spool_dir: None,
             audit_spool_max_bytes: 1 << 30,
             budget_reload_s: 60,
@@ -174,10 +181,29 @@ impl GatewaySection {
     pub fn identity_options(&self) -> crate::identity::IdentityOptions {
         crate::identity::IdentityOptions {
             key_cache: Duration::from_millis(self.key_cache_ms),
-            audit_spool_dir: self.audit_spool_dir.clone(),
+            audit_spool_dir: self.spool_dir(),
             audit_spool_max_bytes: self.audit_spool_max_bytes,
             ..crate::identity::IdentityOptions::default()
         }
+    }
+
+    /// The audit spool's directory, if it is on (see `audit_spool_dir`).
+    pub fn spool_dir(&self) -> Option<PathBuf> {
+        if !self.audit_spool {
+            return None;
+        }
+        if let Some(dir) = &self.audit_spool_dir {
+            return Some(dir.clone());
+        }
+        let Some(rest) = self.database.strip_prefix("sqlite:") else { return Some(PathBuf::from("audit-spool")) };
+        let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let path = path.strip_prefix("//").unwrap_or(path);
+        if path.is_empty() || path == ":memory:" || query.split('&').any(|kv| kv == "mode=memory") {
+            return None;
+        }
+        let mut dir = PathBuf::from(path).into_os_string();
+        dir.push(".audit-spool");
+        Some(dir.into())
     }
 
     pub fn connect_timeout(&self) -> Duration {
@@ -548,6 +574,9 @@ impl GatewayConfig {
         let g = &self.gateway;
         if g.max_body_bytes < 1024 {
             return Err(bad("gateway.max_body_bytes", "must be at least 1024"));
+        }
+        if !g.audit_spool && g.audit_spool_dir.is_some() {
+            return Err(bad("gateway.audit_spool_dir", "is set while gateway.audit_spool = false; remove one of them"));
         }
         if g.max_connections == 0 {
             return Err(bad("gateway.max_connections", "must be at least 1"));

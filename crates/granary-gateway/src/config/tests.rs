@@ -185,3 +185,26 @@ fn the_agents_section_has_defaults_and_names_its_fields() {
     assert!(e.message.contains("fewest_engines"), "{}", e.message);
     assert_eq!(err("[gateway.agents]\nprefetch = \"yes\"\n").field, "gateway.agents.prefetch");
 }
+
+/// Issue 40, point 4: the audit spool was off unless a directory was
+/// named, so a database outage dropped billing records by default. It is on
+/// by default, beside a SQLite file or in the working directory.
+#[test]
+fn the_audit_spool_is_on_by_default_beside_the_database() {
+    let spool = |toml: &str| GatewayConfig::from_toml(toml).map(|c| c.gateway.spool_dir());
+    let with = |db: &str| spool(&format!("[gateway]\ndatabase = {db:?}\n")).unwrap();
+    assert_eq!(spool("").unwrap(), Some(PathBuf::from("gateway.db.audit-spool")));
+    assert_eq!(with("sqlite:///var/lib/g/ids.db?mode=rwc"), Some(PathBuf::from("/var/lib/g/ids.db.audit-spool")));
+    assert_eq!(with("sqlite:rel/ids.db"), Some(PathBuf::from("rel/ids.db.audit-spool")));
+    assert_eq!(with("postgres://u:p@db/granary"), Some(PathBuf::from("audit-spool")));
+    assert_eq!(with("sqlite::memory:"), None, "a database in memory keeps nothing to replay");
+    assert_eq!(with("sqlite://x?mode=memory&cache=shared"), None);
+    let named = "[gateway]\ndatabase = \"sqlite::memory:\"\naudit_spool_dir = \"/s\"\n";
+    assert_eq!(spool(named).unwrap(), Some(PathBuf::from("/s")));
+    assert_eq!(spool("[gateway]\naudit_spool = false\n").unwrap(), None);
+    let both = spool("[gateway]\naudit_spool = false\naudit_spool_dir = \"/s\"\n").unwrap_err().to_string();
+    assert!(both.contains("gateway.audit_spool_dir"), "{both}");
+    // The identity store gets it.
+    let c = GatewayConfig::from_toml("").unwrap();
+    assert_eq!(c.gateway.identity_options().audit_spool_dir, Some(PathBuf::from("gateway.db.audit-spool")));
+}
