@@ -320,3 +320,65 @@ async fn issue_14_llama_cpp_server_behind_the_gateway_serves_the_openai_client()
     assert!(m.contains(r#"granary_gateway_upstream_attempts_total{upstream="llama",outcome="ok"}"#), "{m}");
     assert!(!m.contains(r#"outcome="status_4xx""#), "the upstream never refused the gateway's key: {m}");
 }
+
+/// An upstream that streams `parts` as chat chunks, several tokens each,
+/// and never a usage chunk, whatever `stream_options` asks.
+async fn start_packing(parts: &'static [&'static str]) -> SocketAddr {
+    use axum::routing::post;
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        post(move || async move {
+            let mut body = String::new();
+            for p in parts {
+                let chunk = json!({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                    "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": null}]});
+                body.push_str(&format!("data: {chunk}\n\n"));
+            }
+            body.push_str("data: [DONE]\n\n");
+            ([("content-type", "text/event-stream")], body)
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+/// Issue 40, point 4: a third-party stream without a usage chunk was
+/// billed one token per chunk, while an upstream may pack several tokens
+/// into one. With the upstream's tokenizer configured, the relayed text is
+/// tokenized: the audit record and the usage chunk the client asked for
+/// carry the text's token count (before: the chunk count, 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_without_usage_is_billed_by_tokenizing_the_relayed_text() {
+    let Some(gguf) = need(model_gguf(), "the default model's GGUF") else { return };
+    const PARTS: &[&str] = &["The capital of", " France is Paris,", " a city of light", " and of bread."];
+    let addr = start_packing(PARTS).await;
+    let g =
+        Gw::start(GatewayConfig { upstreams: vec![third_party("packing", addr, Some(&gguf))], ..Default::default() })
+            .await;
+    let key = g.key("acme", json!({})).await;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true,
+        "stream_options": {"include_usage": true}});
+    let r = g.http.post(format!("{}/v1/chat/completions", g.base)).bearer_auth(&key).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let tok = Tokenizer::from_gguf_path(&gguf).unwrap();
+    let want = tok.encode(&PARTS.concat(), false).unwrap().len() as u64;
+    assert!(want > PARTS.len() as u64, "the test needs chunks of several tokens: {want}");
+    let usage: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter(|v| v["usage"].is_object())
+        .collect();
+    assert_eq!(usage.len(), 1, "one usage chunk for the client that asked: {text}");
+    assert_eq!(usage[0]["usage"]["completion_tokens"], want, "{}", usage[0]);
+    let rec = loop {
+        if let Some(r) = g.audit().await.into_iter().find(|r| r.stream) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    assert_eq!((rec.status, rec.completion_tokens), (200, want), "{rec:?}");
+}

@@ -288,6 +288,11 @@ pub(super) async fn attempt_one(
     if parsed.stream && is_sse && code.is_success() {
         up.attempt("ok");
         up.breaker.success();
+        if !up.is_granary() {
+            // Third-party engines may send no usage (llama.cpp's Python
+            // server ignores `stream_options`) and several tokens a chunk.
+            out.tokenizer = up.cfg.tokenizer.as_deref().and_then(|p| gw.tokenizers.file(p));
+        }
         let owned = out.take();
         // The upstream and request spans end with the stream, not here.
         let ends = granary_core::trace::EndOnDrop::new([tracing::Span::current(), owned.span.clone()]);

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// The most streamed text kept for counting a stream's tokens, in bytes.
+pub(super) const TEXT_KEPT: usize = 4 << 20;
+
 /// What happened to one request; recorded (audit, metrics, token charge)
 /// exactly once, when it is dropped — also when a client goes away
 /// mid-stream.
@@ -22,6 +25,15 @@ pub(super) struct Outcome {
     pub(super) usage_seen: bool,
     /// Completion tokens counted from streamed chunks so far.
     pub(super) streamed: u64,
+    /// A third-party upstream's tokenizer (its configured file): a stream
+    /// without a usage chunk is then also counted by tokenizing the text
+    /// it relayed, since an upstream may send several tokens in a chunk.
+    pub(super) tokenizer: Option<Arc<granary_tokenizer::Tokenizer>>,
+    /// The text relayed so far, per choice, while `tokenizer` is set (at
+    /// most [`TEXT_KEPT`] bytes in all; chunks past that count one each).
+    pub(super) streamed_text: Vec<String>,
+    /// Content chunks that came after the text kept was full.
+    pub(super) streamed_untexted: u64,
     /// The prompt's size in tokens (estimated from its bytes unless it was
     /// tokenized for routing), for a stream without a usage chunk.
     pub(super) prompt_estimate: u64,
@@ -64,6 +76,9 @@ impl Outcome {
             done: false,
             usage_seen: false,
             streamed: 0,
+            tokenizer: None,
+            streamed_text: Vec::new(),
+            streamed_untexted: 0,
             prompt_estimate: 0,
             quota: Quota::default(),
             reservation: None,
@@ -90,6 +105,9 @@ impl Outcome {
             done: false,
             usage_seen: self.usage_seen,
             streamed: self.streamed,
+            tokenizer: self.tokenizer.clone(),
+            streamed_text: std::mem::take(&mut self.streamed_text),
+            streamed_untexted: self.streamed_untexted,
             prompt_estimate: self.prompt_estimate,
             quota: self.quota,
             reservation: self.reservation.take(),
@@ -124,6 +142,46 @@ impl Outcome {
         if self.ttft.is_none() {
             self.ttft = Some(self.start.elapsed());
         }
+    }
+
+    /// Counts a streamed chunk's new output: a token per choice that has
+    /// some, and its text kept for tokenizing when a tokenizer is known.
+    pub(super) fn streamed_chunk(&mut self, v: &Value) {
+        self.streamed += super::relay::content_choices(v);
+        if self.tokenizer.is_none() {
+            return;
+        }
+        let Some(choices) = v.get("choices").and_then(Value::as_array) else { return };
+        for c in choices {
+            let d = &c["delta"];
+            let parts = [&d["content"], &d["reasoning_content"], &c["text"]];
+            let text: String = parts.iter().filter_map(|x| x.as_str()).collect();
+            if text.is_empty() {
+                continue;
+            }
+            let kept: usize = self.streamed_text.iter().map(String::len).sum();
+            if kept + text.len() > TEXT_KEPT {
+                self.streamed_untexted += 1;
+                continue;
+            }
+            let i = c["index"].as_u64().unwrap_or(0).min(64) as usize;
+            if self.streamed_text.len() <= i {
+                self.streamed_text.resize(i + 1, String::new());
+            }
+            self.streamed_text[i].push_str(&text);
+        }
+    }
+
+    /// The completion tokens of a stream that sent no usage: one per
+    /// content chunk and choice (a lower bound: every such chunk holds a
+    /// token at least), or, with the upstream's tokenizer, the relayed
+    /// text's tokens where that is more (an upstream that packs several
+    /// tokens into a chunk).
+    pub(super) fn streamed_tokens(&self) -> u64 {
+        let Some(tok) = &self.tokenizer else { return self.streamed };
+        let texted: u64 =
+            self.streamed_text.iter().map(|t| tok.encode(t, false).map_or(0, |ids| ids.len() as u64)).sum();
+        self.streamed.max(texted + self.streamed_untexted)
     }
 
     /// Reads the `usage` member of an answer or chunk `v`, if it has one.
@@ -167,8 +225,9 @@ impl Drop for Outcome {
             self.rec.error_code = Some("client_closed_request".into());
         }
         if !self.usage_seen && self.streamed > 0 {
-            // A stream cut before its usage chunk: charge what was produced.
-            self.rec.completion_tokens = self.streamed;
+            // A stream without a usage chunk (cut before it, or an upstream
+            // that sends none): charge what was relayed.
+            self.rec.completion_tokens = self.streamed_tokens();
             self.rec.prompt_tokens = self.prompt_estimate;
         } else if !self.usage_seen && !self.done && self.rec.upstream.as_deref().is_some_and(|u| u != CACHE_UPSTREAM) {
             // The client went away after its request reached an engine but

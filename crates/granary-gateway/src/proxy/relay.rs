@@ -4,7 +4,8 @@ use super::*;
 
 /// Passes an SSE answer through event by event (never the whole answer),
 /// counting completion tokens as chunks pass (one per choice with new
-/// content: engines stream a token a chunk), taking usage from the last
+/// content, or the relayed text's tokens where the upstream's tokenizer is
+/// known and counts more: see [`Outcome::streamed_tokens`]), taking usage from the last
 /// chunk as the truth and hiding that chunk when the client did not ask for
 /// it. A failure mid-stream ends it with an error event: a stream that has
 /// started is never retried. When the client goes away the stream is
@@ -62,12 +63,12 @@ pub(super) fn relay_sse(
                             // Python server does): the client asked for usage,
                             // so it gets the gateway's count.
                             if let Some(last) = &last {
-                                pass.extend_from_slice(&usage_event(last, out.prompt_estimate, out.streamed));
+                                pass.extend_from_slice(&usage_event(last, out.prompt_estimate, out.streamed_tokens()));
                             }
                         }
                     }
                     if let Ok(v) = serde_json::from_str::<Value>(data) {
-                        out.streamed += content_choices(&v);
+                        out.streamed_chunk(&v);
                         if include_usage && !out.usage_seen {
                             last = Some(v.clone());
                         }
