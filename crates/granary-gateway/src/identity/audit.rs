@@ -9,7 +9,13 @@
 //! fails it is spilled to the spool directory (one JSON-lines file per
 //! batch, written to a temporary name and renamed, so a file is whole or
 //! absent). Spooled batches are replayed oldest first as soon as a write
-//! succeeds again, every second while any wait, and at start. A record is
+//! succeeds again, every second while any wait, and at start. While a
+//! write runs the queue is still drained: with a spool, what arrives is
+//! spilled every 100 ms, and a write still running after 100 ms has its
+//! own batch spilled too, so a `kill -9` during a slow database loses at
+//! most the last interval or two, not what queued behind the write.
+//! (Writes are idempotent, so a batch both committed and spooled counts
+//! once.) A record is
 //! dropped (and counted) only when the queue is full, or when the batch
 //! cannot be written and the spool is full, absent or failing.
 
@@ -104,15 +110,15 @@ impl Spool {
         self.files().unwrap_or_default().iter().filter_map(|p| p.metadata().ok()).map(|m| m.len()).sum()
     }
 
-    /// Writes a batch; `Ok(false)` when it would not fit.
-    fn spill(&mut self, batch: &[AuditRecord]) -> std::io::Result<bool> {
+    /// Writes a batch; its file, or `Ok(None)` when it would not fit.
+    fn spill(&mut self, batch: &[AuditRecord]) -> std::io::Result<Option<PathBuf>> {
         let mut text = String::new();
         for r in batch {
             text.push_str(&serde_json::to_string(r).map_err(std::io::Error::other)?);
             text.push('\n');
         }
         if self.bytes() + text.len() as u64 > self.max_bytes {
-            return Ok(false);
+            return Ok(None);
         }
         let name = format!("{:020}-{}.jsonl", self.next_seq, batch.len());
         let tmp = self.dir.join(format!("{name}.tmp"));
@@ -122,9 +128,10 @@ impl Spool {
             f.write_all(text.as_bytes())?;
             f.sync_all()?;
         }
-        std::fs::rename(&tmp, self.dir.join(name))?;
+        let path = self.dir.join(name);
+        std::fs::rename(&tmp, &path)?;
         self.next_seq += 1;
-        Ok(true)
+        Ok(Some(path))
     }
 }
 
@@ -161,8 +168,19 @@ pub(super) fn spawn_writer(
             None
         }
     });
-    let writer = Writer { pool, stats, spool, down: false, pending: 0, write_timeout };
-    tokio::spawn(writer.run(rx));
+    let writer = Writer {
+        pool,
+        stats,
+        spool,
+        down: false,
+        pending: 0,
+        write_timeout,
+        rx,
+        arrived: Vec::new(),
+        waiters: Vec::new(),
+        closed: false,
+    };
+    tokio::spawn(writer.run());
     tx
 }
 
@@ -176,138 +194,224 @@ struct Writer {
     pending: usize,
     /// The most one batch write may take.
     write_timeout: Duration,
+    rx: mpsc::Receiver<Msg>,
+    /// Records taken off the queue while a write was running and not
+    /// spooled: the start of the next batch.
+    arrived: Vec<AuditRecord>,
+    /// Flushes taken off the queue while a write was running.
+    waiters: Vec<oneshot::Sender<()>>,
+    /// Every sender is gone.
+    closed: bool,
 }
 
 impl Writer {
-    /// One attempt at a batch, bounded by the write timeout.
-    async fn write(&self, batch: &[AuditRecord]) -> Result<(), String> {
-        match tokio::time::timeout(self.write_timeout, write_batch(&self.pool, batch)).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("no answer within {} ms", self.write_timeout.as_millis())),
+    /// Up to `attempts` writes of `batch` (each bounded by the write
+    /// timeout, backing off between them), owning what it needs so that
+    /// the queue is drained while it runs ([`Writer::drive`]).
+    fn attempts(
+        &self,
+        batch: Vec<AuditRecord>,
+        attempts: u32,
+    ) -> impl std::future::Future<Output = Result<(), String>> + Send + 'static {
+        let (pool, stats, timeout) = (self.pool.clone(), self.stats.clone(), self.write_timeout);
+        async move {
+            let mut delay = RETRY_FIRST;
+            let mut last = String::new();
+            for attempt in 1..=attempts {
+                match tokio::time::timeout(timeout, write_batch(&pool, &batch)).await {
+                    Ok(Ok(())) => return Ok(()),
+                    Ok(Err(e)) => last = e.to_string(),
+                    Err(_) => last = format!("no answer within {} ms", timeout.as_millis()),
+                }
+                stats.write_errors.fetch_add(1, Ordering::Relaxed);
+                if attempt < attempts {
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+            }
+            Err(last)
         }
     }
 
-    async fn run(mut self, mut rx: mpsc::Receiver<Msg>) {
+    /// Runs a database write to its end while taking what the queue
+    /// brings. With a spool, what arrives meanwhile is spilled to it every
+    /// [`BATCH_WAIT`] (and at [`BATCH_MAX`] records), and a write still
+    /// running after one interval has its own `batch` spilled too
+    /// (`ahead`), so that a `kill -9` during a slow commit loses at most
+    /// the records of the last interval or two, not everything that queued
+    /// up behind the commit. Without a spool, arrivals wait in memory for
+    /// the next batch (at most [`BATCH_MAX`]; then the queue fills).
+    async fn drive(
+        &mut self,
+        write: impl std::future::Future<Output = Result<(), String>>,
+        batch: &[AuditRecord],
+        ahead: bool,
+    ) -> (Result<(), String>, Option<PathBuf>) {
+        tokio::pin!(write);
+        let mut spilled = None;
+        let mut tick = tokio::time::Instant::now() + BATCH_WAIT;
+        loop {
+            let room = !self.closed && self.arrived.len() < BATCH_MAX;
+            tokio::select! {
+                r = &mut write => return (r, spilled),
+                _ = tokio::time::sleep_until(tick) => {
+                    tick += BATCH_WAIT;
+                    if ahead && spilled.is_none() && self.spool.is_some() {
+                        spilled = self.spill_counted(batch);
+                    }
+                    self.spill_arrived();
+                }
+                m = self.rx.recv(), if room => match m {
+                    Some(Msg::Record(r)) => {
+                        self.arrived.push(*r);
+                        if self.arrived.len() >= BATCH_MAX {
+                            self.spill_arrived();
+                        }
+                    }
+                    Some(Msg::Flush(w)) => self.waiters.push(w),
+                    None => self.closed = true,
+                },
+            }
+        }
+    }
+
+    /// Spills the records gathered during a write, when there is a spool
+    /// that takes them; otherwise they stay for the next batch.
+    fn spill_arrived(&mut self) {
+        if self.arrived.is_empty() || self.spool.is_none() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.arrived);
+        if self.spill_counted(&batch).is_none() {
+            self.arrived = batch;
+        }
+    }
+
+    /// Writes `batch` to the spool and counts it there: its file, or `None`
+    /// (logged) when there is no spool or it is full or failing.
+    fn spill_counted(&mut self, batch: &[AuditRecord]) -> Option<PathBuf> {
+        let spool = self.spool.as_mut()?;
+        match spool.spill(batch) {
+            Ok(Some(path)) => {
+                self.pending += 1;
+                self.stats.spooled.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                Some(path)
+            }
+            Ok(None) => {
+                tracing::error!(records = batch.len(), "audit: the spool is full");
+                None
+            }
+            Err(e) => {
+                tracing::error!(error = %e, records = batch.len(), "audit: cannot spool");
+                None
+            }
+        }
+    }
+
+    async fn run(mut self) {
         self.count_pending();
         self.replay().await;
-        let mut batch: Vec<AuditRecord> = Vec::with_capacity(BATCH_MAX);
-        let mut waiters: Vec<oneshot::Sender<()>> = Vec::new();
         loop {
-            // Wait for the first message of a batch (retrying the spool
-            // meanwhile), then gather more until the batch is full, a flush
-            // asks for it, or BATCH_WAIT has passed.
-            let first = if self.pending > 0 {
-                match tokio::time::timeout(REPLAY_EVERY, rx.recv()).await {
-                    Ok(m) => m,
-                    Err(_) => {
-                        self.replay().await;
-                        continue;
-                    }
-                }
-            } else {
-                rx.recv().await
-            };
-            let Some(first) = first else { break };
-            let mut closed = false;
-            let deadline = tokio::time::Instant::now() + BATCH_WAIT;
-            let mut msg = Some(first);
-            loop {
-                match msg.take() {
-                    Some(Msg::Record(r)) => batch.push(*r),
-                    Some(Msg::Flush(w)) => {
-                        waiters.push(w);
-                        break;
-                    }
-                    None => {}
-                }
-                if batch.len() >= BATCH_MAX {
+            // What arrived during the last write comes first.
+            let mut batch = std::mem::take(&mut self.arrived);
+            if batch.is_empty() && self.waiters.is_empty() {
+                if self.closed {
                     break;
                 }
-                // Take what is already queued without waiting; wait only when
-                // nothing is.
-                match rx.try_recv() {
-                    Ok(m) => msg = Some(m),
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        closed = true;
-                        break;
-                    }
-                    Err(mpsc::error::TryRecvError::Empty) => match tokio::time::timeout_at(deadline, rx.recv()).await {
-                        Ok(Some(m)) => msg = Some(m),
-                        Ok(None) => {
-                            closed = true;
-                            break;
+                // Wait for the first message of a batch (retrying the
+                // spool meanwhile).
+                let first = if self.pending > 0 {
+                    match tokio::time::timeout(REPLAY_EVERY, self.rx.recv()).await {
+                        Ok(m) => m,
+                        Err(_) => {
+                            self.replay().await;
+                            continue;
                         }
-                        Err(_) => break,
-                    },
+                    }
+                } else {
+                    self.rx.recv().await
+                };
+                match first {
+                    None => break,
+                    Some(Msg::Record(r)) => batch.push(*r),
+                    Some(Msg::Flush(w)) => self.waiters.push(w),
                 }
             }
+            // Gather more until the batch is full, a flush asks for it, or
+            // BATCH_WAIT has passed; take what is already queued without
+            // waiting, wait only when nothing is.
+            let deadline = tokio::time::Instant::now() + BATCH_WAIT;
+            while self.waiters.is_empty() && !self.closed && batch.len() < BATCH_MAX {
+                let m = match self.rx.try_recv() {
+                    Ok(m) => m,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        self.closed = true;
+                        break;
+                    }
+                    Err(mpsc::error::TryRecvError::Empty) => {
+                        match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                            Ok(Some(m)) => m,
+                            Ok(None) => {
+                                self.closed = true;
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                };
+                match m {
+                    Msg::Record(r) => batch.push(*r),
+                    Msg::Flush(w) => self.waiters.push(w),
+                }
+            }
+            // Everything queued before these flushes is in `batch` (or
+            // spooled): they are answered once it is written or spooled.
+            let waiters = std::mem::take(&mut self.waiters);
             if !batch.is_empty() {
-                self.store(&batch).await;
-                batch.clear();
+                self.store(batch).await;
             } else if !waiters.is_empty() && self.pending > 0 {
                 self.replay().await;
             }
-            for w in waiters.drain(..) {
+            for w in waiters {
                 let _ = w.send(());
-            }
-            if closed {
-                break;
             }
         }
     }
 
     /// Writes a batch, retrying with backoff; spills it when the database
     /// keeps failing; drops (and counts) it only when it cannot be spilled.
-    async fn store(&mut self, batch: &[AuditRecord]) {
+    async fn store(&mut self, batch: Vec<AuditRecord>) {
         let attempts = if self.down { 1 } else { ATTEMPTS };
-        let mut delay = RETRY_FIRST;
-        let mut last_error = None;
-        for attempt in 1..=attempts {
-            match self.write(batch).await {
-                Ok(()) => {
-                    self.down = false;
-                    if self.pending > 0 {
-                        self.replay().await;
-                    }
-                    return;
+        let write = self.attempts(batch.clone(), attempts);
+        let (result, ahead) = self.drive(write, &batch, true).await;
+        let error = match result {
+            Ok(()) => {
+                self.down = false;
+                if let Some(path) = ahead {
+                    // Written: its copy in the spool goes. (Were it replayed
+                    // after all, its rows would be skipped as already there.)
+                    let _ = std::fs::remove_file(&path);
+                    self.count_pending();
                 }
-                Err(e) => {
-                    self.stats.write_errors.fetch_add(1, Ordering::Relaxed);
-                    last_error = Some(e);
-                    if attempt < attempts {
-                        tokio::time::sleep(delay).await;
-                        delay *= 2;
-                    }
+                if self.pending > 0 {
+                    self.replay().await;
                 }
+                return;
             }
-        }
-        let error = last_error.unwrap_or_default();
+            Err(e) => e,
+        };
         if !self.down {
             tracing::error!(error, records = batch.len(), "audit: the database refuses writes; spooling batches");
         }
         self.down = true;
-        let spilled = match &mut self.spool {
-            Some(spool) => match spool.spill(batch) {
-                Ok(true) => true,
-                Ok(false) => {
-                    tracing::error!(records = batch.len(), "audit: the spool is full; records dropped");
-                    false
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, records = batch.len(), "audit: cannot spool; records dropped");
-                    false
-                }
-            },
-            None => {
-                tracing::error!(error, records = batch.len(), "audit: no spool directory; records dropped");
-                false
-            }
-        };
-        if spilled {
-            self.pending += 1;
-            self.stats.spooled.fetch_add(batch.len() as u64, Ordering::Relaxed);
-        } else {
+        if ahead.is_some() {
+            // Already in the spool, spilled while the write was running.
+            return;
+        }
+        if self.spool.is_none() {
+            tracing::error!(error, records = batch.len(), "audit: no spool directory; records dropped");
+        }
+        if self.spill_counted(&batch).is_none() {
             self.stats.dropped.fetch_add(batch.len() as u64, Ordering::Relaxed);
         }
     }
@@ -341,7 +445,10 @@ impl Writer {
                     continue;
                 }
             };
-            match self.write(&batch).await {
+            let n = batch.len();
+            let write = self.attempts(batch, 1);
+            let (result, _) = self.drive(write, &[], false).await;
+            match result {
                 Ok(()) => {
                     if let Err(e) = std::fs::remove_file(path) {
                         // Would be written twice: stop replaying rather than duplicate.
@@ -349,10 +456,9 @@ impl Writer {
                         break;
                     }
                     self.down = false;
-                    replayed += batch.len();
+                    replayed += n;
                 }
                 Err(_) => {
-                    self.stats.write_errors.fetch_add(1, Ordering::Relaxed);
                     self.down = true;
                     break;
                 }
