@@ -237,6 +237,10 @@ pub struct StoreConfig {
     /// Largest value accepted.
     pub max_value: ByteSize,
     pub namespaces: HashMap<String, NamespaceConfig>,
+    /// `[warehouse.namespace_defaults]`: the settings of every namespace
+    /// `namespaces` does not list (each tenant's, say): a quota here gives
+    /// each such namespace a quota of its own of that size.
+    pub namespace_defaults: NamespaceConfig,
 }
 
 impl Default for StoreConfig {
@@ -254,6 +258,7 @@ impl Default for StoreConfig {
             encryption: None,
             max_value: ByteSize::mib(512),
             namespaces: HashMap::new(),
+            namespace_defaults: NamespaceConfig::default(),
         }
     }
 }
@@ -275,7 +280,21 @@ impl StoreConfig {
     }
 
     pub fn namespace_ttl(&self, ns: &str) -> Option<Duration> {
-        self.namespaces.get(ns).and_then(|n| n.ttl_secs).map(Duration::from_secs)
+        let ttl = match self.namespaces.get(ns) {
+            Some(n) => n.ttl_secs,
+            None => self.namespace_defaults.ttl_secs,
+        };
+        ttl.map(Duration::from_secs)
+    }
+
+    /// The memory quota of each namespace `namespaces` does not list (0: none).
+    pub fn default_memory_quota(&self) -> u64 {
+        self.namespace_defaults.memory_quota.map_or(0, |q| q.as_u64())
+    }
+
+    /// The disk quota of each namespace `namespaces` does not list (0: none).
+    pub fn default_disk_quota(&self) -> u64 {
+        self.namespace_defaults.disk_quota.map_or(0, |q| q.as_u64())
     }
 }
 

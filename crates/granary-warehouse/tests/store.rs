@@ -207,6 +207,56 @@ async fn a_tenant_filling_its_memory_quota_evicts_only_its_own_keys() {
     }
 }
 
+/// Issue 40, point 5: quotas were given by namespace name only, so the
+/// tenants a gateway creates at run time (each its own namespace) had none,
+/// and one of them could fill the tiers. `namespace_defaults` gives every
+/// unlisted namespace a quota of its own: each tenant flooding the store
+/// evicts its own keys only, on the memory tier and on the disk tier.
+#[tokio::test]
+async fn every_unlisted_namespace_gets_the_default_quota_of_its_own() {
+    use granary_core::ByteSize;
+    use granary_warehouse::config::{DiskConfig, NamespaceConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let budget = 4u64 << 20;
+    let mut cfg = granary_warehouse::StoreConfig::memory_only(budget);
+    cfg.disk = Some(DiskConfig { dir: dir.path().into(), capacity: ByteSize(8 << 20), policy: Default::default() });
+    cfg.namespace_defaults = NamespaceConfig {
+        memory_quota: Some(ByteSize(budget / 4)),
+        disk_quota: Some(ByteSize(2 << 20)),
+        ..Default::default()
+    };
+    cfg.namespaces.insert("tenant-listed".into(), NamespaceConfig::default());
+    // Room to queue every offload of this burst (a full queue drops them).
+    cfg.queue_depth = 8192;
+    let s = Store::open(cfg).await.unwrap();
+    let v = Bytes::from(vec![7u8; 10 << 10]);
+    let quiet: Vec<String> = (0..60).map(|i| format!("q{i}")).collect();
+    for k in &quiet {
+        s.put("tenant-quiet", k.clone().into(), v.clone(), PutOptions::default()).await.unwrap();
+    }
+    for noisy in ["tenant-noisy", "tenant-loud"] {
+        for i in 0..2000 {
+            s.put(noisy, format!("n{i}").into(), v.clone(), PutOptions::default()).await.unwrap();
+        }
+    }
+    s.flush(Duration::from_secs(10)).await.unwrap();
+    for k in &quiet {
+        assert!(s.exists("tenant-quiet", k.as_bytes()).await.unwrap(), "{k} of the quiet tenant was evicted");
+    }
+    assert_eq!(s.count("tenant-quiet").await.unwrap(), quiet.len() as u64);
+    for noisy in ["tenant-noisy", "tenant-loud"] {
+        let usage = s.namespace_usage(noisy);
+        let (mem, disk) = (&usage[0], &usage[1]);
+        assert_eq!((mem.quota, disk.quota), (Some(budget / 4), Some(2 << 20)), "{usage:?}");
+        assert!(mem.bytes.unwrap() <= budget / 4 && disk.bytes.unwrap() <= 2 << 20, "{noisy}: {usage:?}");
+        assert!(mem.entries.unwrap() > 0 && disk.entries.unwrap() > 0, "{noisy}: {usage:?}");
+        assert!(s.exists(noisy, b"n1999").await.unwrap(), "{noisy}'s newest write was dropped");
+    }
+    // A listed namespace keeps its own settings (here: no quota at all).
+    let listed = s.namespace_usage("tenant-listed");
+    assert_eq!((listed[0].quota, listed[1].quota), (None, None), "{listed:?}");
+}
+
 /// The disk tier's quota, through the tier itself.
 #[tokio::test]
 async fn a_tenant_filling_its_disk_quota_evicts_only_its_own_files() {

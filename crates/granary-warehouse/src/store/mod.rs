@@ -209,8 +209,9 @@ impl Store {
         let at_rest = crate::tier::at_rest::AtRest::from_config(cfg.compression, cfg.encryption.as_ref())?;
         let disk: Option<Arc<dyn Tier>> = match &cfg.disk {
             Some(d) => {
-                let quotas = cfg.disk_quotas();
-                Some(Arc::new(crate::tier::disk::open_disk_with_quotas(d, at_rest.clone(), quotas).await?))
+                let (quotas, default) = (cfg.disk_quotas(), cfg.default_disk_quota());
+                let tier = crate::tier::disk::open_disk_with_default_quota(d, at_rest.clone(), quotas, default).await?;
+                Some(Arc::new(tier))
             }
             None => None,
         };
@@ -224,7 +225,11 @@ impl Store {
     /// A store over tiers built elsewhere (tests, custom tiers). Must run
     /// inside a Tokio runtime when a lower tier is given.
     pub fn with_tiers(cfg: StoreConfig, disk: Option<Arc<dyn Tier>>, remote: Option<Arc<dyn Tier>>) -> Store {
-        let memory = Arc::new(MemoryTier::new(cfg.memory.as_u64(), cfg.memory_policy).with_quotas(cfg.memory_quotas()));
+        let memory = Arc::new(
+            MemoryTier::new(cfg.memory.as_u64(), cfg.memory_policy)
+                .with_quotas(cfg.memory_quotas())
+                .with_default_quota(cfg.default_memory_quota()),
+        );
         let (events, _) = broadcast::channel(8192);
         // Tiers announce their own changes, under the locks that order them,
         // so a subscriber sees one key's events in one tier in the order they
@@ -773,7 +778,8 @@ impl Store {
     /// What namespace `ns` holds in each tier, and its quotas: the figures
     /// a tenant may see (INFO, `/stats`), nothing about other namespaces.
     pub fn namespace_usage(&self, ns: &str) -> Vec<crate::types::NamespaceUsage> {
-        let cfg = self.inner.cfg.namespaces.get(ns);
+        // Its own settings, else the defaults of unlisted namespaces.
+        let cfg = Some(self.inner.cfg.namespaces.get(ns).unwrap_or(&self.inner.cfg.namespace_defaults));
         let mut out = Vec::new();
         let (bytes, entries) = self.inner.memory.namespace_usage(ns);
         if self.inner.cfg.memory_tier {

@@ -18,10 +18,11 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::keys::{merge_pages, Entry, KeyIndex};
 use super::{EventSink, Tier, TierEvents, TierKind};
@@ -70,8 +71,12 @@ struct Quota {
 pub struct MemoryTier {
     shards: Box<[Mutex<Shard>]>,
     capacity: u64,
-    /// Namespaces with a byte quota (fixed when the tier is built).
-    quotas: HashMap<Box<str>, Quota>,
+    /// Namespaces with a byte quota of their own (fixed when the tier is built).
+    quotas: HashMap<Box<str>, Arc<Quota>>,
+    /// The quota of every other namespace (0: none), each counted apart
+    /// in `others` from its first write.
+    default_quota: u64,
+    others: RwLock<HashMap<Box<str>, Arc<Quota>>>,
     policy: PolicyKind,
     c: Counters,
     events: TierEvents,
@@ -106,6 +111,8 @@ impl MemoryTier {
             shards,
             capacity,
             quotas: HashMap::default(),
+            default_quota: 0,
+            others: RwLock::default(),
             policy,
             c: Counters::default(),
             events: TierEvents::default(),
@@ -117,17 +124,31 @@ impl MemoryTier {
         self.quotas = quotas
             .into_iter()
             .filter(|(_, l)| *l != 0)
-            .map(|(ns, limit)| (ns.into_boxed_str(), Quota { limit, used: AtomicU64::new(0) }))
+            .map(|(ns, limit)| (ns.into_boxed_str(), Arc::new(Quota { limit, used: AtomicU64::new(0) })))
             .collect();
         self
     }
 
-    fn quota(&self, ns: &str) -> Option<&Quota> {
-        if self.quotas.is_empty() {
-            None
-        } else {
-            self.quotas.get(ns)
+    /// Gives every namespace [`MemoryTier::with_quotas`] does not name a
+    /// quota of `bytes` (0: none), each its own.
+    pub fn with_default_quota(mut self, bytes: u64) -> Self {
+        self.default_quota = bytes;
+        self
+    }
+
+    fn quota(&self, ns: &str) -> Option<Arc<Quota>> {
+        if let Some(q) = self.quotas.get(ns) {
+            return Some(q.clone());
         }
+        if self.default_quota == 0 {
+            return None;
+        }
+        if let Some(q) = self.others.read().get(ns) {
+            return Some(q.clone());
+        }
+        let limit = self.default_quota;
+        let mut others = self.others.write();
+        Some(others.entry(ns.into()).or_insert_with(|| Arc::new(Quota { limit, used: AtomicU64::new(0) })).clone())
     }
 
     /// Bytes and entries `ns` holds in this tier.
@@ -232,7 +253,7 @@ impl MemoryTier {
         let home = self.shard_index(ns, &key);
         let mut s = self.shards[home].lock();
         let quota = self.quota(ns);
-        if (self.capacity != 0 && size > self.capacity) || quota.is_some_and(|q| size > q.limit) {
+        if (self.capacity != 0 && size > self.capacity) || quota.as_ref().is_some_and(|q| size > q.limit) {
             // Too big for this tier: replace nothing, hand it straight back.
             if self.remove_locked(&mut s, ns, &key).is_some() {
                 self.events.removed(ns, &key);
@@ -243,7 +264,7 @@ impl MemoryTier {
         let mut evicted = Vec::new();
         // A namespace with a quota makes room from its own entries; when the
         // shard has none left, the passes below take it from other shards.
-        let own = quota.map(|_| ns);
+        let own = quota.as_ref().map(|_| ns);
         while s.budget != 0 && s.index.bytes() + size > s.budget {
             let Some(v) = self.evict_one(&mut s, None, own) else { break };
             evicted.push(v);
@@ -251,7 +272,7 @@ impl MemoryTier {
         let id = self.insert_locked(&mut s, ns, key.clone(), value, meta, seq, size);
         drop(s);
         let over_total = || self.capacity != 0 && self.c.bytes.load(Relaxed) > self.capacity;
-        let over_quota = || quota.is_some_and(|q| q.used.load(Relaxed) > q.limit);
+        let over_quota = || quota.as_ref().is_some_and(|q| q.used.load(Relaxed) > q.limit);
         if !over_total() && !over_quota() {
             return evicted;
         }

@@ -112,6 +112,8 @@ struct Shared {
     capacity: u64,
     /// Byte quotas of namespaces (see [`open_disk_with_quotas`]).
     quotas: HashMap<String, u64>,
+    /// The quota of every namespace `quotas` does not name (0: none).
+    default_quota: u64,
     policy: PolicyKind,
     /// The files held, by key (the entries' payload is the file itself).
     index: Mutex<KeyIndex<()>>,
@@ -164,12 +166,24 @@ pub async fn open_disk_with_quotas(
     at_rest: AtRest,
     quotas: HashMap<String, u64>,
 ) -> Result<DiskTier> {
+    open_disk_with_default_quota(cfg, at_rest, quotas, 0).await
+}
+
+/// [`open_disk_with_quotas`], and a quota of `default_quota` bytes (0:
+/// none) for each namespace `quotas` does not name, each its own.
+pub async fn open_disk_with_default_quota(
+    cfg: &DiskConfig,
+    at_rest: AtRest,
+    quotas: HashMap<String, u64>,
+    default_quota: u64,
+) -> Result<DiskTier> {
     let capacity = cfg.capacity.as_u64();
     let s = Arc::new(Shared {
         dir: cfg.dir.clone(),
         at_rest,
         capacity,
         quotas: quotas.into_iter().filter(|(_, l)| *l != 0).collect(),
+        default_quota,
         policy: cfg.policy,
         index: Mutex::new(KeyIndex::new(cfg.policy.build(capacity))),
         dirty: Mutex::new(Dirty::default()),
@@ -277,7 +291,7 @@ impl Shared {
         let sealed = self.at_rest.seal(ns, &key, meta, &value)?;
         let size = sealed.len() as u64;
         let path = self.path_of(ns, &key);
-        let quota = self.quotas.get(ns).copied();
+        let quota = self.quotas.get(ns).copied().or((self.default_quota != 0).then_some(self.default_quota));
         if (self.capacity != 0 && size > self.capacity) || quota.is_some_and(|q| size > q) {
             // Too big for this tier: drop any older copy, hand the value straight back.
             let mut ix = self.index.lock();
