@@ -457,3 +457,53 @@ async fn stop_tokens_wait_for_min_tokens() {
         }
     }
 }
+
+/// Issue 40, point 5: on an engine behind a gateway every tenant is its
+/// own KV namespace, and they share one block cache. One tenant running
+/// many prompts evicted another's blocks (a single LRU). With
+/// `namespace_cache_bytes`, the busy tenant evicts its own blocks and the
+/// quiet tenant's prompt still comes from engine memory; without it (the
+/// control), the same traffic leaves the quiet tenant nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_over_its_share_of_engine_memory_evicts_only_its_own_blocks() {
+    let Some(path) = common::default_model() else { return };
+    let model = Arc::new(Model::load(&path, &LoadOptions::default()).unwrap());
+    let tok = Arc::new(Tokenizer::from_gguf_path(&path).unwrap());
+    let layout = granary_engine::engine::layout_of(&model, 16);
+    // A full block's payload, and a little for its header.
+    let block = 2 * layout.layers as usize * layout.kv_heads as usize * layout.head_dim as usize * 16 * 2 + 4096;
+    let run = |quota: usize| {
+        let (model, tok) = (model.clone(), tok.clone());
+        async move {
+            let cfg = EngineConfig {
+                block_tokens: 16,
+                local_cache_bytes: 12 * block,
+                namespace_cache_bytes: quota,
+                ..Default::default()
+            };
+            let engine = Engine::start(cfg, model, tok, None).unwrap();
+            let in_ns = |ns: &str, prompt: Vec<u32>| GenerateRequest { namespace: ns.into(), ..greedy(prompt, 1) };
+            let quiet: Vec<u32> = (0..50).map(|i| 3000 + i).collect();
+            collect(engine.generate(in_ns("quiet", quiet.clone())).unwrap()).await;
+            // The busy tenant: six prompts of three full blocks each.
+            for p in 0..6u32 {
+                let prompt: Vec<u32> = (0..50).map(|i| 4000 + 100 * p + i).collect();
+                collect(engine.generate(in_ns("busy", prompt)).unwrap()).await;
+            }
+            match collect(engine.generate(in_ns("quiet", quiet)).unwrap()).await.1 {
+                Event::Finished { usage, .. } => usage.cached_tokens,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    let shared = run(0).await;
+    let capped = run(4 * block).await;
+    assert!(
+        shared < 48,
+        "the control: one LRU for all should have evicted the quiet tenant's blocks ({shared} cached)"
+    );
+    assert!(capped >= 48, "the quiet tenant's three full blocks were evicted: {capped} cached of 50");
+    eprintln!(
+        "quiet tenant's repeat: {shared} tokens cached with one LRU for all, {capped} with a share of 4 blocks each"
+    );
+}

@@ -45,6 +45,12 @@ pub struct ModelArgs {
     /// Engine memory kept for reusable KV blocks.
     #[arg(long, default_value = "512MiB")]
     pub kv_cache: ByteSize,
+    /// The most of --kv-cache one KV namespace may hold (a tenant, with
+    /// --trust-namespace-header behind a gateway): its blocks past that
+    /// evict its own least recently used ones, never another tenant's.
+    /// 0: no cap but --kv-cache.
+    #[arg(long, default_value = "0")]
+    pub kv_cache_per_namespace: ByteSize,
     /// Memory for running sequences' KV [default: 40% of the host's RAM]. A
     /// request runs once its prompt fits beside the running ones' KV; when
     /// answers outgrow it, the newest sequences are set aside through the
@@ -394,6 +400,7 @@ fn engine_config(a: &ModelArgs, id: String, role: Role) -> EngineConfig {
         max_batch_tokens: a.max_batch_tokens,
         max_running: a.max_running,
         local_cache_bytes: a.kv_cache.as_u64() as usize,
+        namespace_cache_bytes: a.kv_cache_per_namespace.as_u64() as usize,
         kv_memory_bytes: a.kv_memory.map(|b| b.as_u64() as usize),
         ..Default::default()
     }

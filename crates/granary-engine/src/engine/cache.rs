@@ -35,7 +35,32 @@ struct Inner {
     order: BTreeMap<u64, BlockHash>,
     tick: u64,
     bytes: usize,
+    /// What each namespace holds, in its own LRU order.
+    by_ns: HashMap<Arc<str>, NsBlocks>,
     tails: Tails,
+}
+
+#[derive(Default)]
+struct NsBlocks {
+    bytes: usize,
+    order: BTreeMap<u64, BlockHash>,
+}
+
+impl Inner {
+    /// Drops block `h`; its namespace and size.
+    fn evict(&mut self, h: &BlockHash) -> Option<(Arc<str>, usize)> {
+        let e = self.map.remove(h)?;
+        self.order.remove(&e.tick);
+        self.bytes -= e.bytes.len();
+        if let Some(ns) = self.by_ns.get_mut(&e.namespace) {
+            ns.order.remove(&e.tick);
+            ns.bytes -= e.bytes.len();
+            if ns.order.is_empty() {
+                self.by_ns.remove(&e.namespace);
+            }
+        }
+        Some((e.namespace, e.bytes.len()))
+    }
 }
 
 /// A block's worth of KV of which the first `tokens.len()` positions hold
@@ -65,6 +90,8 @@ const TAILS_PER_PARENT: usize = 4;
 pub struct BlockCache {
     inner: Mutex<Inner>,
     capacity: usize,
+    /// The most one namespace may hold (0: no limit but the capacity).
+    namespace_quota: usize,
     events: broadcast::Sender<KvEvent>,
 }
 
@@ -77,11 +104,26 @@ impl BlockCache {
                 order: BTreeMap::new(),
                 tick: 0,
                 bytes: 0,
+                by_ns: HashMap::new(),
                 tails: Tails::default(),
             }),
             capacity: capacity_bytes,
+            namespace_quota: 0,
             events,
         }
+    }
+
+    /// Caps what one namespace (a tenant, behind a gateway) holds at
+    /// `bytes` (0: no cap): its blocks past that evict its own least
+    /// recently used ones, never another namespace's.
+    pub fn with_namespace_quota(mut self, bytes: usize) -> Self {
+        self.namespace_quota = bytes;
+        self
+    }
+
+    /// Bytes of blocks `namespace` holds here.
+    pub fn namespace_bytes(&self, namespace: &str) -> usize {
+        self.inner.lock().by_ns.get(namespace).map_or(0, |n| n.bytes)
     }
 
     pub fn subscribe(&self) -> broadcast::Receiver<KvEvent> {
@@ -110,6 +152,7 @@ impl BlockCache {
     pub fn prefix(&self, hashes: &[BlockHash]) -> Vec<Bytes> {
         let mut g = self.inner.lock();
         let mut out = Vec::new();
+        let g = &mut *g;
         for h in hashes {
             g.tick += 1;
             let tick = g.tick;
@@ -118,6 +161,10 @@ impl BlockCache {
             let bytes = e.bytes.clone();
             g.order.remove(&old);
             g.order.insert(tick, *h);
+            if let Some(ns) = g.by_ns.get_mut(&e.namespace) {
+                ns.order.remove(&old);
+                ns.order.insert(tick, *h);
+            }
             out.push(bytes);
         }
         out
@@ -216,21 +263,34 @@ impl BlockCache {
         let mut removed: HashMap<Arc<str>, Vec<String>> = HashMap::new();
         {
             let mut g = self.inner.lock();
+            let quota = if self.namespace_quota == 0 { usize::MAX } else { self.namespace_quota };
             for (h, bytes) in blocks {
-                if bytes.len() > self.capacity || g.map.contains_key(&h) {
+                if bytes.len() > self.capacity.min(quota) || g.map.contains_key(&h) {
                     continue;
                 }
                 g.tick += 1;
                 let tick = g.tick;
-                g.bytes += bytes.len();
+                let size = bytes.len();
+                g.bytes += size;
                 g.order.insert(tick, h);
                 g.map.insert(h, Entry { bytes, tick, namespace: ns.clone() });
+                let mine = g.by_ns.entry(ns.clone()).or_default();
+                mine.bytes += size;
+                mine.order.insert(tick, h);
                 stored.push(h.to_hex());
+                // Over its quota, a namespace gives up its own blocks.
+                while g.by_ns.get(&ns).is_some_and(|n| n.bytes > quota) {
+                    let Some(victim) = g.by_ns.get(&ns).and_then(|n| n.order.first_key_value()).map(|(_, v)| *v) else {
+                        break;
+                    };
+                    if let Some((from, _)) = g.evict(&victim) {
+                        removed.entry(from).or_default().push(victim.to_hex());
+                    }
+                }
                 while g.bytes > self.capacity {
-                    let Some((_, victim)) = g.order.pop_first() else { break };
-                    if let Some(e) = g.map.remove(&victim) {
-                        g.bytes -= e.bytes.len();
-                        removed.entry(e.namespace).or_default().push(victim.to_hex());
+                    let Some((_, victim)) = g.order.first_key_value().map(|(t, v)| (*t, *v)) else { break };
+                    if let Some((from, _)) = g.evict(&victim) {
+                        removed.entry(from).or_default().push(victim.to_hex());
                     }
                 }
             }
@@ -326,6 +386,49 @@ mod tests {
         let removed = rx.try_recv().unwrap();
         assert_eq!(removed.kind, "removed");
         assert_eq!(removed.hashes, vec![h(3).to_hex()]);
+    }
+
+    /// Issue 40, point 5: one tenant filling the engine's cache evicted
+    /// every other tenant's blocks (one LRU for all). With a namespace
+    /// quota, a namespace past it evicts its own least recently used
+    /// blocks and leaves the others' alone.
+    #[test]
+    fn a_namespace_over_its_quota_evicts_only_its_own_blocks() {
+        let c = BlockCache::new(100).with_namespace_quota(40);
+        let mut rx = c.subscribe();
+        let b = |n: u8| -> Bytes { vec![n; 10].into() };
+        c.insert("b", vec![(h(1), b(1)), (h(2), b(2))]);
+        // Tenant a writes far more than its quota.
+        for i in 10..30 {
+            c.insert("a", vec![(h(i), b(i))]);
+        }
+        assert!(c.contains(&h(1)) && c.contains(&h(2)), "the other tenant's blocks were evicted");
+        assert_eq!((c.namespace_bytes("a"), c.namespace_bytes("b")), (40, 20));
+        // Its newest four stay; touching one keeps it over a newer one.
+        assert!((26..30).all(|i| c.contains(&h(i))) && !c.contains(&h(25)));
+        assert_eq!(c.prefix(&[h(26)]).len(), 1);
+        c.insert("a", vec![(h(30), b(30))]);
+        assert!(c.contains(&h(26)) && !c.contains(&h(27)), "LRU within the namespace");
+        let removed: Vec<KvEvent> = std::iter::from_fn(|| rx.try_recv().ok()).filter(|e| e.kind == "removed").collect();
+        assert!(removed.iter().all(|e| e.namespace == "a"), "{removed:?}");
+        // The capacity still binds the total: a third tenant fills what is
+        // left; a fourth's block then evicts the oldest of all (b's first),
+        // as one LRU does.
+        for i in 40..45 {
+            c.insert("c", vec![(h(i), b(i))]);
+        }
+        assert_eq!(c.namespace_bytes("c"), 40);
+        c.insert("d", vec![(h(50), b(50))]);
+        assert!(!c.contains(&h(1)) && c.contains(&h(2)) && c.contains(&h(50)));
+        let held: usize = ["a", "b", "c", "d"].iter().map(|n| c.namespace_bytes(n)).sum();
+        assert_eq!(held, 100);
+        // Without a quota, one tenant may take the whole cache.
+        let open = BlockCache::new(100);
+        open.insert("b", vec![(h(1), b(1))]);
+        for i in 10..30 {
+            open.insert("a", vec![(h(i), b(i))]);
+        }
+        assert!(!open.contains(&h(1)) && open.namespace_bytes("a") == 100);
     }
 
     #[test]

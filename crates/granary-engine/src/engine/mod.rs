@@ -92,6 +92,9 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Bytes of exported blocks kept in engine memory for reuse.
     pub local_cache_bytes: usize,
+    /// The most of `local_cache_bytes` one KV namespace may hold (0: no
+    /// cap): a tenant past it evicts its own blocks, not another's.
+    pub namespace_cache_bytes: usize,
     /// Save batches queued for the warehouse at most; beyond, saves are dropped.
     pub save_queue: usize,
     /// Sampling settings for fields a request leaves out.
@@ -132,6 +135,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running: 64,
             local_cache_bytes: 512 << 20,
+            namespace_cache_bytes: 0,
             save_queue: 64,
             sampling: crate::SamplingDefaults::default(),
             kv_memory_bytes: None,
@@ -247,7 +251,7 @@ impl Engine {
             "the KV memory budget of {kv_bytes} bytes holds no block of {block_bytes} bytes"
         );
         let shared = Arc::new(Shared {
-            cache: BlockCache::new(cfg.local_cache_bytes),
+            cache: BlockCache::new(cfg.local_cache_bytes).with_namespace_quota(cfg.namespace_cache_bytes),
             metrics: EngineMetrics::new(),
             runtime: tokio::runtime::Handle::try_current()?,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),

@@ -38,6 +38,7 @@ pub fn load(source: &str, device: &str) -> Result<Loaded> {
         max_batch_tokens: 512,
         max_running: 64,
         kv_cache: ByteSize::mib(512),
+        kv_cache_per_namespace: ByteSize(0),
         kv_memory: None,
         max_context: None,
         device: device.to_string(),
