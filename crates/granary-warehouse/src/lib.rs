@@ -26,6 +26,6 @@ pub use config::{OffloadMode, StoreConfig};
 pub use error::WarehouseError;
 pub use policy::PolicyKind;
 pub use server::ServerCtx;
-pub use store::{Lease, LookupResult, PutOutcome, Store};
+pub use store::{Lease, LookupResult, Observe, PutOutcome, Store};
 pub use tier::{Tier, TierKind};
 pub use types::{Condition, EntryMeta, Event, EventKind, PutOptions, ScanPage, Stored, TierStats, Ttl};

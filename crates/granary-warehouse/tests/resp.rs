@@ -731,3 +731,84 @@ fn out_of_range_expiries_are_refused_as_redis_refuses_them() {
     let diffs = reference::differences(srv.port, redis.port, &reference::script(&lines));
     assert!(diffs.is_empty(), "replies that differ from redis-server's:\n{}", diffs.join("\n"));
 }
+
+/// One bulk-string reply: `None` for the nil bulk.
+fn read_bulk(r: &mut std::io::BufReader<TcpStream>) -> Option<Vec<u8>> {
+    use std::io::BufRead;
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    assert!(line.starts_with('$'), "not a bulk reply: {line:?}");
+    let n: i64 = line[1..].trim_end().parse().unwrap();
+    if n < 0 {
+        return None;
+    }
+    let mut v = vec![0u8; n as usize + 2];
+    r.read_exact(&mut v).unwrap();
+    v.truncate(n as usize);
+    Some(v)
+}
+
+/// `SET … GET` read the old value, then wrote: two clients could both get
+/// the same old value (one of the writes it answered was lost to both),
+/// which Redis, running each command alone, never does. Four clients
+/// chain `SET k v GET` on one key of a tiered store (values move between
+/// tiers, so reads take time): every value written is handed back as the
+/// old value exactly once, except the last, which the key holds.
+#[test]
+fn concurrent_set_get_hands_each_old_value_back_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let srv = Server::start_with(
+        Server::tiered(dir.path(), granary_warehouse::config::OffloadMode::Evicted),
+        Auth::default(),
+    );
+    // Filler keys keep the tiny memory tier evicting, the key included.
+    let filler = vec![b'f'; 2048];
+    let mut c = srv.connect();
+    for i in 0..40 {
+        expect(&mut c, &resp(&[b"SET", format!("fill{i}").as_bytes(), &filler]), b"+OK\r\n");
+    }
+    const CLIENTS: usize = 4;
+    const EACH: usize = 150;
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|t| {
+            let s = srv.connect();
+            std::thread::spawn(move || {
+                let mut w = s.try_clone().unwrap();
+                let mut r = std::io::BufReader::new(s);
+                let mut olds = Vec::new();
+                for i in 0..EACH {
+                    let v = format!("{t}-{i}-{}", "x".repeat(1500));
+                    w.write_all(&resp(&[b"SET", b"k", v.as_bytes(), b"GET"])).unwrap();
+                    olds.push(read_bulk(&mut r));
+                    // Something else moves through memory between writes.
+                    let f = format!("fill{}", (t * EACH + i) % 40);
+                    w.write_all(&resp(&[b"SET", f.as_bytes(), b"y"])).unwrap();
+                    let mut ok = [0u8; 5];
+                    r.read_exact(&mut ok).unwrap();
+                }
+                olds
+            })
+        })
+        .collect();
+    let olds: Vec<Option<Vec<u8>>> = clients.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    check_set_get_chain(&srv, olds);
+}
+
+/// Every old value handed back once, the last write held, one nil.
+fn check_set_get_chain(srv: &Server, olds: Vec<Option<Vec<u8>>>) {
+    let last = srv.get("default", b"k").expect("the key holds the last write");
+    let nils = olds.iter().filter(|o| o.is_none()).count();
+    let mut seen = std::collections::HashMap::<Vec<u8>, usize>::new();
+    for o in olds.iter().flatten() {
+        *seen.entry(o.clone()).or_default() += 1;
+    }
+    let twice: Vec<String> = seen
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(v, n)| format!("{}x{n}", String::from_utf8_lossy(&v[..8])))
+        .collect();
+    assert!(twice.is_empty(), "old values handed back more than once: {twice:?}");
+    assert_eq!(nils, 1, "only the first write finds the key absent");
+    assert!(!seen.contains_key(&last), "the value the key holds was also handed back as replaced");
+    assert_eq!(seen.len() + 1, olds.len(), "every write but the last is some later write's old value");
+}

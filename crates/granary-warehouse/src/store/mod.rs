@@ -95,6 +95,15 @@ pub struct StoreStats {
     pub offload_mode: Option<OffloadMode>,
 }
 
+/// What [`Store::put_observed`] reads of the key, atomically with its write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Observe {
+    /// The value the key held (`SET … GET`).
+    pub old_value: bool,
+    /// Its remaining TTL, kept for the new value (`SET … KEEPTTL`).
+    pub keep_ttl: bool,
+}
+
 /// What [`Store::put_with`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PutOutcome {
@@ -411,13 +420,41 @@ impl Store {
     /// Stores a value and says whether it is durable. A value that no tier
     /// can take is refused with [`WarehouseError::OutOfMemory`].
     pub async fn put_with(&self, ns: &str, key: Bytes, value: Bytes, opts: PutOptions) -> Result<PutOutcome> {
+        self.put_core(ns, key, value, opts, Observe::default(), &mut None).await
+    }
+
+    /// [`Store::put_with`] that also reads what `observe` asks of the key
+    /// as it was just before this write, atomically with it: its value
+    /// (`SET … GET`, returned even when NX/XX keeps the write out), and its
+    /// remaining TTL, kept for the new value (`KEEPTTL`). No other write of
+    /// the key comes between the read and the write.
+    pub async fn put_observed(
+        &self,
+        ns: &str,
+        key: Bytes,
+        value: Bytes,
+        opts: PutOptions,
+        observe: Observe,
+    ) -> Result<(PutOutcome, Option<Bytes>)> {
+        let mut old = None;
+        let done = self.put_core(ns, key, value, opts, observe, &mut old).await?;
+        Ok((done, old))
+    }
+
+    async fn put_core(
+        &self,
+        ns: &str,
+        key: Bytes,
+        value: Bytes,
+        opts: PutOptions,
+        observe: Observe,
+        old: &mut Option<Bytes>,
+    ) -> Result<PutOutcome> {
         validate(ns, &key)?;
         let limit = self.inner.cfg.max_value.as_u64();
         if value.len() as u64 > limit {
             return Err(WarehouseError::TooLarge { size: value.len() as u64, limit });
         }
-        let ttl = opts.ttl.or_else(|| self.inner.cfg.namespace_ttl(ns));
-        let meta = EntryMeta { expires_at_ms: ttl.map(expires_at), depth: opts.depth };
         let mode = self.inner.cfg.offload;
         let size = value.len() as u64;
         let memory_can = self.inner.cfg.memory_tier && self.inner.memory.could_hold(&key, &value);
@@ -425,22 +462,38 @@ impl Store {
             // Refused before anything changes: the key keeps its old value.
             return Err(WarehouseError::OutOfMemory { size });
         }
-        let (seq, in_memory, evicted) = loop {
-            // NX / XX: whether the key exists is read at a version of its
-            // lock stripe, and the write goes ahead only if nothing changed
-            // the stripe since (else it is read again): two `SET k v NX`
-            // cannot both store, whatever the tiers' latency.
-            let expect = match opts.condition {
-                Condition::Always => None,
-                c => {
-                    let version = *self.inner.stripe(ns, &key).lock();
-                    let present = self.exists(ns, &key).await?;
-                    if present == (c == Condition::IfAbsent) {
-                        return Ok(PutOutcome::default());
+        let (seq, in_memory, evicted, meta) = loop {
+            // NX / XX, GET, KEEPTTL: what the write depends on is read at a
+            // version of the key's lock stripe, and the write goes ahead
+            // only if nothing changed the stripe since (else it is read
+            // again): two `SET k v NX` cannot both store, and two `SET … GET`
+            // cannot both return the same old value, whatever the tiers'
+            // latency.
+            let mut ttl = opts.ttl;
+            let expect = if opts.condition != Condition::Always || observe.old_value || observe.keep_ttl {
+                let version = *self.inner.stripe(ns, &key).lock();
+                let present = if observe.old_value {
+                    *old = self.get(ns, &key).await?.map(|h| h.value);
+                    old.is_some()
+                } else {
+                    self.exists(ns, &key).await?
+                };
+                if present && observe.keep_ttl {
+                    if let Ttl::Remaining(d) = self.ttl(ns, &key).await? {
+                        ttl = Some(d.max(Duration::from_millis(1)));
                     }
-                    Some(version)
                 }
+                match opts.condition {
+                    Condition::IfAbsent if present => return Ok(PutOutcome::default()),
+                    Condition::IfPresent if !present => return Ok(PutOutcome::default()),
+                    _ => {}
+                }
+                Some(version)
+            } else {
+                None
             };
+            let ttl = ttl.or_else(|| self.inner.cfg.namespace_ttl(ns));
+            let meta = EntryMeta { expires_at_ms: ttl.map(expires_at), depth: opts.depth };
             let mut v = self.inner.stripe(ns, &key).lock();
             if expect.is_some_and(|e| *v != e) {
                 continue;
@@ -465,7 +518,7 @@ impl Store {
                     }
                 }
             }
-            break (seq, in_memory, evicted);
+            break (seq, in_memory, evicted, meta);
         };
         self.handle_evicted(evicted);
         if in_memory && !opts.durable {

@@ -2,6 +2,7 @@
 //! GETEX, EXPIRE and its kin, SCAN and KEYS.
 
 use super::*;
+use crate::Observe;
 
 /// A time to live of `n` seconds (`secs`) or milliseconds from now,
 /// refused as Redis refuses it: not positive, or past the last millisecond
@@ -179,7 +180,7 @@ impl Session<'_> {
     pub(super) async fn set(&mut self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
         let o = Extended::parse(&a[2..], true)?;
         let at = o.expiry.as_ref().map(|(unit, n)| deadline(*unit, n, "set")).transpose()?;
-        let mut opts = PutOptions {
+        let opts = PutOptions {
             condition: match (o.nx, o.xx) {
                 (true, _) => Condition::IfAbsent,
                 (_, true) => Condition::IfPresent,
@@ -188,15 +189,12 @@ impl Session<'_> {
             ttl: at.map(until),
             ..Default::default()
         };
-        let (get, keep_ttl) = (o.get, o.keep_ttl);
+        let get = o.get;
         let key = Bytes::copy_from_slice(&a[0]);
-        let old = if get { self.ctx.store.get(&self.ns, &key).await?.map(|h| h.value) } else { None };
-        if keep_ttl {
-            if let Ttl::Remaining(d) = self.ctx.store.ttl(&self.ns, &key).await? {
-                opts.ttl = Some(d.max(Duration::from_millis(1)));
-            }
-        }
-        let stored = self.ctx.store.put(&self.ns, key, own(a[1].clone()), opts).await?;
+        // The old value and TTL are read with the write, not before it.
+        let observe = Observe { old_value: get, keep_ttl: o.keep_ttl };
+        let (done, old) = self.ctx.store.put_observed(&self.ns, key, own(a[1].clone()), opts, observe).await?;
+        let stored = done.stored;
         if get {
             match old {
                 Some(v) => out.bulk_bytes(v),
