@@ -812,3 +812,51 @@ fn check_set_get_chain(srv: &Server, olds: Vec<Option<Vec<u8>>>) {
     assert!(!seen.contains_key(&last), "the value the key holds was also handed back as replaced");
     assert_eq!(seen.len() + 1, olds.len(), "every write but the last is some later write's old value");
 }
+
+/// Conditional `EXPIRE` read the TTL, then set the new one: `EXPIRE k 1000
+/// GT` could check against the old TTL while another client's `EXPIRE k
+/// 5000` landed, then overwrite it with the shorter one, which no order of
+/// the two commands gives (either GT runs first and is overwritten, or it
+/// runs second and is refused). Raced 200 times on a tiered store: the key
+/// ends with the longer TTL every time.
+#[test]
+fn a_conditional_expire_racing_another_never_shortens_what_it_must_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let srv = Server::start_with(
+        Server::tiered(dir.path(), granary_warehouse::config::OffloadMode::Evicted),
+        Auth::default(),
+    );
+    let mut c = srv.connect();
+    let (mut a, mut b) = (srv.connect(), srv.connect());
+    let filler = vec![b'f'; 4096];
+    let mut wrong = Vec::new();
+    for round in 0..200 {
+        expect(&mut c, &resp(&[b"SET", b"k", &filler, b"EX", b"500"]), b"+OK\r\n");
+        // Something else through the small memory tier, so the key moves.
+        expect(&mut c, &resp(&[b"SET", format!("fill{}", round % 8).as_bytes(), &filler]), b"+OK\r\n");
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let (ta, tb) = (a.try_clone().unwrap(), b.try_clone().unwrap());
+        let (ba, bb) = (barrier.clone(), barrier);
+        let ha = std::thread::spawn(move || {
+            let mut s = ta;
+            ba.wait();
+            let r = read_until(&mut s, &resp(&[b"EXPIRE", b"k", b"1000", b"GT"]), b"\r\n");
+            (s, r)
+        });
+        let hb = std::thread::spawn(move || {
+            let mut s = tb;
+            bb.wait();
+            expect(&mut s, &resp(&[b"EXPIRE", b"k", b"5000"]), b":1\r\n");
+            s
+        });
+        let (sa, _) = ha.join().unwrap();
+        let sb = hb.join().unwrap();
+        (a, b) = (sa, sb);
+        let ttl = read_until(&mut c, &resp(&[b"TTL", b"k"]), b"\r\n");
+        let secs: i64 = String::from_utf8_lossy(&ttl[1..ttl.len() - 2]).parse().unwrap();
+        if secs < 4000 {
+            wrong.push((round, secs));
+        }
+    }
+    assert!(wrong.is_empty(), "rounds that ended with the shorter TTL (round, TTL): {wrong:?}");
+}

@@ -677,13 +677,64 @@ impl Store {
         validate(ns, key)?;
         let at = ttl.map(expires_at);
         let k = Bytes::copy_from_slice(key);
-        let (mut found, waits) = {
+        let waits = {
             let mut v = self.inner.stripe(ns, key).lock();
-            let version = self.inner.bump(&mut v);
-            let found = self.inner.memory.set_expiry_versioned(ns, key, at, Some(version));
-            let waits: Vec<_> = self.lower().map(|l| l.submit(ns, &k, Action::Expire { at })).collect();
-            (found, waits)
+            self.expire_locked(&mut v, ns, &k, at)
         };
+        self.expire_done(waits).await
+    }
+
+    /// EXPIRE under a condition on the key's current TTL (`NX`, `XX`, `GT`,
+    /// `LT`), atomically: `decide` sees the TTL at one version of the key
+    /// and returns the new one (`Some(None)`: no expiry) or `None` to leave
+    /// the key; it is set only if nothing wrote the key since, else the TTL
+    /// is read again. Whether an expiry was set on a key that was there.
+    pub async fn expire_if(
+        &self,
+        ns: &str,
+        key: &[u8],
+        decide: impl Fn(Ttl) -> Option<Option<Duration>>,
+    ) -> Result<bool> {
+        validate(ns, key)?;
+        let k = Bytes::copy_from_slice(key);
+        loop {
+            let version = *self.inner.stripe(ns, key).lock();
+            let current = self.ttl(ns, key).await?;
+            if current == Ttl::Missing {
+                return Ok(false);
+            }
+            let Some(ttl) = decide(current) else { return Ok(false) };
+            let waits = {
+                let mut v = self.inner.stripe(ns, key).lock();
+                if *v != version {
+                    continue;
+                }
+                self.expire_locked(&mut v, ns, &k, ttl.map(expires_at))
+            };
+            return self.expire_done(waits).await;
+        }
+    }
+
+    /// Sets an expiry with the key's stripe held: in memory at once, and
+    /// submitted to the lower tiers (their answers are waited for by
+    /// [`Store::expire_done`], after the lock is let go).
+    fn expire_locked(
+        &self,
+        v: &mut u64,
+        ns: &str,
+        k: &Bytes,
+        at: Option<u64>,
+    ) -> (bool, Vec<tokio::sync::oneshot::Receiver<Result<Outcome>>>) {
+        let version = self.inner.bump(v);
+        let found = self.inner.memory.set_expiry_versioned(ns, k, at, Some(version));
+        let waits: Vec<_> = self.lower().map(|l| l.submit(ns, k, Action::Expire { at })).collect();
+        (found, waits)
+    }
+
+    async fn expire_done(
+        &self,
+        (mut found, waits): (bool, Vec<tokio::sync::oneshot::Receiver<Result<Outcome>>>),
+    ) -> Result<bool> {
         for rx in waits {
             if let Outcome::Found(f) = wait(rx).await? {
                 found |= f;
@@ -763,11 +814,13 @@ impl Store {
     pub async fn scan(&self, ns: &str, cursor: u64, count: usize) -> Result<ScanPage> {
         let count = count.clamp(1, 100_000);
         let mut pages = vec![self.inner.memory.scan(ns, cursor, count).await?];
-        if let Some(d) = &self.inner.disk {
-            // What is queued for the disk, read before the disk itself: a
+        // Every lower tier, the remote one too: a key only the remote tier
+        // holds is still a key (Redis's SCAN, KEYS and DBSIZE count it).
+        for l in self.lower() {
+            // What is queued for the tier, read before the tier itself: a
             // value that lands in between is then in one or the other.
-            let (live, gone) = d.pending_keys(ns, cursor);
-            let mut page = d.tier.scan(ns, cursor, count).await?;
+            let (live, gone) = l.pending_keys(ns, cursor);
+            let mut page = l.tier.scan(ns, cursor, count).await?;
             page.keys.retain(|k| !gone.contains(k));
             pages.push(page);
             pages.push(ScanPage { keys: live, next: 0 });
@@ -775,7 +828,7 @@ impl Store {
         Ok(merge_pages(pages, count))
     }
 
-    /// Number of distinct keys held locally in `ns`.
+    /// Number of distinct keys `ns` holds, in any tier.
     pub async fn count(&self, ns: &str) -> Result<u64> {
         let (mut cursor, mut n) = (0, 0u64);
         loop {

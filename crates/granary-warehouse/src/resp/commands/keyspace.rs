@@ -239,23 +239,30 @@ impl Session<'_> {
             return Err(CmdError::ExpireGtWithLt);
         }
         let when = expire_when(parse_i64(n)?, unit)?;
-        let now = crate::types::now_ms() as i64;
-        let current = match self.ctx.store.ttl(&self.ns, key).await? {
-            Ttl::Missing => return Ok(false),
-            Ttl::Persistent => None,
-            Ttl::Remaining(d) => Some(now.saturating_add(d.as_millis() as i64)),
+        // Whether the flags let the key's current TTL be replaced by `when`.
+        let allowed = |current: Ttl| {
+            let now = crate::types::now_ms() as i64;
+            let current = match current {
+                Ttl::Missing => return false,
+                Ttl::Persistent => None,
+                Ttl::Remaining(d) => Some(now.saturating_add(d.as_millis() as i64)),
+            };
+            match current {
+                None => !(xx || gt),
+                Some(c) => !(nx || (gt && when <= c) || (lt && when >= c)),
+            }
         };
-        let refused = match current {
-            None => xx || gt,
-            Some(c) => nx || (gt && when <= c) || (lt && when >= c),
-        };
-        if refused {
-            return Ok(false);
-        }
-        if when <= now {
+        if when <= crate::types::now_ms() as i64 {
+            // A deadline already past deletes the key (if the flags allow).
+            if !allowed(self.ctx.store.ttl(&self.ns, key).await?) {
+                return Ok(false);
+            }
             return Ok(self.ctx.store.delete(&self.ns, key).await?);
         }
-        Ok(self.ctx.store.expire(&self.ns, key, Some(until(when))).await?)
+        // Read and set at one version of the key: no write comes between
+        // the flags' check and the new expiry.
+        let ttl = until(when);
+        Ok(self.ctx.store.expire_if(&self.ns, key, |current| allowed(current).then_some(Some(ttl))).await?)
     }
 
     pub(super) async fn scan(&self, a: &[Bytes], out: &mut Out) -> Result<(), CmdError> {
